@@ -1,0 +1,160 @@
+"""Model and engine configuration.
+
+The model config is read from a checkpoint's ``config.json`` so the engine owns the few fields it
+needs instead of carrying transformers' config classes through every layer. transformers 5 writes
+RoPE settings as ``rope_parameters``; older checkpoints use ``rope_theta`` + ``rope_scaling``: both
+are accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ModelError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """RoPE settings; ``scaling`` holds Llama-3.1-style frequency scaling when present."""
+
+    theta: float = 10000.0
+    scaling_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    sliding_window: int | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def family(self) -> str:
+        return self.architecture.removesuffix("ForCausalLM").lower()
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V one token occupies across all layers."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            model_type = cfg.get("model_type", "")
+            arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(
+                model_type
+            )
+        if arch is None:
+            raise ModelError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}: ragfuse runs "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ModelError(f"unsupported activation {cfg.get('hidden_act')!r} (only SwiGLU/silu)")
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=_rope_from_dict(cfg),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            sliding_window=int(window) if window else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            raw=cfg,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
+
+
+def _rope_from_dict(cfg: dict[str, Any]) -> RopeConfig:
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind not in ("default", "llama3", "linear"):
+        raise ModelError(f"unsupported rope scaling {kind!r} (default, linear and llama3 are supported)")
+    return RopeConfig(
+        theta=theta,
+        scaling_type=kind,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+@dataclass
+class EngineConfig:
+    """How the engine runs a model: device, memory and batching limits."""
+
+    model: str = "smollm2-135m-instruct"
+    device: str = "auto"
+    dtype: str | None = None  # None: float32 on CPU (no fast bf16 there), bfloat16 on CUDA
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    kv_cache_bytes: int | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
+    gpu_memory_utilization: float = 0.9
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ModelError("--device cuda was asked for but no CUDA device is available")
+        if self.device not in ("cpu",) and not self.device.startswith("cuda"):
+            raise ModelError(f"unknown device {self.device!r} (auto, cpu or cuda)")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype is None:
+            return torch.float32 if device.type == "cpu" else torch.bfloat16
+        table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+        if self.dtype not in table:
+            raise ModelError(f"unknown dtype {self.dtype!r} ({', '.join(table)})")
+        return table[self.dtype]

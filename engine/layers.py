@@ -1,0 +1,69 @@
+"""Building blocks shared by every Llama-family model: RMSNorm, RoPE and the SwiGLU MLP.
+
+Each block calls one op from ``ragfuse.kernels`` through ``ops`` so the Triton versions replace the
+torch references on CUDA without the model code changing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from .config import ModelConfig, RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without ``residual``: the normed ``x``. With it: (normed ``x + residual``, ``x + residual``)."""
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables (float32) for every position the model supports, built once per model."""
+
+    def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int) -> None:
+        super().__init__()
+        self.head_dim, self.rope, self.max_positions = head_dim, rope, max_positions
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.build_tables(self.cos.device)  # on "meta" while the model is built without memory
+
+    def build_tables(self, device: torch.device) -> None:
+        """(Re)compute the tables on ``device`` in float32, whatever dtype the model is cast to."""
+        from ragfuse.kernels.rope import cos_sin_table, inv_frequencies
+
+        r = self.rope
+        inv = inv_frequencies(
+            self.head_dim, r.theta, r.scaling_type, r.factor, r.low_freq_factor, r.high_freq_factor,
+            r.original_max_position,
+        )
+        cos, sin = cos_sin_table(inv, self.max_positions)
+        self.cos, self.sin = cos.to(device), sin.to(device)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return ops.apply_rope(x, positions, self.cos, self.sin)
+
+
+class SwiGLUMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), with gate and up packed into one matmul."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

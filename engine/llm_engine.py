@@ -1,0 +1,212 @@
+"""``LLMEngine``: requests in, tokens out, one ``step`` at a time.
+
+The engine owns the tokenizer, scheduler, block manager and model runner. ``step`` runs one
+scheduled batch and reports what changed; callers (the ``LLM`` facade, the async loop of the
+server) drive it. It is single-threaded by design: the async engine runs it on one thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import checkpoint as ckpt
+from .block_manager import BlockManager
+from .config import EngineConfig, ModelConfig
+from .detokenizer import IncrementalDetokenizer
+from .errors import RequestError
+from .kv_cache import KVCache
+from .model_runner import ModelRunner
+from .models import KVHook
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+log = logging.getLogger("ragfuse.engine")
+
+
+@dataclass
+class RequestOutput:
+    """Where a request stands after a step: the text and tokens so far and what is new."""
+
+    request_id: str
+    prompt_tokens: int
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    ttft_s: float | None
+    total_s: float
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, *, random_weights: ModelConfig | None = None) -> None:
+        """Load ``config.model``; or, with ``random_weights``, build that architecture with random
+        weights and no tokenizer (for speed benchmarks of real shapes)."""
+        self.config = config or EngineConfig()
+        self.device = self.config.resolve_device()
+        self.dtype = self.config.resolve_dtype(self.device)
+        if random_weights is not None:
+            self.checkpoint = None
+            self.model_config = random_weights
+            self.tokenizer = None
+            self.model_name = f"random-{random_weights.family}"
+        else:
+            self.checkpoint = ckpt.resolve(self.config.model)
+            self.model_config = ModelConfig.from_dir(self.checkpoint.path)
+            self.tokenizer = _load_tokenizer(self.checkpoint.path)
+            self.model_name = self.checkpoint.name
+        mc = self.model_config
+        self.max_model_len = min(self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.runner = ModelRunner(mc, self.checkpoint, self.device, self.dtype, self.max_model_len)
+        num_blocks = KVCache.blocks_for_budget(mc, self.config.block_size, self.dtype, self._kv_budget())
+        self.runner.allocate_cache(num_blocks, self.config.block_size)
+        self.blocks = BlockManager(num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(
+            self.blocks, self.config.max_num_seqs, max(self.config.max_num_batched_tokens, 1)
+        )
+        self._seqs: dict[str, Sequence] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self.eos_token_ids = set(mc.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+
+    def _kv_budget(self) -> int:
+        if self.config.kv_cache_bytes is not None:
+            return self.config.kv_cache_bytes
+        if self.device.type == "cuda":  # weights are loaded by now; leave room for activations
+            free, _total = torch.cuda.mem_get_info(self.device)
+            return int(free * self.config.gpu_memory_utilization * 0.8)
+        return 1 << 30
+
+    @property
+    def fingerprint(self) -> str:
+        """Identity of the weights, for keys of stored KV."""
+        return self.checkpoint.fingerprint if self.checkpoint is not None else f"random-{id(self)}"
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            ids = prompt
+        else:
+            if self.tokenizer is None:
+                raise RequestError("this engine has no tokenizer: pass token ids")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not ids:
+            raise RequestError("empty prompt")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.model_config.vocab_size for t in ids):
+            raise RequestError("prompt holds token ids outside the model's vocabulary")
+        return ids
+
+    def chat_token_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a chat, rendered with the checkpoint's own chat template."""
+        if self.tokenizer is None:
+            raise RequestError("this engine has no tokenizer")
+        if not messages:
+            raise RequestError("empty chat")
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        )
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        params = params or SamplingParams()
+        ids = self.tokenize(prompt)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            if len(ids) >= self.max_model_len:
+                raise RequestError(f"prompt of {len(ids)} tokens exceeds the context of {self.max_model_len}")
+            params = SamplingParams(**{**params.__dict__, "max_tokens": self.max_model_len - len(ids)})
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._seqs:
+            raise RequestError(f"request id {rid!r} is already in use")
+        seq = Sequence(rid, ids, params)
+        self.scheduler.add(seq)
+        self._seqs[rid] = seq
+        if self.tokenizer is not None:
+            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        self._detok.pop(request_id, None)
+        if seq is not None and not seq.finished:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- stepping -------------------------------------------------------------------------
+
+    def step(self, hook: KVHook | None = None) -> list[RequestOutput]:
+        """Run one scheduled batch; return an output for every request that got a new token."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        tokens = self.runner.run(batch, hook)
+        now = time.perf_counter()
+        outputs = []
+        for seq, tok in zip(batch.seqs, tokens):
+            if tok is None:
+                continue
+            seq.output_token_ids.append(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._finish_reason(seq, tok)
+            outputs.append(self._emit(seq, [tok], reason))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens:
+            return "length"
+        return None
+
+    def _emit(self, seq: Sequence, new: list[int], reason: str | None) -> RequestOutput:
+        detok = self._detok.get(seq.request_id)
+        shown = seq.output_token_ids
+        if reason == "stop" and shown and shown[-1] in self.eos_token_ids | set(seq.params.stop_token_ids):
+            shown = shown[:-1]
+        delta = ""
+        if detok is not None:
+            delta = detok.update(shown, final=reason is not None)
+            if detok.stopped and reason is None:
+                reason = "stop"
+        if reason is not None:
+            seq.finish_time = time.perf_counter()
+            self.scheduler.finish(seq, reason)
+            self._seqs.pop(seq.request_id, None)
+            self._detok.pop(seq.request_id, None)
+        end = seq.finish_time or time.perf_counter()
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_tokens=len(seq.prompt_token_ids),
+            text=detok.text if detok is not None else "",
+            token_ids=list(seq.output_token_ids),
+            delta_text=delta,
+            delta_token_ids=new,
+            finished=reason is not None,
+            finish_reason=reason,
+            ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
+            total_s=end - seq.arrival_time,
+            metrics={"preemptions": seq.num_preemptions},
+        )
+
+
+def _load_tokenizer(path: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))

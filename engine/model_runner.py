@@ -1,0 +1,98 @@
+"""Runs the model for a scheduled batch: builds the inputs and attention metadata, runs the
+forward pass into the paged cache, and samples the next token of each sequence that finished its
+prompt."""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import AttentionMetadata
+from .checkpoint import Checkpoint
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .models import KVHook, LlamaForCausalLM, build_model
+from .sampling import sample
+from .scheduler import ScheduledBatch
+from .weights import load_checkpoint_weights
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: ModelConfig,
+        checkpoint: Checkpoint | None,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.model: LlamaForCausalLM = _materialize(config, checkpoint, device, dtype, max_model_len)
+        self.kv_cache: KVCache | None = None
+        self.block_size = 0
+
+    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
+        """Allocate the paged cache after the weights, so its size can use the memory left."""
+        self.kv_cache = KVCache(self.config, num_blocks, block_size, self.dtype, self.device)
+        self.block_size = block_size
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, hook: KVHook | None = None) -> list[int | None]:
+        """Forward the batch; returns a sampled token per sequence, or None where its prompt is
+        not yet fully computed (chunked prefill)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+        meta = AttentionMetadata.build(
+            query_lens, seq_lens, [s.block_table for s in batch.seqs], self.block_size, self.device
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+        assert self.kv_cache is not None, "allocate_cache first"
+        hidden = self.model(input_ids, pos, self.kv_cache.layers, meta, hook)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        wants = [i for i, s in enumerate(batch.seqs) if s.num_uncomputed == 0]
+        tokens: list[int | None] = [None] * len(batch.seqs)
+        if not wants:
+            return tokens
+        last = torch.tensor([sum(query_lens[: i + 1]) - 1 for i in wants], device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, last))
+        picked = sample(logits, [batch.seqs[i].params for i in wants], [batch.seqs[i].generator for i in wants])
+        for i, tok in zip(wants, picked):
+            tokens[i] = tok
+        return tokens
+
+
+def _materialize(
+    config: ModelConfig, checkpoint: Checkpoint | None, device: torch.device, dtype: torch.dtype, max_len: int
+) -> LlamaForCausalLM:
+    """Build the model on ``device`` without a throw-away random init, then fill its weights.
+
+    With no checkpoint the weights are random (normal, std 0.02): speed benchmarks use real shapes
+    with random values, since timing does not depend on them.
+    """
+    with torch.device("meta"):
+        model = build_model(config, max_len)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    model.model.rotary.build_tables(device)  # meta buffers hold no values; keep the tables float32
+    if checkpoint is None:
+        gen = torch.Generator(device=device).manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02, generator=gen)
+    else:
+        load_checkpoint_weights(model, checkpoint.path)
+    return model.eval()

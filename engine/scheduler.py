@@ -1,0 +1,116 @@
+"""Continuous batching: which sequences run in the next step, and how many of their tokens.
+
+Each step is either a prefill step (prompts, in chunks of at most ``max_num_batched_tokens`` tokens
+in all, so a long prompt does not need one huge activation) or a decode step (one token for every
+running sequence). New requests join as soon as blocks are free; finished ones leave at once. When
+the cache runs out during decode, the newest sequence is preempted: its blocks are freed and it
+goes back to the front of the queue, to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .errors import RequestError
+from .sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    is_prefill: bool
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        if -(-seq.num_tokens // self.blocks.block_size) > self.blocks.num_blocks:
+            raise RequestError(f"prompt of {seq.num_tokens} tokens does not fit in the KV cache")
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        batch = self._schedule_prefill() or self._schedule_decode()
+        if batch is None and self.running:
+            # every running sequence is stuck mid-prefill without blocks: free the newest one
+            self._preempt(self.running[-1])
+            batch = self._schedule_prefill() or self._schedule_decode()
+        return batch
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        budget = self.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        # sequences partway through a chunked prefill come first, then newcomers
+        candidates = [s for s in self.running if s.num_uncomputed > 1]
+        for seq in candidates:
+            if budget <= 0:
+                break
+            n = min(seq.num_uncomputed, budget)
+            if not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n):
+                continue
+            self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed, budget)
+            if not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        return ScheduledBatch(seqs, counts, True) if seqs else None
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        scheduled: list[Sequence] = []
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or seq.num_uncomputed != 1:
+                continue  # preempted to make room, or still in a chunked prefill
+            while not self.blocks.can_grow(seq.block_table, seq.num_tokens):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                self.blocks.grow(seq.block_table, seq.num_tokens)
+                scheduled.append(seq)
+        return ScheduledBatch(scheduled, [1] * len(scheduled), False) if scheduled else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq.block_table)
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark ``seq`` done and give its blocks back (also used to abort)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq.block_table)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason

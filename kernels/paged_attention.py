@@ -1,0 +1,135 @@
+"""Attention over a paged KV cache, in plain torch (CPU path and the reference for Triton kernels).
+
+Cache layout, shared with vLLM's paged attention: one tensor per layer for K and for V, each
+``[num_blocks, block_size, num_kv_heads, head_dim]``. A sequence's token ``t`` lives in block
+``block_tables[s, t // block_size]`` at offset ``t % block_size``.
+
+Every function returns the output and the natural-log log-sum-exp of the scores per (token, head),
+so partial attentions over disjoint key sets can be merged exactly (see ``merge.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sequence_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots of a sequence's first ``seq_len`` tokens, in position order."""
+    n_blocks = (seq_len + block_size - 1) // block_size
+    blocks = block_table[:n_blocks].long()
+    offsets = torch.arange(block_size, device=block_table.device)
+    return (blocks[:, None] * block_size + offsets[None, :]).reshape(-1)[:seq_len]
+
+
+def attention_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    q_start: int,
+    sliding_window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention for one sequence, query token ``i`` at absolute position ``q_start + i``.
+
+    q [Lq, H, D]; k, v [Lk, KVH, D] hold positions 0..Lk-1. Returns out [Lq, H, D], lse [Lq, H].
+    """
+    lq, h, d = q.shape
+    lk, kvh, _ = k.shape
+    g = h // kvh
+    window_cuts = sliding_window is not None and lk > sliding_window
+    if lq == 1 and not window_cuts:
+        # Decode: every cached key is visible. Fold the query heads of a KV group into the query
+        # length so K/V are read once per KV head and never copied.
+        qh = q.view(kvh, g, d)
+        out, lse = _sdpa_lse(qh, k.transpose(0, 1), v.transpose(0, 1), scale, None, False)
+        return out.reshape(1, h, d), lse.reshape(1, h)
+    kh = k.transpose(0, 1).repeat_interleave(g, dim=0)
+    vh = v.transpose(0, 1).repeat_interleave(g, dim=0)
+    qh = q.transpose(0, 1)
+    if q_start == 0 and lq == lk and not window_cuts:
+        out, lse = _sdpa_lse(qh, kh, vh, scale, None, True)
+    else:
+        qpos = torch.arange(q_start, q_start + lq, device=q.device)
+        kpos = torch.arange(lk, device=q.device)
+        visible = kpos[None, :] <= qpos[:, None]
+        if sliding_window is not None:
+            visible &= (qpos[:, None] - kpos[None, :]) < sliding_window
+        out, lse = _sdpa_lse(qh, kh, vh, scale, visible, False)
+    return out.transpose(0, 1), lse.transpose(0, 1)
+
+
+def _sdpa_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, visible: torch.Tensor | None, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [H, Lq, D], k/v [H, Lk, D] -> (out [H, Lq, D], lse [H, Lq] float32).
+
+    On CPU this is torch's flash-attention op, which returns the log-sum-exp; elsewhere it is the
+    explicit formula (the Triton kernels replace it on CUDA).
+    """
+    if q.device.type == "cpu":
+        mask = None
+        if visible is not None:
+            mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, float("-inf"))[None, None]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[None], k[None], v[None], 0.0, causal, attn_mask=mask, scale=scale
+        )[:2]
+        return out[0], lse[0].float()
+    scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale
+    if causal:
+        visible = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
+    if visible is not None:
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype), lse
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    slots: list[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Variable-length causal prefill over the paged cache.
+
+    q [total_q, H, D] packs each sequence's new tokens; sequence ``s`` has ``seq_lens[s]`` tokens in
+    the cache (its new ones already written, at the end), so its queries start at position
+    ``seq_lens[s] - query_len[s]``: a prefix already in the cache is attended to. ``slots`` may
+    carry each sequence's precomputed cache slots (the engine computes them once for all layers).
+    """
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    block_size = k_cache.shape[1]
+    kf = k_cache.view(-1, *k_cache.shape[2:])
+    vf = v_cache.view(-1, *v_cache.shape[2:])
+    cu = cu_seqlens_q.tolist()
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        a, b = cu[s], cu[s + 1]
+        if a == b:
+            continue
+        idx = slots[s] if slots is not None else sequence_slots(block_tables[s], seq_len, block_size)
+        out[a:b], lse[a:b] = attention_with_lse(
+            q[a:b], kf[idx], vf[idx], scale, seq_len - (b - a), sliding_window
+        )
+    return out, lse
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    slots: list[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new token per sequence: q [num_seqs, H, D] attends to all ``seq_lens[s]`` cached tokens."""
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return paged_prefill_attention_ref(
+        q, k_cache, v_cache, block_tables, seq_lens, cu, scale, sliding_window, slots
+    )

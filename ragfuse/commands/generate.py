@@ -1,0 +1,74 @@
+"""``ragfuse generate``: answer one prompt with the engine (chat template applied)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate an answer to PROMPT offline")
+    p.add_argument("prompt", help="the user message")
+    add_model_args(p)
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--max-tokens", type=positive_int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--raw", action="store_true", help="no chat template: PROMPT is the whole prompt")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.set_defaults(func=run)
+
+
+def positive_int(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="alias, local path (HF dir or .gguf) or hub id")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: fp32 on CPU, bf16 on CUDA)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ragfuse.engine import LLM, SamplingParams
+
+    if not args.prompt.strip():
+        raise SystemExit(_usage_error("PROMPT is empty"))
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=args.stop,
+    )
+    t0 = time.perf_counter()
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    load_s = time.perf_counter() - t0
+    prompt = args.prompt if args.raw else llm.chat_ids([{"role": "user", "content": args.prompt}], args.system)
+    final = None
+    for out in llm.stream(prompt, params):
+        if not args.json:
+            sys.stdout.write(out.delta_text)
+            sys.stdout.flush()
+        final = out
+    assert final is not None
+    if args.json:
+        print(json.dumps({
+            "text": final.text, "token_ids": final.token_ids, "prompt_tokens": final.prompt_tokens,
+            "completion_tokens": len(final.token_ids), "finish_reason": final.finish_reason,
+            "ttft_s": final.ttft_s, "total_s": final.total_s, "load_s": load_s,
+            "model": llm.engine.model_name, "device": str(llm.engine.device),
+        }))
+    else:
+        sys.stdout.write("\n")
+    return 0
+
+
+def _usage_error(msg: str) -> int:
+    sys.stderr.write(f"ragfuse: error: {msg}\n")
+    return 2
