@@ -1,0 +1,41 @@
+"""Shared fixtures: the default model loaded once per test session (float32 on CPU)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """The embedded default model behind the ``LLM`` API, on CPU."""
+    from ragfuse.engine import LLM
+
+    return LLM(device="cpu")
+
+
+@pytest.fixture(scope="session")
+def engine(llm):
+    return llm.engine
+
+
+@pytest.fixture(scope="session")
+def hf_model(engine):
+    """transformers' own implementation of the same weights, the reference for parity tests."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(engine.checkpoint.path), dtype=torch.float32).eval()
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (run on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
