@@ -99,7 +99,9 @@ def _from_hub(repo_id: str) -> Checkpoint:
             repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
         )
     except Exception as exc:  # offline, unknown repo, gated repo: all the same to the user
-        raise ModelError(f"model {repo_id!r} is not available locally and could not be fetched ({exc.__class__.__name__})") from exc
+        raise ModelError(
+            f"model {repo_id!r} is not available locally and could not be fetched ({exc.__class__.__name__})"
+        ) from exc
     return Checkpoint(name=repo_id, path=Path(local))
 
 

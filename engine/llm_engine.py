@@ -10,6 +10,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,35 +153,52 @@ class LLMEngine:
         """Each token list's K (before RoPE, so it can be rotated to any offset later) and V,
         [layers, tokens, kv_heads, head_dim], computed as if the list started a sequence.
 
-        Lists are batched up to ``max_num_batched_tokens`` tokens per forward pass; the cache blocks
-        they borrow are returned before this returns.
+        Lists are batched up to ``max_num_batched_tokens`` tokens per forward pass.
         """
-        for toks in token_lists:
-            self.tokenize(toks)  # validates ids
-            if len(toks) > self.max_model_len:
-                raise RequestError(f"chunk of {len(toks)} tokens exceeds the context of {self.max_model_len}")
         results: list[tuple[torch.Tensor, torch.Tensor]] = []
-        group: list[list[int]] = []
-
-        def flush() -> None:
-            tables: list[list[int]] = [[] for _ in group]
-            try:
-                for table, toks in zip(tables, group):
-                    self.blocks.grow(table, len(toks))
+        for group in self._fresh_groups(token_lists):
+            with self._borrowed_blocks(group) as tables:
                 results.extend(self.runner.capture_kv(group, tables))
-            finally:
-                for table in tables:
-                    self.blocks.release(table)
-            group.clear()
-
-        budget = max(self.config.max_num_batched_tokens, max(map(len, token_lists), default=0))
-        for toks in token_lists:
-            if group and sum(map(len, group)) + len(toks) > budget:
-                flush()
-            group.append(toks)
-        if group:
-            flush()
         return results
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int], last_n: int | None = None) -> torch.Tensor:
+        """Logits (float32, [n, vocab]) the model gives after each of the last ``last_n`` tokens
+        (all by default) of ``token_ids`` run as one fresh sequence: teacher forcing, for evals."""
+        (ids,) = self._fresh_groups([token_ids])[0]
+        with self._borrowed_blocks([ids]) as tables:
+            hidden = self.runner.forward_fresh([ids], tables)
+        n = len(ids) if last_n is None else last_n
+        return self.runner.model.compute_logits(hidden[-n:])
+
+    def _fresh_groups(self, token_lists: list[list[int]]) -> list[list[list[int]]]:
+        """Validate the lists and pack them into forward passes of bounded size."""
+        for toks in token_lists:
+            self.tokenize(toks)
+            if len(toks) > self.max_model_len:
+                raise RequestError(f"sequence of {len(toks)} tokens exceeds the context of {self.max_model_len}")
+        budget = max(self.config.max_num_batched_tokens, max(map(len, token_lists), default=0))
+        groups: list[list[list[int]]] = []
+        size = budget + 1
+        for toks in token_lists:
+            if size + len(toks) > budget:
+                groups.append([])
+                size = 0
+            groups[-1].append(toks)
+            size += len(toks)
+        return groups
+
+    @contextmanager
+    def _borrowed_blocks(self, token_lists: list[list[int]]) -> Iterator[list[list[int]]]:
+        """Cache blocks for a side computation, returned however it ends."""
+        tables: list[list[int]] = [[] for _ in token_lists]
+        try:
+            for table, toks in zip(tables, token_lists):
+                self.blocks.grow(table, len(toks))
+            yield tables
+        finally:
+            for table in tables:
+                self.blocks.release(table)
 
     # ---- stepping -------------------------------------------------------------------------
 
@@ -241,6 +260,12 @@ class LLMEngine:
 
 
 def _load_tokenizer(path: Any) -> Any:
+    """The checkpoint's tokenizer, or None for a weights-only directory (token-id prompts only)."""
+    from pathlib import Path
+
     from transformers import AutoTokenizer
 
+    if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        log.warning("%s has no tokenizer: prompts must be token ids", path)
+        return None
     return AutoTokenizer.from_pretrained(str(path))

@@ -72,16 +72,22 @@ class ModelRunner:
         return tokens
 
     @torch.inference_mode()
-    def capture_kv(
-        self, token_lists: list[list[int]], block_tables: list[list[int]]
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Prefill each token list alone from position 0 and return its (K before RoPE, V), each
-        [layers, tokens, kv_heads, head_dim]. The lists are batched into one forward pass."""
+    def forward_fresh(
+        self, token_lists: list[list[int]], block_tables: list[list[int]], hook: KVHook | None = None
+    ) -> torch.Tensor:
+        """Run each token list as a new sequence from position 0 (one batched pass) into the given
+        cache blocks; returns the final hidden states of all tokens, packed [sum(len), hidden]."""
         assert self.kv_cache is not None, "allocate_cache first"
         lens = [len(t) for t in token_lists]
         meta = AttentionMetadata.build(lens, lens, block_tables, self.block_size, self.device)
         ids = torch.tensor([t for toks in token_lists for t in toks], dtype=torch.long, device=self.device)
         pos = torch.tensor([p for n in lens for p in range(n)], dtype=torch.long, device=self.device)
+        return self.model(ids, pos, self.kv_cache.layers, meta, hook)
+
+    def capture_kv(
+        self, token_lists: list[list[int]], block_tables: list[list[int]]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each token list's (K before RoPE, V), each [layers, tokens, kv_heads, head_dim]."""
         ks: list[torch.Tensor] = []
         vs: list[torch.Tensor] = []
 
@@ -89,7 +95,8 @@ class ModelRunner:
             ks.append(k_raw)
             vs.append(v)
 
-        self.model(ids, pos, self.kv_cache.layers, meta, keep)
+        self.forward_fresh(token_lists, block_tables, keep)
+        lens = [len(t) for t in token_lists]
         k_all, v_all = torch.stack(ks), torch.stack(vs)
         return [(k.clone(), v.clone()) for k, v in zip(k_all.split(lens, dim=1), v_all.split(lens, dim=1))]
 
