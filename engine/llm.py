@@ -22,6 +22,13 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m-instruct", **engine_options: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an engine that is already loaded (one model in memory, several front ends)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -1,0 +1,161 @@
+"""Continuous batching, preemption, sampling, stop strings, streaming and the async loop."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from ragfuse.engine import LLM, AsyncEngine, EngineConfig, LLMEngine, RequestError, SamplingParams
+from ragfuse.engine.block_manager import BlockManager
+
+RANDOM_SHAPE = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "eos_token_id": 0,
+}
+
+
+def random_engine(kv_blocks: int, block_size: int = 4, **kw) -> LLMEngine:
+    from ragfuse.engine import ModelConfig
+
+    mc = ModelConfig.from_dict(RANDOM_SHAPE)
+    per_block = mc.kv_bytes_per_token(torch.float32) * block_size
+    cfg = EngineConfig(device="cpu", block_size=block_size, kv_cache_bytes=kv_blocks * per_block, **kw)
+    return LLMEngine(cfg, random_weights=mc)
+
+
+def prompts(n: int, length: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(length)
+    return [torch.randint(1, 128, (length + 3 * i,), generator=g).tolist() for i in range(n)]
+
+
+def test_block_manager_refcounts_and_free_list():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a: list[int] = []
+    bm.grow(a, 3)
+    assert len(a) == 2 and bm.num_free == 2
+    shared = bm.share(a[:1])
+    bm.release(a)
+    assert bm.num_free == 3  # the shared block still has a user
+    bm.release(shared)
+    assert bm.num_free == 4
+    with pytest.raises(RequestError):
+        bm.grow([], 9)
+    with pytest.raises(ValueError):
+        bm.share([0])
+
+
+def test_preemption_under_memory_pressure_keeps_outputs_identical():
+    """With a cache too small for all sequences at once, the newest is preempted and recomputed;
+    greedy outputs stay those of an unconstrained run."""
+    ps = prompts(6, 10)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    roomy = LLM.from_engine(random_engine(kv_blocks=400)).generate(ps, params)
+    tight_engine = random_engine(kv_blocks=30)
+    tight = LLM.from_engine(tight_engine).generate(ps, params)
+    assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
+    assert sum(o.metrics["preemptions"] for o in tight) > 0
+    assert tight_engine.blocks.num_free == tight_engine.blocks.num_blocks
+
+
+def test_requests_join_and_leave_while_others_decode():
+    eng = random_engine(kv_blocks=200)
+    short = eng.add_request(prompts(1, 5)[0], SamplingParams(max_tokens=3, ignore_eos=True))
+    long = eng.add_request(prompts(1, 9)[0], SamplingParams(max_tokens=12, ignore_eos=True))
+    finished_at: dict[str, int] = {}
+    late = None
+    for step in range(100):
+        for out in eng.step():
+            if out.finished:
+                finished_at[out.request_id] = step
+        if step == 4:
+            late = eng.add_request(prompts(1, 7)[0], SamplingParams(max_tokens=4, ignore_eos=True))
+        if not eng.has_unfinished():
+            break
+    assert finished_at[short] < finished_at[long]
+    assert late in finished_at and finished_at[late] < finished_at[long]  # joined mid-flight, left early
+
+
+def test_seeded_sampling_is_reproducible_and_differs_from_greedy(llm):
+    ids = llm.chat_ids([{"role": "user", "content": "Tell me a story about a dragon."}])
+    p = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    a, b = llm.generate([ids, ids], [p, p])
+    assert a.token_ids == b.token_ids
+    c = llm.generate([ids], SamplingParams(**{**p.__dict__, "seed": 8}))[0]
+    greedy = llm.generate([ids], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    assert c.token_ids != a.token_ids or greedy.token_ids != a.token_ids
+    k1 = llm.generate([ids], SamplingParams(max_tokens=20, temperature=1.0, top_k=1, seed=3, ignore_eos=True))[0]
+    assert k1.token_ids == greedy.token_ids  # top-k 1 is greedy
+
+
+def test_stop_strings_cut_text_and_stream_never_shows_it(llm):
+    ids = llm.chat_ids([{"role": "user", "content": "Count from 1 to 20, separated by commas."}])
+    full = llm.generate([ids], SamplingParams(max_tokens=60))[0].text
+    assert "5" in full
+    stop = full[full.index("5") : full.index("5") + 2]
+    chunks = [o.delta_text for o in llm.stream(ids, SamplingParams(max_tokens=60, stop=[stop]))]
+    streamed = "".join(chunks)
+    assert stop not in streamed
+    assert streamed == full[: full.index(stop)]
+
+
+def test_stream_equals_generate_and_abandoning_a_stream_frees_blocks(llm):
+    ids = llm.chat_ids([{"role": "user", "content": "What is the tallest mountain?"}])
+    params = SamplingParams(max_tokens=30)
+    outs = list(llm.stream(ids, params))
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert "".join(o.delta_text for o in outs) == outs[-1].text == llm.generate([ids], params)[0].text
+    free = llm.engine.blocks.num_free
+    it = llm.stream(ids, SamplingParams(max_tokens=30, ignore_eos=True))
+    next(it)
+    it.close()
+    assert llm.engine.blocks.num_free == free
+
+
+def test_bad_requests_are_refused_clearly(engine):
+    with pytest.raises(RequestError, match="empty"):
+        engine.add_request("")
+    with pytest.raises(RequestError, match="vocabulary"):
+        engine.add_request([10**9])
+    with pytest.raises(RequestError, match="exceeds"):
+        engine.add_request([1] * (engine.max_model_len + 1))
+    with pytest.raises(RequestError):
+        SamplingParams(temperature=-1)
+    with pytest.raises(RequestError):
+        SamplingParams(top_p=0)
+
+
+def test_async_engine_serves_concurrent_callers_and_cancels():
+    eng = random_engine(kv_blocks=300)
+    aeng = AsyncEngine(eng)
+    ps = prompts(5, 8)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    expected = [o.token_ids for o in LLM.from_engine(random_engine(kv_blocks=300)).generate(ps, params)]
+
+    async def collect(p):
+        last = None
+        async for out in aeng.generate(p, params):
+            last = out
+        return last.token_ids
+
+    async def cancel_one():
+        agen = aeng.generate(ps[0], SamplingParams(max_tokens=200, ignore_eos=True))
+        await agen.__anext__()
+        await agen.aclose()  # a client that disconnects
+
+    async def main():
+        got = await asyncio.gather(*(collect(p) for p in ps), cancel_one())
+        with pytest.raises(RequestError):
+            await collect([])
+        return got[:-1]
+
+    try:
+        assert asyncio.run(main()) == expected
+        for _ in range(100):
+            if not eng.has_unfinished():
+                break
+            asyncio.run(asyncio.sleep(0.01))
+        assert eng.blocks.num_free == eng.blocks.num_blocks
+    finally:
+        aeng.shutdown()
