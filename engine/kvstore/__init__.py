@@ -1,0 +1,20 @@
+"""Stored per-chunk KV: a tiered store (GPU, CPU, disk, Redis) and the CacheBlend loading controller.
+
+The fusor fetches entries through ``TieredKVStore.get`` (or a tier's layer-by-layer reader) and asks
+the ``LoadingController`` how much to recompute given where the entry was found.
+"""
+
+from .controller import LoadingController, LoadingDecision, TierEstimate
+from .disk import DiskEntryReader, DiskFullError, DiskTier
+from .entry import CorruptEntryError, EntryMeta, KVStoreError, StoredKV, kv_key
+from .memory import MemoryTier
+from .profile import DelayProfile, measure_prefill, measure_read_bandwidth, profile_path
+from .redis_tier import RedisTier
+from .store import TieredKVStore
+from .tier import Tier, TierStats
+
+__all__ = [
+    "CorruptEntryError", "DelayProfile", "DiskEntryReader", "DiskFullError", "DiskTier", "EntryMeta", "KVStoreError",
+    "LoadingController", "LoadingDecision", "MemoryTier", "RedisTier", "StoredKV", "Tier", "TierEstimate", "TierStats",
+    "TieredKVStore", "kv_key", "measure_prefill", "measure_read_bandwidth", "profile_path",
+]

@@ -1,0 +1,119 @@
+"""The loading controller of CacheBlend (section 5.1), driven by a measured ``DelayProfile``.
+
+Two questions, two answers:
+- given where a context's KV lies, which recompute ratio costs no extra delay? Loading and selective
+  recompute are pipelined layer by layer, so recomputing is free while it is no slower than loading:
+  r = max(r*, r_balanced) with T_recompute(r_balanced, L) = T_load(L, tier), where
+  T_recompute(r, L) = r x Prefill(L) and T_load(L, tier) = KV bytes per token x L / bandwidth(tier);
+  r* is the least ratio that keeps quality (15% in the paper);
+- where should a context's KV be stored? In the cheapest configured tier whose T_load does not
+  exceed T_recompute(r*, L): any faster tier would cost more and save nothing.
+Each answer is a ``LoadingDecision`` carrying its estimates, so callers can show why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from .entry import KVStoreError
+from .profile import DelayProfile
+
+DEFAULT_R_STAR = 0.15
+# USD per GB-hour, rough cloud list prices (HBM share of a GPU-hour, DRAM, NVMe, managed Redis);
+# every value is configurable, these only order the tiers sensibly out of the box.
+DEFAULT_COST_PER_GB_HOUR = {"gpu": 0.05, "cpu": 0.005, "disk": 0.0001, "redis": 0.002}
+
+
+@dataclass(frozen=True)
+class TierEstimate:
+    tier: str
+    t_load_s: float
+    storage_cost: float  # for the decision's number of tokens and hours
+    hides_behind_recompute: bool  # T_load <= T_recompute(r*)
+
+
+@dataclass(frozen=True)
+class LoadingDecision:
+    num_tokens: int
+    tier: str
+    recompute_ratio: float
+    r_star: float
+    r_balanced: float  # ratio at which recompute takes exactly as long as loading from `tier`
+    t_prefill_s: float  # full prefill of num_tokens
+    t_recompute_s: float  # at recompute_ratio
+    t_load_s: float
+    ttft_estimate_s: float  # loading and recompute pipelined: the slower of the two
+    reason: str
+    estimates: list[TierEstimate] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class LoadingController:
+    def __init__(self, profile: DelayProfile, r_star: float = DEFAULT_R_STAR,
+                 cost_per_gb_hour: dict[str, float] | None = None) -> None:
+        if not 0.0 < r_star <= 1.0:
+            raise KVStoreError(f"r* must be in (0, 1], got {r_star}")
+        self.profile = profile
+        self.r_star = r_star
+        self.cost_per_gb_hour = {**DEFAULT_COST_PER_GB_HOUR, **(cost_per_gb_hour or {})}
+
+    def t_recompute(self, ratio: float, num_tokens: int) -> float:
+        return ratio * self.profile.prefill_s(num_tokens)
+
+    def t_load(self, num_tokens: int, tier: str) -> float:
+        return self.profile.load_s(num_tokens, tier)
+
+    def storage_cost(self, num_tokens: int, tier: str, hours: float) -> float:
+        if tier not in self.cost_per_gb_hour:
+            raise KVStoreError(f"no cost per GB-hour configured for tier {tier!r}")
+        return self.profile.kv_bytes_per_token * num_tokens / 1e9 * self.cost_per_gb_hour[tier] * hours
+
+    def decide(self, num_tokens: int, tier: str, hours: float = 1.0, _why: str = "") -> LoadingDecision:
+        """The recompute ratio for a context of ``num_tokens`` whose KV is in ``tier``."""
+        if num_tokens < 1:
+            raise KVStoreError(f"a context needs at least one token, got {num_tokens}")
+        prefill = self.profile.prefill_s(num_tokens)
+        t_load = self.t_load(num_tokens, tier)
+        r_bal = t_load / prefill
+        ratio = min(1.0, max(self.r_star, r_bal))
+        if r_bal >= 1.0:
+            why = f"loading from {tier} ({t_load * 1e3:.2f} ms) is no faster than a full prefill: recompute all"
+        elif r_bal > self.r_star:
+            why = (f"loading from {tier} takes {t_load * 1e3:.2f} ms, as long as recomputing {r_bal:.1%}: "
+                   "recompute that much for free")
+        else:
+            why = f"loading from {tier} ({t_load * 1e3:.2f} ms) hides behind recomputing r* = {self.r_star:.0%}"
+        t_rec = self.t_recompute(ratio, num_tokens)
+        return LoadingDecision(
+            num_tokens=num_tokens, tier=tier, recompute_ratio=ratio, r_star=self.r_star, r_balanced=r_bal,
+            t_prefill_s=prefill, t_recompute_s=t_rec, t_load_s=t_load, ttft_estimate_s=max(t_rec, t_load),
+            reason=f"{_why}{why}", estimates=self.estimates(num_tokens, list(self.profile.bandwidth), hours),
+        )
+
+    def estimates(self, num_tokens: int, tiers: Sequence[str], hours: float) -> list[TierEstimate]:
+        budget = self.t_recompute(self.r_star, num_tokens)
+        return [
+            TierEstimate(t, self.t_load(num_tokens, t), self.storage_cost(num_tokens, t, hours),
+                         self.t_load(num_tokens, t) <= budget)
+            for t in tiers
+        ]
+
+    def choose_tier(self, num_tokens: int, tiers: Sequence[str] | None = None, hours: float = 1.0) -> LoadingDecision:
+        """Where to keep a context of ``num_tokens`` for ``hours``: the cheapest tier whose load hides
+        behind recomputing r*; if none does, the fastest one (the delay is then the load's)."""
+        tiers = list(tiers) if tiers is not None else list(self.profile.bandwidth)
+        if not tiers:
+            raise KVStoreError("no tiers to choose from")
+        est = self.estimates(num_tokens, tiers, hours)
+        fitting = [e for e in est if e.hides_behind_recompute]
+        if fitting:
+            best = min(fitting, key=lambda e: (e.storage_cost, e.t_load_s))
+            why = f"{best.tier} is the cheapest of the tiers whose load hides behind r*: "
+        else:
+            best = min(est, key=lambda e: e.t_load_s)
+            why = f"no tier loads within T_recompute(r*); {best.tier} is the fastest: "
+        decision = self.decide(num_tokens, best.tier, hours, _why=why)
+        return LoadingDecision(**{**decision.__dict__, "estimates": est})

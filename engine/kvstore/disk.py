@@ -1,0 +1,348 @@
+"""The local-disk tier: one safetensors file per entry, a SQLite manifest, crash- and share-safe.
+
+Safety rules, each for a fault the tests inject:
+- a file is written under a temporary name, fsynced, then renamed into place, and only then listed
+  in the manifest: a process killed mid-write leaves a temp file (removed by the next opener) or an
+  unlisted file (also removed), never a listed half-written entry;
+- every layer is checked against its checksum as it is read; a mismatch drops the entry and reports
+  a miss, so the caller recomputes instead of attending over garbage;
+- manifest changes, renames and evictions happen under one file lock, so processes sharing the
+  directory never evict each other's half-registered entries or double-count bytes;
+- a write that hits a full disk (ENOSPC, quota, file-size limit) deletes its temp file and raises
+  ``DiskFullError``; nothing listed is touched.
+
+Files are valid safetensors (tensor ``layer.0000`` ... holding ``[2, tokens, heads, dim]``, metadata
+``ragfuse_kv``). The reader parses the header itself and ``readinto``s each layer straight into its
+destination buffer (page-locked when the data goes to a GPU): one copy, and layer by layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import sqlite3
+import struct
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+from safetensors.torch import save as safetensors_save
+
+from .entry import CorruptEntryError, EntryMeta, KVStoreError, StoredKV, tensor_bytes
+from .tier import Tier, TierStats
+
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+META_FIELD = "ragfuse_kv"
+
+
+class DiskFullError(KVStoreError):
+    """The disk (or quota, or file-size limit) has no room for an entry; the store is unchanged."""
+
+
+def layer_name(i: int) -> str:
+    return f"layer.{i:04d}"
+
+
+def drop_page_cache(path: str | Path) -> None:
+    """Ask the kernel to forget its cached pages of ``path``, so the next read really hits the disk."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+class DiskEntryReader:
+    """Reads one entry's layers one at a time, each verified before it is returned.
+
+    For the fusor: it can ask for layer ``i + 1`` while layer ``i`` computes.
+    """
+
+    def __init__(self, path: Path, expected_checksum: str | None) -> None:
+        self._f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()/__exit__
+        try:
+            (n,) = struct.unpack("<Q", self._read_exact(8))
+            if n > 64 << 20:
+                raise CorruptEntryError(f"{path.name}: header of {n} bytes")
+            header = json.loads(self._read_exact(n))
+            self.meta = EntryMeta.from_json(json.loads(header["__metadata__"][META_FIELD]))
+            self._offsets = [header[layer_name(i)]["data_offsets"] for i in range(self.meta.num_layers)]
+        except (ValueError, KeyError, TypeError, struct.error) as exc:
+            self._f.close()
+            raise CorruptEntryError(f"{path.name}: unreadable header ({exc})") from exc
+        except BaseException:
+            self._f.close()
+            raise
+        self._base = 8 + n
+        if expected_checksum is not None and self.meta.checksum != expected_checksum:
+            self._f.close()
+            raise CorruptEntryError(f"{path.name}: checksum differs from the manifest's")
+
+    def _read_exact(self, n: int) -> bytes:
+        data = self._f.read(n)
+        if len(data) != n:
+            raise CorruptEntryError("entry file is truncated")
+        return data
+
+    def read_layer(self, i: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer ``i`` as ``[2, tokens, heads, dim]`` on CPU (into ``out`` when given), verified."""
+        start, end = self._offsets[i]
+        if end - start != self.meta.layer_nbytes:
+            raise CorruptEntryError(f"entry {self.meta.key}: layer {i} spans {end - start} bytes")
+        if out is None:
+            out = torch.empty(self.meta.layer_shape, dtype=self.meta.dtype)
+        buf = tensor_bytes(out)
+        self._f.seek(self._base + start)
+        got = 0
+        while got < len(buf):
+            n = self._f.readinto(buf[got:])
+            if not n:
+                raise CorruptEntryError(f"entry {self.meta.key}: file ends inside layer {i}")
+            got += n
+        self.meta.verify_layer(i, out)
+        return out
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> DiskEntryReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class DiskTier(Tier):
+    """Entries as files under ``root``, listed in ``root/manifest.sqlite``, LRU by last access."""
+
+    persistent = True
+
+    def __init__(
+        self, root: str | Path, capacity_bytes: int, name: str = "disk", reserve_bytes: int = 64 << 20
+    ) -> None:
+        self.name = name
+        self.root = Path(root)
+        self.capacity_bytes = int(capacity_bytes)
+        self.reserve_bytes = reserve_bytes
+        try:
+            (self.root / "data").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise KVStoreError(f"cannot create KV store directory {self.root}: {exc.strerror}") from exc
+        self._lock = FileLock(str(self.root / ".lock"))
+        self._db_lock = threading.Lock()
+        self._db = sqlite3.connect(self.root / "manifest.sqlite", timeout=60, check_same_thread=False,
+                                   isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, file TEXT NOT NULL, nbytes INTEGER NOT NULL,"
+            " checksum TEXT NOT NULL, num_tokens INTEGER NOT NULL, created REAL NOT NULL, last_access REAL NOT NULL)"
+        )
+        self._db.execute("CREATE INDEX IF NOT EXISTS entries_lru ON entries(last_access)")
+        self._stats = TierStats(capacity=self.capacity_bytes)
+        with self._lock:
+            self._sweep()
+
+    # ---- housekeeping ------------------------------------------------------------------------
+
+    def _sweep(self) -> None:
+        """Remove what crashed writers left: temp files of dead processes and files not in the manifest."""
+        listed = {row[0] for row in self._sql("SELECT file FROM entries")}
+        for path in (self.root / "data").glob("*/*"):
+            if path.name.endswith(".tmp"):
+                pid = int(path.name.split(".")[-3]) if path.name.count(".") >= 3 else -1
+                if not _pid_alive(pid):
+                    path.unlink(missing_ok=True)
+            elif str(path.relative_to(self.root)) not in listed:
+                path.unlink(missing_ok=True)
+        for (key, file) in list(self._sql("SELECT key, file FROM entries")):
+            if not (self.root / file).exists():
+                self._sql("DELETE FROM entries WHERE key=?", (key,))
+
+    def _sql(self, query: str, args: tuple = ()) -> list[tuple]:
+        with self._db_lock:
+            return self._db.execute(query, args).fetchall()
+
+    def _path(self, key: str) -> Path:
+        return self.root / "data" / key[:2] / f"{key}.safetensors"
+
+    # ---- reads -------------------------------------------------------------------------------
+
+    def open(self, key: str) -> DiskEntryReader | None:
+        """A layer-by-layer reader of ``key``, or None when absent. Counts a hit; the caller must
+        call ``drop(key)`` if a layer later fails its checksum."""
+        rows = self._sql("SELECT file, checksum FROM entries WHERE key=?", (key,))
+        if not rows:
+            self._stats.misses += 1
+            return None
+        try:
+            reader = DiskEntryReader(self.root / rows[0][0], rows[0][1])
+        except FileNotFoundError:  # evicted by another process between the lookup and the open
+            self._stats.misses += 1
+            return None
+        except CorruptEntryError:
+            self.drop(key)
+            return None
+        self._stats.hits += 1
+        self._sql("UPDATE entries SET last_access=? WHERE key=?", (time.time(), key))
+        return reader
+
+    def get(self, key: str, device: torch.device | None = None) -> StoredKV | None:
+        reader = self.open(key)
+        if reader is None:
+            return None
+        device = torch.device(device or "cpu")
+        pin = device.type == "cuda"
+        layers: list[torch.Tensor] = []
+        with reader:
+            try:
+                for i in range(reader.meta.num_layers):
+                    buf = torch.empty(reader.meta.layer_shape, dtype=reader.meta.dtype, pin_memory=pin)
+                    reader.read_layer(i, buf)
+                    layers.append(buf.to(device, non_blocking=True) if pin else buf)
+            except CorruptEntryError:
+                self._stats.hits -= 1
+                self.drop(key)
+                return None
+        return StoredKV(reader.meta, layers)
+
+    def drop(self, key: str) -> None:
+        """Forget a corrupt entry: counted, removed, and reported to the caller as a miss."""
+        self._stats.corrupt += 1
+        self._stats.misses += 1
+        self.delete(key)
+
+    # ---- writes ------------------------------------------------------------------------------
+
+    def put(self, entry: StoredKV, keep_evicted: bool = True) -> list[StoredKV]:
+        if self.contains(entry.key):
+            return []
+        tensors = {layer_name(i): t.to("cpu").contiguous() for i, t in enumerate(entry.layers)}
+        blob = safetensors_save(tensors, metadata={META_FIELD: json.dumps(entry.meta.to_json())})
+        if len(blob) > self.capacity_bytes:
+            return [entry]
+        free = shutil.disk_usage(self.root).free
+        if free < len(blob) + self.reserve_bytes:
+            raise DiskFullError(
+                f"no room on disk for a KV entry of {len(blob) / 2**20:.1f} MiB in {self.root} "
+                f"({free / 2**20:.0f} MiB free, {self.reserve_bytes / 2**20:.0f} MiB kept in reserve)"
+            )
+        final = self._path(entry.key)
+        final.parent.mkdir(exist_ok=True)
+        tmp = final.parent / f".{entry.key}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            _write_durably(tmp, blob)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if exc.errno in _FULL_ERRNOS:
+                raise DiskFullError(f"disk full while writing a KV entry to {self.root}: {exc.strerror}") from exc
+            raise KVStoreError(f"cannot write a KV entry to {self.root}: {exc.strerror}") from exc
+        evicted_keys: list[tuple[str, str]] = []
+        with self._lock:
+            if self.contains(entry.key):  # another process stored it meanwhile
+                tmp.unlink(missing_ok=True)
+                return []
+            used = self._sql("SELECT COALESCE(SUM(nbytes), 0) FROM entries")[0][0]
+            for key, file, nbytes in self._sql("SELECT key, file, nbytes FROM entries ORDER BY last_access"):
+                if used + len(blob) <= self.capacity_bytes:
+                    break
+                evicted_keys.append((key, file))
+                used -= nbytes
+            evicted = [e for k, _ in evicted_keys if keep_evicted and (e := self._read_for_demotion(k)) is not None]
+            for key, file in evicted_keys:
+                self._sql("DELETE FROM entries WHERE key=?", (key,))
+                (self.root / file).unlink(missing_ok=True)
+            os.replace(tmp, final)
+            _fsync_dir(final.parent)
+            now = time.time()
+            self._sql(
+                "INSERT INTO entries (key, file, nbytes, checksum, num_tokens, created, last_access)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (entry.key, str(final.relative_to(self.root)), len(blob), entry.meta.checksum,
+                 entry.meta.num_tokens, now, now),
+            )
+        self._stats.evictions += len(evicted_keys)
+        return evicted
+
+    def _read_for_demotion(self, key: str) -> StoredKV | None:
+        rows = self._sql("SELECT file, checksum FROM entries WHERE key=?", (key,))
+        try:
+            with DiskEntryReader(self.root / rows[0][0], rows[0][1]) as r:
+                return StoredKV(r.meta, [r.read_layer(i) for i in range(r.meta.num_layers)])
+        except (CorruptEntryError, FileNotFoundError, IndexError):
+            return None
+
+    def contains(self, key: str) -> bool:
+        return bool(self._sql("SELECT 1 FROM entries WHERE key=?", (key,)))
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            rows = self._sql("SELECT file FROM entries WHERE key=?", (key,))
+            self._sql("DELETE FROM entries WHERE key=?", (key,))
+            for (file,) in rows:
+                (self.root / file).unlink(missing_ok=True)
+        return bool(rows)
+
+    def keys(self) -> list[str]:
+        return [k for (k,) in self._sql("SELECT key FROM entries ORDER BY last_access")]
+
+    def path_of(self, key: str) -> Path | None:
+        rows = self._sql("SELECT file FROM entries WHERE key=?", (key,))
+        return self.root / rows[0][0] if rows else None
+
+    def drop_cache(self, key: str) -> None:
+        path = self.path_of(key)
+        if path is not None:
+            with contextlib.suppress(OSError):
+                drop_page_cache(path)
+
+    def stats(self) -> TierStats:
+        n, total = self._sql("SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM entries")[0]
+        self._stats.entries, self._stats.bytes = n, total
+        return self._stats
+
+    def close(self) -> None:
+        with self._db_lock:
+            self._db.close()
+
+
+def _write_durably(path: Path, blob: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(blob)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        drop_page_cache(path)  # written once, read rarely: do not let ingest evict the page cache
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

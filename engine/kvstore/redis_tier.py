@@ -1,0 +1,146 @@
+"""The remote tier: entries in a Redis server, shared by every process that points at it.
+
+Each entry is one Redis hash: field ``meta`` (the entry's JSON metadata, checksums included) and one
+field per layer, so a reader can fetch a single layer with HGET. A sorted set orders entries by last
+access (the LRU); a counter holds the bytes stored. ZPOPMIN makes eviction safe between processes:
+two of them never evict the same entry twice or double-subtract its bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from .entry import CorruptEntryError, EntryMeta, KVStoreError, StoredKV, tensor_bytes
+from .tier import Tier, TierStats
+
+
+class RedisTier(Tier):
+    persistent = True
+
+    def __init__(self, url: str, capacity_bytes: int, prefix: str = "ragfuse:kv", name: str = "redis") -> None:
+        try:
+            import redis
+        except ImportError as exc:
+            raise KVStoreError("the Redis tier needs the `redis` package: pip install 'ragfuse[rag]'") from exc
+        self.name = name
+        self.url = url
+        self.capacity_bytes = int(capacity_bytes)
+        self.prefix = prefix
+        self._redis_errors = (redis.RedisError, OSError)
+        self._r = redis.Redis.from_url(url, socket_timeout=30)
+        try:
+            self._r.ping()
+        except self._redis_errors as exc:
+            raise KVStoreError(f"Redis at {url} is not reachable: {exc}") from exc
+        self._stats = TierStats(capacity=self.capacity_bytes)
+
+    def _hkey(self, key: str) -> str:
+        return f"{self.prefix}:e:{key}"
+
+    @property
+    def _lru(self) -> str:
+        return f"{self.prefix}:lru"
+
+    @property
+    def _bytes(self) -> str:
+        return f"{self.prefix}:bytes"
+
+    def meta(self, key: str) -> EntryMeta | None:
+        """The entry's metadata (shape, checksums) without its layers; pair with ``read_layer``."""
+        raw = self._r.hget(self._hkey(key), "meta")
+        if raw is None:
+            return None
+        return EntryMeta.from_json(json.loads(raw))
+
+    def read_layer(self, key: str, meta: EntryMeta, i: int) -> torch.Tensor:
+        """Layer ``i`` of ``key`` on CPU, verified (the per-layer access the fusor uses)."""
+        raw = self._r.hget(self._hkey(key), f"L{i:04d}")
+        if raw is None:
+            raise CorruptEntryError(f"entry {key}: layer {i} missing in Redis")
+        return _verified_layer(meta, i, raw)
+
+    def get(self, key: str, device: torch.device | None = None) -> StoredKV | None:
+        try:
+            fields = self._r.hgetall(self._hkey(key))
+            if not fields:
+                self._stats.misses += 1
+                return None
+            meta = EntryMeta.from_json(json.loads(fields[b"meta"]))
+            layers = [_verified_layer(meta, i, fields.get(f"L{i:04d}".encode())) for i in range(meta.num_layers)]
+        except (CorruptEntryError, KeyError, ValueError):
+            self._stats.corrupt += 1
+            self._stats.misses += 1
+            self.delete(key)
+            return None
+        except self._redis_errors as exc:
+            raise KVStoreError(f"Redis at {self.url} failed: {exc}") from exc
+        self._stats.hits += 1
+        self._r.zadd(self._lru, {key: time.time()})
+        entry = StoredKV(meta, layers)
+        return entry if device is None or torch.device(device).type == "cpu" else entry.to(device)
+
+    def put(self, entry: StoredKV, keep_evicted: bool = True) -> list[StoredKV]:
+        size = entry.nbytes
+        if size > self.capacity_bytes:
+            return [entry]
+        try:
+            if self._r.exists(self._hkey(entry.key)):
+                return []
+            evicted: list[StoredKV] = []
+            while int(self._r.get(self._bytes) or 0) + size > self.capacity_bytes:
+                popped = self._r.zpopmin(self._lru)
+                if not popped:
+                    break
+                old_key = popped[0][0].decode()
+                old = self.get(old_key) if keep_evicted else None
+                self._stats.hits -= old is not None  # reading for demotion is not a hit
+                self._remove(old_key)
+                self._stats.evictions += 1
+                if old is not None:
+                    evicted.append(old)
+            mapping: dict[str, bytes] = {"meta": json.dumps(entry.meta.to_json()).encode(),
+                                         "nbytes": str(size).encode()}
+            for i, t in enumerate(entry.layers):
+                mapping[f"L{i:04d}"] = bytes(tensor_bytes(t.to("cpu")))
+            pipe = self._r.pipeline(transaction=True)
+            pipe.hset(self._hkey(entry.key), mapping=mapping)
+            pipe.zadd(self._lru, {entry.key: time.time()})
+            pipe.incrby(self._bytes, size)
+            pipe.execute()
+        except self._redis_errors as exc:
+            raise KVStoreError(f"Redis at {self.url} failed: {exc}") from exc
+        return evicted
+
+    def _remove(self, key: str) -> bool:
+        """Delete the hash and give back its bytes, once even if two processes race here."""
+        nbytes = self._r.hget(self._hkey(key), "nbytes")
+        if self._r.delete(self._hkey(key)):
+            self._r.incrby(self._bytes, -int(nbytes or 0))
+            return True
+        return False
+
+    def contains(self, key: str) -> bool:
+        return bool(self._r.exists(self._hkey(key)))
+
+    def delete(self, key: str) -> bool:
+        self._r.zrem(self._lru, key)
+        return self._remove(key)
+
+    def stats(self) -> TierStats:
+        self._stats.bytes = int(self._r.get(self._bytes) or 0)
+        self._stats.entries = int(self._r.zcard(self._lru))
+        return self._stats
+
+    def close(self) -> None:
+        self._r.close()
+
+
+def _verified_layer(meta: EntryMeta, i: int, raw: bytes | None) -> torch.Tensor:
+    if raw is None or len(raw) != meta.layer_nbytes:
+        raise CorruptEntryError(f"entry {meta.key}: layer {i} has the wrong size")
+    layer = torch.frombuffer(bytearray(raw), dtype=meta.dtype).view(meta.layer_shape)
+    meta.verify_layer(i, layer)
+    return layer
