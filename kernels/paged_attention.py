@@ -92,7 +92,7 @@ def paged_prefill_attention_ref(
     cu_seqlens_q: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
-    slots: list[torch.Tensor] | None = None,
+    slots: list[torch.Tensor | slice] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Variable-length causal prefill over the paged cache.
 
@@ -126,7 +126,7 @@ def paged_decode_attention_ref(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
-    slots: list[torch.Tensor] | None = None,
+    slots: list[torch.Tensor | slice] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One new token per sequence: q [num_seqs, H, D] attends to all ``seq_lens[s]`` cached tokens."""
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)

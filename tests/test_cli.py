@@ -38,6 +38,7 @@ def test_generate_streams_plain_text_with_system_prompt():
     [
         (("generate", "hi", "--model", "no-such-model"), "unknown model"),
         (("generate", "hi", "--model", "/nonexistent/model.gguf"), "does not exist"),
+        (("generate", "hi", "--model", "nobody-here/no-such-model"), "not available locally"),
         (("generate", "hi", "--max-tokens", "0"), "at least 1"),
         (("generate", "hi", "--device", "tpu"), "invalid choice"),
         (("generate", "   "), "empty"),

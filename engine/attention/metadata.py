@@ -21,21 +21,31 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
-    _slots: list[torch.Tensor] | None = field(default=None, repr=False)
+    has_prefix: bool = True  # some sequence attends to tokens cached before this step
+    _slots: list[torch.Tensor | slice] | None = field(default=None, repr=False)
 
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
 
-    def sequence_slots(self) -> list[torch.Tensor]:
-        """Cache slots of every sequence's tokens, computed once per step for all layers."""
+    def sequence_slots(self) -> list[torch.Tensor | slice]:
+        """Cache slots of every sequence's tokens, computed once per step for all layers.
+
+        A sequence whose blocks are consecutive (the usual case: blocks are handed out in order)
+        gets a ``slice``, so the torch backend reads its K/V as a view instead of gathering a copy.
+        """
         if self._slots is None:
             from ragfuse.kernels.paged_attention import sequence_slots
 
-            self._slots = [
-                sequence_slots(self.block_tables[i], n, self.block_size)
-                for i, n in enumerate(self.seq_lens.tolist())
-            ]
+            self._slots = []
+            for i, n in enumerate(self.seq_lens.tolist()):
+                n_blocks = -(-n // self.block_size)
+                table = self.block_tables[i, :n_blocks].tolist()
+                if table == list(range(table[0], table[0] + n_blocks)):
+                    start = table[0] * self.block_size
+                    self._slots.append(slice(start, start + n))
+                else:
+                    self._slots.append(sequence_slots(self.block_tables[i], n, self.block_size))
         return self._slots
 
     @classmethod
@@ -47,25 +57,29 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device,
     ) -> AttentionMetadata:
-        """Metadata for sequences whose last ``query_lens[s]`` of ``seq_lens[s]`` tokens are new."""
-        slots: list[int] = []
-        for q, s, table in zip(query_lens, seq_lens, block_tables):
-            for pos in range(s - q, s):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        """Metadata for sequences whose last ``query_lens[s]`` of ``seq_lens[s]`` tokens are new.
+
+        Built on the host with a fixed number of tensor ops whatever the batch (no per-token Python
+        loop: an 8K-token prefill would spend milliseconds in one), then copied to ``device``.
+        """
         width = max((len(t) for t in block_tables), default=1) or 1
-        tables = torch.zeros(len(block_tables), width, dtype=torch.int32)
-        for i, t in enumerate(block_tables):
-            tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        cu = [0]
-        for q in query_lens:
-            cu.append(cu[-1] + q)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        q_lens = torch.tensor(query_lens, dtype=torch.int64)
+        s_lens = torch.tensor(seq_lens, dtype=torch.int64)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
+        cu = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, 0, out=cu[1:])
+        # absolute position of every new token: its sequence's first new position + its rank
+        pos = (s_lens - q_lens)[seq_of_token] + torch.arange(int(cu[-1])) - cu[:-1][seq_of_token]
+        slots = tables[seq_of_token, pos // block_size].long() * block_size + pos % block_size
         return cls(
             is_prefill=max(query_lens) > 1,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
+            slot_mapping=slots.to(device, non_blocking=True),
             block_tables=tables.to(device, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True),
+            seq_lens=s_lens.to(torch.int32).to(device, non_blocking=True),
+            cu_seqlens_q=cu.to(torch.int32).to(device, non_blocking=True),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             block_size=block_size,
+            has_prefix=any(q != s for q, s in zip(query_lens, seq_lens)),
         )

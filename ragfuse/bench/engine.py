@@ -201,17 +201,25 @@ def decode_step_time(eng: Any, prompts: list[list[int]], steps: int, params_cls:
 
 
 def hf_decode_step_time(hf: Any, prompts: list[list[int]], steps: int, device: torch.device, sync: Sync) -> float:
-    """transformers' generate: (time for 1 + steps tokens - time for 1 token) / steps."""
+    """transformers' generate, timed per step: a stopping criterion (called once per generated
+    token, after the device has produced it) stamps the clock; the prefill is left out."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    stamps: list[float] = []
+
+    class Stamp(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            sync()
+            stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
     ids = torch.tensor(prompts, device=device)
-    mask = torch.ones_like(ids)
-
-    def gen(n: int) -> None:
-        with torch.inference_mode():
-            hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-
-    t_first = median_time(lambda: gen(1), sync, repeats=1)
-    t_all = median_time(lambda: gen(steps + 1), sync, repeats=1, warmup=0)
-    return max(t_all - t_first, 1e-9) / steps
+    with torch.inference_mode():
+        hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 1, min_new_tokens=steps + 1,
+            do_sample=False, pad_token_id=0, stopping_criteria=StoppingCriteriaList([Stamp()]),
+        )
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 
 
 def _plot(fig: Any, rows: list[dict[str, Any]]) -> None:
