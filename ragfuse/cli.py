@@ -15,6 +15,10 @@ from collections.abc import Sequence
 COMMANDS = {
     "generate": "generate",
     "bench": "bench",
+    "ingest": "ingest",
+    "search": "search",
+    "store": "store",
+    "profile": "profile",
 }
 
 

@@ -1,0 +1,66 @@
+"""``ragfuse store stats|rm``: what a store holds, and removing files from it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ragfuse.commands.ingest import add_store_arg
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("store", help="inspect or prune a store")
+    ssub = p.add_subparsers(dest="store_command", required=True, parser_class=type(p))
+    s = ssub.add_parser("stats", help="files, chunks, tokens, index and KV tiers")
+    add_store_arg(s)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=stats)
+    r = ssub.add_parser("rm", help="remove files (or everything under a directory) and their unused KV")
+    r.add_argument("paths", nargs="*", metavar="PATH")
+    r.add_argument("--all", action="store_true", help="remove every file")
+    add_store_arg(r)
+    r.set_defaults(func=rm)
+
+
+def stats(args: argparse.Namespace) -> int:
+    from ragfuse.rag_store import RagStore
+    from ragfuse.store_dir import resolve_store_dir
+
+    store = RagStore.open_existing(resolve_store_dir(args.store))
+    try:
+        out = {"store": str(store.root), **store.docs.counts(), "index": store.config.index_kind,
+               "index_vectors": len(store.index), "config": store.config.__dict__,
+               "kv": {name: s.as_dict() for name, s in store.kv.stats().items()}}
+    finally:
+        store.close()
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"store {out['store']}: {out['files']} files, {out['chunks']} chunks, {out['tokens']} tokens; "
+              f"{out['index']} index of {out['index_vectors']} vectors")
+        for name, s in out["kv"].items():
+            print(f"  KV tier {name}: {s['entries']} entries, {s['bytes'] / 2**30:.2f} of "
+                  f"{s['capacity'] / 2**30:.1f} GiB")
+    return 0
+
+
+def rm(args: argparse.Namespace) -> int:
+    from ragfuse.engine.errors import RagfuseError
+    from ragfuse.rag_store import RagStore
+    from ragfuse.store_dir import resolve_store_dir
+
+    if not args.paths and not args.all:
+        raise RagfuseError("name the files to remove, or pass --all")
+    store = RagStore.open_existing(resolve_store_dir(args.store))
+    try:
+        targets = [p for p, _ in store.docs.files()] if args.all else [
+            p for path in args.paths for p, _ in store.docs.files(str(Path(path).resolve()))
+        ]
+        if not targets:
+            raise RagfuseError(f"no stored file matches {' '.join(args.paths)}")
+        chunks, kv = store.remove(targets)
+    finally:
+        store.close()
+    print(f"removed {len(targets)} files, {chunks} chunks, {kv} KV entries")
+    return 0

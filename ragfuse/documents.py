@@ -1,0 +1,166 @@
+"""Reading files into documents: plain text, Markdown, HTML, PDF, and JSON/JSONL records.
+
+A file that cannot be read as text (empty, binary, undecodable, too large, or a record file without
+the asked-for text field) is reported by name with the reason and skipped; it never stops an ingest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TEXT_SUFFIXES = {".txt", ".md", ".markdown", ".rst"}
+HTML_SUFFIXES = {".html", ".htm"}
+RECORD_SUFFIXES = {".json", ".jsonl"}
+SUFFIXES = TEXT_SUFFIXES | HTML_SUFFIXES | RECORD_SUFFIXES | {".pdf"}
+DEFAULT_MAX_BYTES = 50 << 20
+
+
+@dataclass(frozen=True)
+class Document:
+    text: str
+    source: str  # file path, plus "#record" for documents taken from a record file
+
+
+@dataclass
+class LoadedFile:
+    path: str
+    content_hash: str
+    documents: list[Document] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SkippedFile:
+    path: str
+    reason: str
+
+
+class _Unreadable(Exception):
+    pass
+
+
+def find_files(paths: Iterable[str | Path]) -> tuple[list[Path], list[SkippedFile]]:
+    """Expand directories (recursively, supported suffixes only); name paths that do not exist."""
+    found: list[Path] = []
+    missing: list[SkippedFile] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in SUFFIXES
+                            and not any(part.startswith(".") for part in f.relative_to(p).parts))
+        elif p.is_file():
+            found.append(p)
+        else:
+            missing.append(SkippedFile(str(p), "no such file or directory"))
+    return list(dict.fromkeys(f.resolve() for f in found)), missing
+
+
+def load_file(path: Path, max_bytes: int = DEFAULT_MAX_BYTES, text_field: str = "text",
+              title_field: str | None = "title") -> LoadedFile | SkippedFile:
+    """Read ``path`` into documents, or say why it was skipped."""
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            return SkippedFile(str(path), f"larger than the limit ({size} > {max_bytes} bytes)")
+        data = path.read_bytes()
+        if not data.strip():
+            return SkippedFile(str(path), "empty")
+        suffix = path.suffix.lower()
+        if suffix not in SUFFIXES:
+            return SkippedFile(str(path), f"unsupported file type {suffix or '(none)'}")
+        if suffix == ".pdf":
+            docs = [Document(_pdf_text(data), str(path))]
+        else:
+            text = _decode(data)
+            if suffix in HTML_SUFFIXES:
+                docs = [Document(_html_text(text), str(path))]
+            elif suffix in RECORD_SUFFIXES:
+                docs = list(_record_documents(text, suffix, str(path), text_field, title_field))
+            else:
+                docs = [Document(text, str(path))]
+    except OSError as exc:
+        return SkippedFile(str(path), f"unreadable: {exc.strerror}")
+    except _Unreadable as exc:
+        return SkippedFile(str(path), str(exc))
+    docs = [d for d in docs if d.text.strip()]
+    if not docs:
+        return SkippedFile(str(path), "no text in it")
+    return LoadedFile(str(path), hashlib.sha256(data).hexdigest(), docs)
+
+
+def _decode(data: bytes) -> str:
+    if b"\0" in data[:8192]:
+        raise _Unreadable("binary (NUL bytes)")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise _Unreadable(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+
+
+def _html_text(html: str) -> str:
+    from bs4 import BeautifulSoup
+
+    soup = BeautifulSoup(html, "html.parser")
+    for tag in soup(["script", "style", "noscript"]):
+        tag.decompose()
+    return "\n".join(line.strip() for line in soup.get_text("\n").splitlines() if line.strip())
+
+
+def _pdf_text(data: bytes) -> str:
+    from pypdf import PdfReader
+    from pypdf.errors import PdfReadError
+
+    try:
+        reader = PdfReader(io.BytesIO(data))
+        return "\n\n".join(page.extract_text() or "" for page in reader.pages)
+    except (PdfReadError, ValueError, KeyError) as exc:
+        raise _Unreadable(f"unreadable PDF ({exc})") from exc
+
+
+def _record_documents(text: str, suffix: str, source: str, text_field: str,
+                      title_field: str | None) -> Iterator[Document]:
+    """Documents from JSON (a list of records, or one record) or JSONL (one record a line).
+
+    ``text_field`` is a dotted path; ``[]`` after a name walks a list, so ``ctxs[].text`` takes the
+    ``text`` of every element of each record's ``ctxs``. When the object holding the text also has
+    ``title_field``, the title heads the document (it is often what a question names).
+    """
+    try:
+        if suffix == ".jsonl":
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        else:
+            loaded = json.loads(text)
+            records = loaded if isinstance(loaded, list) else [loaded]
+    except json.JSONDecodeError as exc:
+        raise _Unreadable(f"invalid JSON ({exc.msg} at line {exc.lineno})") from exc
+    found = False
+    for i, rec in enumerate(records):
+        for where, holder, value in _walk(rec, text_field.split("."), f"#{i}"):
+            if not isinstance(value, str):
+                continue
+            found = True
+            title = holder.get(title_field) if title_field and isinstance(holder, dict) else None
+            yield Document(f"{title}\n{value}" if isinstance(title, str) and title else value, source + where)
+    if not found:
+        raise _Unreadable(f"no record has a string field {text_field!r} (choose one with --text-field)")
+
+
+def _walk(obj: Any, parts: list[str], where: str) -> Iterator[tuple[str, Any, Any]]:
+    """Yield (location, object holding the last field, value) for every match of ``parts``."""
+    name = parts[0]
+    many = name.endswith("[]")
+    name = name.removesuffix("[]")
+    if not isinstance(obj, dict) or name not in obj:
+        return
+    value = obj[name]
+    items = list(enumerate(value)) if many and isinstance(value, list) else [(None, value)]
+    for j, item in items:
+        loc = f"{where}.{name}" + (f"[{j}]" if j is not None else "")
+        if len(parts) == 1:
+            yield loc, obj, item
+        else:
+            yield from _walk(item, parts[1:], loc)

@@ -1,0 +1,138 @@
+"""Ingest: files -> documents -> token chunks -> embeddings + precomputed per-chunk KV -> store.
+
+Order matters for "nothing stored is lost": embeddings and KV are computed first; only then is each
+file's set of chunks swapped in one docstore transaction, and the index updated. An error before
+that (disk full, bad file) leaves the store exactly as it was. Unchanged files (same content hash
+and same settings, which the store enforces) are not touched at all.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from ragfuse.chunking import TokenChunker
+from ragfuse.docstore import NewChunk
+from ragfuse.documents import DEFAULT_MAX_BYTES, LoadedFile, SkippedFile, find_files, load_file
+from ragfuse.embeddings import Embedder
+from ragfuse.engine.kvstore import StoredKV, kv_key
+from ragfuse.rag_store import RagStore
+
+
+@dataclass
+class IngestReport:
+    new_files: list[str] = field(default_factory=list)
+    replaced_files: list[str] = field(default_factory=list)
+    unchanged_files: list[str] = field(default_factory=list)
+    skipped: list[SkippedFile] = field(default_factory=list)
+    chunks_added: int = 0
+    chunks_removed: int = 0
+    kv_computed: int = 0
+    kv_reused: int = 0
+    kv_removed: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    kv_seconds: float = 0.0
+
+
+@dataclass
+class _Pending:
+    file: LoadedFile
+    sources: list[str]
+    texts: list[str]
+    token_ids: list[tuple[int, ...]]
+
+
+class Ingestor:
+    def __init__(self, store: RagStore, engine: Any, embedder: Embedder, precompute_kv: bool = True,
+                 kv_batch_tokens: int = 4096, max_bytes: int = DEFAULT_MAX_BYTES, text_field: str = "text",
+                 title_field: str | None = "title", progress: bool = True) -> None:
+        self.store, self.engine, self.embedder = store, engine, embedder
+        self.chunker = TokenChunker(engine.tokenizer, store.config.chunk_tokens, store.config.chunk_overlap)
+        self.precompute_kv = precompute_kv
+        self.kv_batch_tokens = kv_batch_tokens
+        self.max_bytes, self.text_field, self.title_field = max_bytes, text_field, title_field
+        self.progress = progress
+
+    def key(self, token_ids: Sequence[int]) -> str:
+        return kv_key(self.engine.fingerprint, self.engine.dtype, token_ids)
+
+    def ingest(self, paths: Iterable[str | Path]) -> IngestReport:
+        t0 = time.perf_counter()
+        report = IngestReport()
+        files, report.skipped = find_files(paths)
+        pending: list[_Pending] = []
+        for path in tqdm(files, desc="reading", unit="file", disable=not self.progress):
+            loaded = load_file(path, self.max_bytes, self.text_field, self.title_field)
+            if isinstance(loaded, SkippedFile):
+                report.skipped.append(loaded)
+            elif self.store.docs.file_hash(loaded.path) == loaded.content_hash:
+                report.unchanged_files.append(loaded.path)
+            else:
+                pending.append(self._chunk(loaded))
+        texts = [t for p in pending for t in p.texts]
+        vectors = self.embedder.encode(texts, progress=self.progress and bool(texts))
+        if self.precompute_kv:
+            t1 = time.perf_counter()
+            self._precompute([ids for p in pending for ids in p.token_ids], report)
+            report.kv_seconds = time.perf_counter() - t1
+        offset = 0
+        for p in pending:
+            n = len(p.texts)
+            chunks = [
+                NewChunk(src, text, ids, self.key(ids) if self.precompute_kv else None, vec)
+                for src, text, ids, vec in zip(p.sources, p.texts, p.token_ids, vectors[offset:offset + n])
+            ]
+            old_keys = [c.kv_key for c in self.store.docs.chunks(self.store.docs.chunk_ids(p.file.path)).values()
+                        if c.kv_key]
+            was_there = self.store.docs.file_hash(p.file.path) is not None
+            removed, added = self.store.docs.replace_file(p.file.path, p.file.content_hash, chunks)
+            self.store.apply_changes(removed, added, vectors[offset:offset + n])
+            report.kv_removed += self.store.forget_kv(old_keys)
+            (report.replaced_files if was_there else report.new_files).append(p.file.path)
+            report.chunks_added += len(added)
+            report.chunks_removed += len(removed)
+            report.tokens += sum(len(ids) for ids in p.token_ids)
+            offset += n
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    def _chunk(self, loaded: LoadedFile) -> _Pending:
+        p = _Pending(loaded, [], [], [])
+        for doc in loaded.documents:
+            for chunk in self.chunker.split(doc.text):
+                p.sources.append(doc.source)
+                p.texts.append(chunk.text)
+                p.token_ids.append(chunk.token_ids)
+        return p
+
+    def _precompute(self, token_lists: list[tuple[int, ...]], report: IngestReport) -> None:
+        """Compute the KV of every chunk not stored yet, in batches of about ``kv_batch_tokens``."""
+        todo: dict[str, tuple[int, ...]] = {}
+        for ids in token_lists:
+            key = self.key(ids)
+            if key in todo:
+                continue
+            if self.store.kv.locate(key) is not None:
+                report.kv_reused += 1
+            else:
+                todo[key] = ids
+        bar = tqdm(total=sum(map(len, todo.values())), desc="precomputing KV", unit="tok",
+                   disable=not self.progress or not todo)
+        batch: list[tuple[str, tuple[int, ...]]] = []
+        items = list(todo.items())
+        for i, item in enumerate(items):
+            batch.append(item)
+            size = sum(len(ids) for _, ids in batch)
+            if size >= self.kv_batch_tokens or i == len(items) - 1:
+                for (key, _), (k, v) in zip(batch, self.engine.compute_kv([list(ids) for _, ids in batch])):
+                    self.store.kv.put(StoredKV.from_kv(key, k, v))
+                report.kv_computed += len(batch)
+                bar.update(size)
+                batch = []
+        bar.close()

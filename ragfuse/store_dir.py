@@ -1,0 +1,64 @@
+"""Where a ragfuse store lives and what it was built with.
+
+A store directory holds ``docstore.sqlite`` (files, chunks, embeddings), ``index.faiss`` (derived
+from the docstore, rebuilt when stale), ``kv/`` (the disk tier of per-chunk KV), ``profiles/``
+(delay profiles) and ``store.json`` (the settings it was built with: later ingests must match them,
+or chunks and vectors from different models would mix).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ragfuse.engine.errors import RagfuseError
+
+
+class StoreError(RagfuseError):
+    """A store that is missing, unreadable, or built with other settings than those asked for."""
+
+
+def resolve_store_dir(path: str | Path | None = None) -> Path:
+    """``path``, else ``$RAGFUSE_STORE``, else the per-user data directory."""
+    if path:
+        return Path(path).expanduser()
+    if os.environ.get("RAGFUSE_STORE"):
+        return Path(os.environ["RAGFUSE_STORE"]).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("ragfuse")) / "store"
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    model: str  # serving model alias: its tokenizer chunks, its engine precomputes KV
+    embedding_model: str
+    embedding_dim: int
+    index_kind: str  # flat | ivf | hnsw
+    chunk_tokens: int
+    chunk_overlap: int
+
+    def save(self, root: Path) -> None:
+        tmp = root / "store.json.tmp"
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.replace(root / "store.json")
+
+    @classmethod
+    def load(cls, root: Path) -> StoreConfig | None:
+        path = root / "store.json"
+        if not path.exists():
+            return None
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (ValueError, TypeError) as exc:
+            raise StoreError(f"{path} is unreadable: {exc}") from exc
+
+    def check_compatible(self, other: StoreConfig) -> None:
+        """Refuse to mix chunkings, models or embeddings in one store."""
+        diffs = [f"{k}: store has {v!r}, asked {getattr(other, k)!r}" for k, v in asdict(self).items()
+                 if getattr(other, k) != v]
+        if diffs:
+            raise StoreError("this store was built with other settings (" + "; ".join(diffs)
+                             + "); use another --store or `ragfuse store rm --all` first")
