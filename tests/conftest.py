@@ -9,6 +9,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    # Triton kernels are then tested through its CPU interpreter (tests/test_kernels.py); Triton reads
+    # this when it is first imported. The engine itself never runs Triton off CUDA.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,389 @@
+"""Attention over the paged KV cache in Triton: varlen causal prefill and split-K decode.
+
+Same cache layout and contracts as ``paged_attention.py`` (the torch references): K and V caches
+``[num_blocks, block_size, num_kv_heads, head_dim]``, sequence ``s``'s token ``t`` in block
+``block_tables[s, t // block_size]``; every call returns ``(out [T, H, D], lse [T, H])`` with the
+natural-log log-sum-exp in float32, so partial attentions merge exactly.
+
+Both kernels are flash-attention style (online softmax in base 2, never materialising scores) and
+read keys through the block table one ``BLOCK_N`` tile at a time: each key row's cache slot is
+gathered, so any ``block_size`` works. Nothing here reads a device value on the host, so the decode
+path can be captured in a CUDA graph; launch grids depend only on host-side ints.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+_MAX_SPLITS = 16
+_DECODE_BLOCK_N = 64
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, start_n, q_pos, kv_len,
+    k_cache_ptr, v_cache_ptr, table_ptr, kv_head, window, scale_log2,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    offs_d, d_mask,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, SLIDING: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Fold keys [start_n, start_n + BLOCK_N) into the running softmax of the query rows ``q``.
+
+    ``MASK`` applies the causal (and window) mask and the bound ``kv_len``; tiles that every query
+    row sees in full skip it. ``q_pos`` [rows] are the queries' absolute positions.
+    """
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    if MASK:
+        n_valid = offs_n < kv_len
+        page = tl.load(table_ptr + offs_n // PAGE, mask=n_valid, other=0).to(tl.int64)
+        kv_mask = n_valid[None, :] & d_mask[:, None]
+    else:
+        page = tl.load(table_ptr + offs_n // PAGE).to(tl.int64)
+        kv_mask = d_mask[:, None]
+    in_page = offs_n % PAGE
+    k = tl.load(
+        k_cache_ptr + page[None, :] * stride_kb + in_page[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None],
+        mask=kv_mask, other=0.0,
+    )
+    qk = tl.dot(q, k, input_precision=PREC) * scale_log2
+    if MASK:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        if SLIDING:
+            visible = visible & ((q_pos[:, None] - offs_n[None, :]) < window)
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    # with a mask, a row may see none of this tile and nothing before it: keep exp2 off inf - inf
+    m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new) if MASK else m_new
+    p = tl.exp2(qk - m_new_safe[:, None])
+    alpha = tl.exp2(m_i - m_new_safe)
+    v = tl.load(
+        v_cache_ptr + page[:, None] * stride_vb + in_page[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+        mask=tl.trans(kv_mask), other=0.0,
+    )
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
+    block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
+    scale_log2, window,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, PREC: tl.constexpr,
+):
+    """Program (query tile, sequence, query head). Tiles past a sequence's query length exit."""
+    m_block = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    m0 = m_block * BLOCK_M
+    if m0 >= q_len:
+        return
+    kv_len = tl.load(seq_lens_ptr + seq)
+    ctx = kv_len - q_len  # tokens already cached before this step's queries
+    kv_head = head // GROUP
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    row_mask = offs_m < q_len
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    q_pos = ctx + offs_m
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = tl.minimum(ctx + m0 + BLOCK_M, kv_len)
+    if SLIDING:  # every tile may cut a row's window: mask them all, start at the first row's window
+        lo = (tl.maximum(ctx + m0 - window + 1, 0) // BLOCK_N) * BLOCK_N
+        full_end = lo
+    else:  # keys before the tile's first query are visible to all its rows
+        lo = 0
+        full_end = ((ctx + m0) // BLOCK_N) * BLOCK_N
+    for start_n in range(lo, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start_n, q_pos, kv_len, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, window,
+            scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, offs_d, d_mask,
+            PAGE, BLOCK_N, False, SLIDING, PREC,
+        )
+    for start_n in range(full_end, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start_n, q_pos, kv_len, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, window,
+            scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, offs_d, d_mask,
+            PAGE, BLOCK_N, True, SLIDING, PREC,
+        )
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows past q_len saw nothing; they are not stored
+    out = acc / l_safe[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    tl.store(lse_ptr + rows * stride_lt + head, (m_i + tl.log2(l_safe)) * 0.6931471805599453, mask=row_mask)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
+    block_tables_ptr, seq_lens_ptr, scale_log2, window,
+    stride_qt, stride_qh, stride_ot, stride_os, stride_oh, stride_lt, stride_ls,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Program (sequence, kv head, split): the GROUP query heads of one KV head attend to one
+    contiguous share of the sequence's keys, so each K/V tile is read once for the whole group.
+
+    Writes normalised partial outputs and their lse to ``out``/``lse`` at [seq, split, head]; with
+    one split those are the final results. An empty share writes out = 0, lse = -inf.
+    """
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_len = tl.load(seq_lens_ptr + seq)
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(kv_len - window, 0)
+    share = tl.cdiv(tl.cdiv(kv_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * share
+    end = tl.minimum(start + share, kv_len)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    g_mask = offs_g < GROUP
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    # every query row sits at the last position, so the causal test only bounds keys by ``end``
+    q_pos = tl.full([BLOCK_G], 0, tl.int32) + end - 1
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start_n, q_pos, end, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, window,
+            scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, offs_d, d_mask,
+            PAGE, BLOCK_N, True, False, PREC,
+        )
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    base = seq.to(tl.int64) * stride_ot + split * stride_os
+    tl.store(out_ptr + base + heads[:, None] * stride_oh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(lse_ptr + seq.to(tl.int64) * stride_lt + split * stride_ls + heads, lse, mask=g_mask)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
+    stride_pt, stride_ps, stride_ph, stride_plt, stride_pls, stride_ot, stride_oh, stride_lt,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Program (sequence, head): merge the NUM_SPLITS partial attentions by their lse."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    lse = tl.load(part_lse_ptr + seq * stride_plt + offs_s * stride_pls + head, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m_safe)
+    total = tl.sum(w, 0)
+    total_safe = tl.where(total == 0.0, 1.0, total)
+    part = tl.load(part_out_ptr + seq * stride_pt + offs_s[:, None] * stride_ps + head * stride_ph + offs_d[None, :],
+                   mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(part * (w / total_safe)[:, None], 0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+    tl.store(lse_ptr + seq * stride_lt + head, tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total)))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """float32 models stay exact ("ieee"): tf32's 1e-3 error would break fp32 parity with the reference."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the Triton interpreter on CPU: small, but enough to exercise several splits
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Splits per sequence so the grid has about two programs per multiprocessor.
+
+    Depends only on host ints: a CUDA graph captured with ``max_seq_len`` = the model's context
+    keeps a valid split count for every shorter sequence it later replays.
+    """
+    want = math.ceil(2 * _sm_count(device) / max(1, num_seqs * num_kv_heads))
+    return max(1, min(_MAX_SPLITS, want, math.ceil(max_seq_len / _DECODE_BLOCK_N)))
+
+
+def _prefill_tiles(head_dim: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages); the interpreter gets small tiles (fast, and tests
+    cross many tile boundaries)."""
+    if device.type != "cuda":
+        return 16, 16, 4, 1
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    return 128, 64, 8, 3
+
+
+def _cache_strides(cache: torch.Tensor) -> tuple[int, int, int]:
+    if cache.stride(-1) != 1:
+        raise ValueError("KV cache must have a unit stride over head_dim")
+    return cache.stride(0), cache.stride(1), cache.stride(2)
+
+
+def paged_prefill_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    max_query_len: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``paged_prefill_attention_ref``.
+
+    ``max_query_len`` sizes the grid; pass it (the metadata has it) to avoid reading
+    ``cu_seqlens_q`` back to the host.
+    """
+    total, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    out = torch.empty_like(q)
+    lse = torch.empty((total, num_heads), dtype=torch.float32, device=q.device)
+    num_seqs = seq_lens.shape[0]
+    if total == 0 or num_seqs == 0:
+        return out, lse
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if max_query_len is None:
+        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    block_m, block_n, warps, stages = _prefill_tiles(head_dim, q.device)
+    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, lse, block_tables, seq_lens, cu_seqlens_q,
+        scale * _LOG2E, sliding_window or 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+        *_cache_strides(k_cache), *_cache_strides(v_cache), block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, SLIDING=sliding_window is not None,
+        PREC=_dot_precision(q.dtype), num_warps=warps, num_stages=stages,
+    )
+    return out, lse
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``paged_decode_attention_ref``, computed split-K: each sequence's keys are
+    cut into ``num_splits`` shares attended in parallel, then merged by lse.
+
+    ``max_seq_len`` (a host int; the metadata has it) only bounds the default split count.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    lse = torch.empty((num_seqs, num_heads), dtype=torch.float32, device=q.device)
+    if num_seqs == 0:
+        return out, lse
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if num_splits is None:
+        bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * k_cache.shape[1]
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, bound, q.device)
+    if num_splits == 1:  # the single share is the answer: write it in place, no reduction pass
+        part_out, part_lse = out.unsqueeze(1), lse.unsqueeze(1)
+    else:
+        part_out = torch.empty((num_seqs, num_splits, num_heads, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_seqs, num_splits, num_heads), dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, part_out, part_lse, block_tables, seq_lens,
+        scale * _LOG2E, sliding_window or 0,
+        q.stride(0), q.stride(1), part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        *_cache_strides(k_cache), *_cache_strides(v_cache), block_tables.stride(0),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        PAGE=k_cache.shape[1], BLOCK_N=_DECODE_BLOCK_N if q.is_cuda else 16, NUM_SPLITS=num_splits,
+        SLIDING=sliding_window is not None, PREC=_dot_precision(q.dtype), num_warps=4,
+    )
+    if num_splits > 1:
+        _reduce_splits_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, lse,
+            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0),
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
+            num_warps=4,
+        )
+    return out, lse
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, n_heads, head_dim,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_kc, stride_kch, stride_vc, stride_vch,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:  # padding rows of a captured batch write nowhere
+        return
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < n_heads) & (offs_d[None, :] < head_dim)
+    k = tl.load(k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    tl.store(k_cache_ptr + slot * stride_kc + offs_h[:, None] * stride_kch + offs_d[None, :],
+             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + slot * stride_vc + offs_h[:, None] * stride_vch + offs_d[None, :],
+             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_triton(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store new tokens' K/V [T, KVH, D] at their slots in one launch; a negative slot is skipped
+    (the padding rows of a CUDA-graph batch), which ``index_copy_`` cannot do."""
+    tokens, heads, head_dim = k.shape
+    if tokens == 0:
+        return
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    kc = k_cache.view(-1, heads, head_dim)
+    vc = v_cache.view(-1, heads, head_dim)
+    _write_kv_kernel[(tokens,)](
+        k, v, kc, vc, slot_mapping, heads, head_dim,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+        BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
+    )

@@ -1,0 +1,238 @@
+"""Each Triton kernel against its torch reference, on fresh random inputs.
+
+Every test runs twice: compiled on CUDA (``gpu`` mark, bf16/fp16/fp32, larger shapes), and on CPU
+through Triton's interpreter (small shapes, fp16/fp32 only: the interpreter of triton 3.9 emulates
+bf16 by truncation and miscomputes ``tl.dot`` on bf16 operands, so bf16 is checked on the GPU).
+Outputs are compared with the reference run in float32 on the upcast inputs, by relative L2
+error. Before each kernel call the allocator is fed NaN-filled blocks of the outputs' sizes, so an
+element the kernel fails to write shows up as NaN instead of a stale correct value.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from ragfuse.kernels.merge import merge_attention_ref
+from ragfuse.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
+from ragfuse.kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref
+from ragfuse.kernels.rope import apply_rope_ref, cos_sin_table, inv_frequencies
+
+pytest.importorskip("triton")
+
+KERNEL_MODULES = ("norm_triton", "rope_triton", "merge_triton", "paged_attention_triton")
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def _kernels() -> SimpleNamespace:
+    names: dict[str, object] = {}
+    for name in KERNEL_MODULES:
+        mod = importlib.import_module(f"ragfuse.kernels.{name}")
+        names.update({k: v for k, v in vars(mod).items() if k.endswith("_triton") or k == "decode_num_splits"})
+    return SimpleNamespace(**names)
+
+
+@pytest.fixture(scope="module", params=["interpreter", pytest.param("cuda", marks=pytest.mark.gpu)])
+def kern(request: pytest.FixtureRequest) -> SimpleNamespace:
+    """The kernels and where they run: compiled on CUDA, or the interpreter on CPU (conftest sets
+    TRITON_INTERPRET=1 on machines without CUDA, before Triton is first imported)."""
+    ns = _kernels()
+    if request.param == "cuda":
+        ns.device, ns.dtypes, ns.big = torch.device("cuda"), (torch.bfloat16, torch.float16, torch.float32), True
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        ns.device, ns.dtypes, ns.big = torch.device("cpu"), (torch.float16, torch.float32), False
+    else:
+        pytest.skip("Triton compiles for CUDA here: the cuda variant covers the kernels")
+    return ns
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert not torch.isnan(out).any(), "NaN in output (an element left unwritten?)"
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def poison(device: torch.device, *shapes: tuple[tuple[int, ...], torch.dtype]) -> None:
+    """Leave NaN-filled blocks of these sizes in the allocator for the next call to receive."""
+    bufs = [torch.full(s, float("nan"), dtype=d, device=device) for s, d in shapes]
+    del bufs
+
+
+# ---- paged attention ----------------------------------------------------------------------
+
+
+def make_cache(
+    seq_lens: list[int], kvh: int, d: int, page: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K/V caches with every sequence's blocks scattered in random order (and spare blocks
+    holding random data, so a wrong block index gives a wrong answer)."""
+    need = [-(-n // page) for n in seq_lens]
+    num_blocks = sum(need) + 3
+    k = torch.randn(num_blocks, page, kvh, d, dtype=dtype, device=device)
+    v = torch.randn(num_blocks, page, kvh, d, dtype=dtype, device=device)
+    perm = torch.randperm(num_blocks).tolist()
+    tables = torch.zeros(len(seq_lens), max(need + [1]) + 1, dtype=torch.int32)
+    at = 0
+    for s, n in enumerate(need):
+        tables[s, :n] = torch.tensor(perm[at : at + n], dtype=torch.int32)
+        at += n
+    return k, v, tables.to(device)
+
+
+ATTN_SHAPES = [(4, 1, 64), (4, 2, 128), (2, 2, 64)]  # (heads, kv heads, head_dim): GQA/MQA, GQA, MHA
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", ATTN_SHAPES)
+@pytest.mark.parametrize("page", [16, 5])
+@pytest.mark.parametrize("window", [None, 7])
+def test_prefill_matches_reference(kern, heads, kv_heads, head_dim, page, window) -> None:
+    """Varlen causal prefill: fresh sequences, cached prefixes, single tokens, tile/block edges."""
+    if kern.big:
+        q_lens, ctx = [300, 1, 129, 64, 17], [0, 257, 100, 64, 0]
+        window = None if window is None else 100
+    else:
+        q_lens, ctx = [37, 1, 16, 20], [0, 19, 16, 33]
+    seq_lens = [q + c for q, c in zip(q_lens, ctx)]
+    for dtype in kern.dtypes:
+        k_cache, v_cache, tables = make_cache(seq_lens, kv_heads, head_dim, page, dtype, kern.device)
+        q = torch.randn(sum(q_lens), heads, head_dim, dtype=dtype, device=kern.device)
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=kern.device)
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=kern.device)
+        scale = head_dim**-0.5
+        ref_out, ref_lse = paged_prefill_attention_ref(
+            q.float(), k_cache.float(), v_cache.float(), tables, lens, cu, scale, window
+        )
+        poison(kern.device, (q.shape, dtype), (q.shape[:2], torch.float32))
+        out, lse = kern.paged_prefill_attention_triton(
+            q, k_cache, v_cache, tables, lens, cu, scale, window, max_query_len=max(q_lens)
+        )
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        assert rel_err(out, ref_out) < TOL[dtype], dtype
+        assert rel_err(lse, ref_lse) < 1e-4, dtype
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", ATTN_SHAPES)
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("window", [None, 9])
+def test_decode_matches_reference(kern, heads, kv_heads, head_dim, num_splits, window) -> None:
+    """Split-K decode, including shares that fall past a short sequence's end (empty splits)."""
+    seq_lens = [1, 2000, 64, 129, 1025] if kern.big else [1, 17, 64, 100, 33]
+    page = 16
+    for dtype in kern.dtypes:
+        k_cache, v_cache, tables = make_cache(seq_lens, kv_heads, head_dim, page, dtype, kern.device)
+        q = torch.randn(len(seq_lens), heads, head_dim, dtype=dtype, device=kern.device)
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=kern.device)
+        scale = head_dim**-0.5
+        ref_out, ref_lse = paged_decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), tables, lens,
+                                                      scale, window)
+        splits = num_splits or kern.decode_num_splits(len(seq_lens), kv_heads, max(seq_lens), kern.device)
+        n = len(seq_lens)
+        poison(kern.device, (q.shape, dtype), (q.shape[:2], torch.float32),
+               ((n, splits, heads, head_dim), torch.float32), ((n, splits, heads), torch.float32))
+        out, lse = kern.paged_decode_attention_triton(
+            q, k_cache, v_cache, tables, lens, scale, window, max_seq_len=max(seq_lens), num_splits=num_splits
+        )
+        assert rel_err(out, ref_out) < TOL[dtype], dtype
+        assert rel_err(lse, ref_lse) < 1e-4, dtype
+
+
+def test_decode_split_count_depends_only_on_host_sizes(kern) -> None:
+    """The split count must not change with the lengths a captured graph later replays."""
+    n = kern.decode_num_splits(1, 1, 32768, kern.device)
+    assert n > 1
+    assert kern.decode_num_splits(64, 1, 32768, kern.device) < n
+    assert kern.decode_num_splits(1, 1, 10, kern.device) == 1  # one key tile: nothing to split
+
+
+def test_write_kv_skips_negative_slots(kern) -> None:
+    for dtype in kern.dtypes:
+        k_cache = torch.randn(6, 4, 2, 64, dtype=dtype, device=kern.device)
+        v_cache = torch.randn_like(k_cache)
+        k_before, v_before = k_cache.clone(), v_cache.clone()
+        slots = torch.tensor([3, -1, 22, 0, -1], dtype=torch.long, device=kern.device)
+        k = torch.randn(5, 2, 64, dtype=dtype, device=kern.device)
+        v = torch.randn(5, 2, 64, dtype=dtype, device=kern.device)
+        kern.write_kv_triton(k, v, k_cache, v_cache, slots)
+        keep = slots >= 0
+        k_before.view(-1, 2, 64)[slots[keep]] = k[keep]
+        v_before.view(-1, 2, 64)[slots[keep]] = v[keep]
+        assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
+
+
+# ---- merge, RoPE, RMSNorm ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("heads,head_dim", [(4, 64), (3, 128)])
+def test_merge_matches_reference(kern, heads, head_dim) -> None:
+    tokens = 37
+    for dtype in kern.dtypes:
+        oa = torch.randn(tokens, heads, head_dim, dtype=dtype, device=kern.device)
+        ob = torch.randn(tokens, heads, head_dim, dtype=dtype, device=kern.device)
+        la = torch.randn(tokens, heads, device=kern.device) * 4
+        lb = torch.randn(tokens, heads, device=kern.device) * 4
+        la[0, 0] = float("-inf")  # side a empty
+        lb[1, 1] = float("-inf")  # side b empty
+        la[2, 2] = lb[2, 2] = float("-inf")  # both empty: out 0, lse -inf
+        ref_out, ref_lse = merge_attention_ref(oa.float(), la, ob.float(), lb)
+        poison(kern.device, (oa.shape, dtype), (la.shape, torch.float32))
+        out, lse = kern.merge_attention_triton(oa, la, ob, lb)
+        assert rel_err(out, ref_out) < TOL[dtype] / 2
+        finite = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), finite)
+        assert rel_err(lse[finite], ref_lse[finite]) < 1e-6
+        assert torch.count_nonzero(out[2, 2]) == 0
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (3, 1, 128)])
+def test_rope_matches_reference(kern, heads, kv_heads, head_dim) -> None:
+    """q and k rotated in one launch from strided views of a packed qkv projection."""
+    tokens, max_pos = 13, 4096
+    cos, sin = cos_sin_table(inv_frequencies(head_dim, 10000.0), max_pos)
+    cos, sin = cos.to(kern.device), sin.to(kern.device)
+    for dtype in kern.dtypes:
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=kern.device)
+        q, k, _ = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+        q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+        positions = torch.randint(0, max_pos, (tokens,), device=kern.device)
+        poison(kern.device, (q.shape, dtype), (k.shape, dtype))
+        q_out, k_out = kern.apply_rope_qk_triton(q, k, positions, cos, sin)
+        assert rel_err(q_out, apply_rope_ref(q.float(), positions, cos, sin)) < TOL[dtype] / 2
+        assert rel_err(k_out, apply_rope_ref(k.float(), positions, cos, sin)) < TOL[dtype] / 2
+        assert rel_err(kern.apply_rope_triton(k, positions, cos, sin), k_out) == 0.0
+
+
+def test_rope_rerotates_stored_k_by_delta(kern) -> None:
+    """K stored at positions p, rotated again by per-token deltas, equals K rotated to p + delta."""
+    tokens, head_dim, max_pos = 29, 64, 2048
+    cos, sin = cos_sin_table(inv_frequencies(head_dim, 500000.0), max_pos)
+    cos, sin = cos.to(kern.device), sin.to(kern.device)
+    k = torch.randn(tokens, 2, head_dim, device=kern.device)
+    p = torch.randint(0, 1000, (tokens,), device=kern.device)
+    delta = torch.randint(0, 1000, (tokens,), device=kern.device)
+    stored = kern.apply_rope_triton(k, p, cos, sin)
+    moved = kern.apply_rope_triton(stored, delta, cos, sin)
+    assert rel_err(moved, apply_rope_ref(k, p + delta, cos, sin)) < 1e-5
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (7, 100), (2, 3, 64)])
+def test_rms_norm_matches_reference(kern, shape) -> None:
+    if kern.big:
+        shape = (*shape[:-1], 4096)
+    eps = 1e-5
+    for dtype in kern.dtypes:
+        x = torch.randn(shape, dtype=dtype, device=kern.device) * 3
+        res = torch.randn(shape, dtype=dtype, device=kern.device)
+        w = (torch.rand(shape[-1], device=kern.device) + 0.5).to(dtype)
+        poison(kern.device, (shape, dtype), (shape, dtype))
+        out = kern.rms_norm_triton(x, w, eps)
+        ref = rms_norm_ref(x, w, eps)
+        assert out.shape == ref.shape and out.dtype == ref.dtype
+        assert rel_err(out, ref) < TOL[dtype] / 4
+        poison(kern.device, (shape, dtype), (shape, dtype))
+        normed, new_res = kern.fused_add_rms_norm_triton(x, res, w, eps)
+        ref_normed, ref_res = fused_add_rms_norm_ref(x, res, w, eps)
+        assert torch.equal(new_res, ref_res)  # the residual sum rounds exactly like torch's add
+        assert rel_err(normed, ref_normed) < TOL[dtype] / 4
