@@ -1,0 +1,99 @@
+"""Tier behaviour: LRU eviction, demotion down the tiers, promotion on hit, stats, layer reads."""
+
+from __future__ import annotations
+
+import torch
+from safetensors import safe_open
+
+from ragfuse.engine.kvstore import DiskTier, MemoryTier, StoredKV, TieredKVStore, kv_key
+from tests.kvstore_helpers import LAYERS, make_entry, same
+
+
+def test_key_is_position_free_and_model_specific():
+    ids = [5, 6, 7]
+    assert kv_key("m", torch.float32, ids) == kv_key("m", torch.float32, list(ids))
+    assert kv_key("m", torch.float32, ids) != kv_key("m", torch.bfloat16, ids)
+    assert kv_key("m", torch.float32, ids) != kv_key("other", torch.float32, ids)
+    assert kv_key("m", torch.float32, ids) != kv_key("m", torch.float32, [5, 6, 8])
+
+
+def test_memory_tier_evicts_least_recently_used():
+    e = [make_entry(i) for i in range(3)]
+    tier = MemoryTier("cpu", "cpu", capacity_bytes=2 * e[0].nbytes)
+    assert tier.put(e[0]) == [] and tier.put(e[1]) == []
+    assert tier.get(e[0].key) is not None  # e[1] is now the least recently used
+    evicted = tier.put(e[2])
+    assert [x.key for x in evicted] == [e[1].key]
+    s = tier.stats()
+    assert (s.hits, s.evictions, s.entries, s.bytes) == (1, 1, 2, 2 * e[0].nbytes)
+    assert tier.get(e[1].key) is None and tier.stats().misses == 1
+
+
+def test_demotion_cascades_and_hits_are_promoted(tmp_path):
+    e = [make_entry(i) for i in range(4)]
+    size = e[0].nbytes
+    cpu = MemoryTier("cpu", "cpu", capacity_bytes=size)
+    disk = DiskTier(tmp_path / "kv", capacity_bytes=10 * (size + 4096))
+    store = TieredKVStore([cpu, disk])
+    for x in e:
+        store.put(x)
+    assert store.locate(e[-1].key) == "cpu"
+    assert all(store.locate(x.key) == "disk" for x in e[:-1])  # pushed out of memory, kept on disk
+    got = store.get(e[0].key)
+    assert got is not None and same(got, e[0])
+    assert store.locate(e[0].key) == "cpu" and disk.contains(e[0].key)  # promoted; disk keeps its copy
+    assert store.locate(e[-1].key) == "disk"  # demoted to make room
+    stats = store.stats()
+    assert stats["cpu"].misses == 1 and stats["disk"].hits == 1 and stats["cpu"].evictions >= 4
+
+
+def test_memory_to_memory_promotion_moves(tmp_path):
+    e = [make_entry(i) for i in range(3)]
+    top = MemoryTier("fast", "cpu", capacity_bytes=e[0].nbytes)
+    mid = MemoryTier("cpu", "cpu", capacity_bytes=4 * e[0].nbytes)
+    store = TieredKVStore([top, mid])
+    for x in e:
+        store.put(x)
+    assert store.get(e[0].key) is not None
+    assert top.contains(e[0].key) and not mid.contains(e[0].key) and mid.contains(e[2].key)
+
+
+def test_disk_tier_evicts_lru_and_out_of_last_tier_is_gone(tmp_path):
+    e = [make_entry(i) for i in range(3)]
+    disk = DiskTier(tmp_path, capacity_bytes=2 * e[0].nbytes + 8192)
+    store = TieredKVStore([disk])
+    store.put(e[0])
+    store.put(e[1])
+    assert store.get(e[0].key) is not None
+    store.put(e[2])
+    assert not disk.contains(e[1].key) and disk.contains(e[0].key) and disk.contains(e[2].key)
+    assert disk.stats().evictions == 1 and disk.stats().bytes <= disk.capacity_bytes
+    assert len(list((tmp_path / "data").glob("*/*.safetensors"))) == 2
+
+
+def test_disk_layout_is_safetensors_readable_layer_by_layer(tmp_path):
+    e = make_entry(7, dtype=torch.bfloat16)
+    disk = DiskTier(tmp_path, capacity_bytes=1 << 30)
+    disk.put(e)
+    with safe_open(str(disk.path_of(e.key)), "pt") as f:
+        assert torch.equal(f.get_tensor("layer.0002"), e.layers[2])
+    reader = disk.open(e.key)
+    with reader:
+        k, v = e.layer(LAYERS - 1)
+        layer = reader.read_layer(LAYERS - 1)
+        assert torch.equal(layer[0], k) and torch.equal(layer[1], v)
+
+
+def test_get_or_compute_computes_only_missing(tmp_path):
+    store = TieredKVStore([DiskTier(tmp_path, 1 << 30)])
+    calls: list[list[list[int]]] = []
+
+    def compute(lists):
+        calls.append(lists)
+        return [(torch.full((LAYERS, len(t), 2, 16), float(t[0])),) * 2 for t in lists]
+
+    first = store.get_or_compute("m", torch.float32, [[1, 2], [3, 4, 5], [1, 2]], compute)
+    again = store.get_or_compute("m", torch.float32, [[3, 4, 5], [6]], compute)
+    assert calls == [[[1, 2], [3, 4, 5]], [[6]]]
+    assert isinstance(first[0], StoredKV) and first[0].key == first[2].key
+    assert torch.equal(again[0].kv()[0], first[1].kv()[0])
