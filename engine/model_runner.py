@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata
+from .attention import AttentionMetadata, set_attention_backend
 from .checkpoint import Checkpoint
 from .config import ModelConfig
+from .cuda_graphs import DecodeGraphs, graphs_enabled
+from .fusion import FusionMode, FusionStats, Segment, SelectionPolicy, fuse_prefill
 from .kv_cache import KVCache
 from .models import KVHook, LlamaForCausalLM, build_model
 from .sampling import sample
@@ -24,18 +26,26 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         max_model_len: int,
+        attention_backend: str = "auto",
     ) -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
+        self.max_model_len = max_model_len
         self.model: LlamaForCausalLM = _materialize(config, checkpoint, device, dtype, max_model_len)
+        self.attention_backend_name = set_attention_backend(self.model, attention_backend, device)
         self.kv_cache: KVCache | None = None
         self.block_size = 0
+        self.graphs: DecodeGraphs | None = None
 
     def allocate_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate the paged cache after the weights, so its size can use the memory left."""
         self.kv_cache = KVCache(self.config, num_blocks, block_size, self.dtype, self.device)
         self.block_size = block_size
+        # Decode graphs need a forward that never syncs with the host: the Triton backend's.
+        if self.device.type == "cuda" and self.attention_backend_name == "triton" and graphs_enabled():
+            self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, block_size, self.max_model_len, self.device)
+            self.graphs.capture()
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, hook: KVHook | None = None) -> list[int | None]:
@@ -57,7 +67,10 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         assert self.kv_cache is not None, "allocate_cache first"
-        hidden = self.model(input_ids, pos, self.kv_cache.layers, meta, hook)
+        if self.graphs is not None and hook is None and self.graphs.accepts(meta):
+            hidden = self.graphs.run(input_ids, pos, meta)
+        else:
+            hidden = self.model(input_ids, pos, self.kv_cache.layers, meta, hook)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         wants = [i for i, s in enumerate(batch.seqs) if s.num_uncomputed == 0]
@@ -83,6 +96,13 @@ class ModelRunner:
         ids = torch.tensor([t for toks in token_lists for t in toks], dtype=torch.long, device=self.device)
         pos = torch.tensor([p for n in lens for p in range(n)], dtype=torch.long, device=self.device)
         return self.model(ids, pos, self.kv_cache.layers, meta, hook)
+
+    def fused_prefill(
+        self, block_table: list[int], segments: list[Segment], mode: FusionMode | str, policy: SelectionPolicy
+    ) -> tuple[torch.Tensor, FusionStats]:
+        """Cache fusion into ``block_table``'s pages; returns the last token's logits and stats."""
+        assert self.kv_cache is not None, "allocate_cache first"
+        return fuse_prefill(self.model, self.kv_cache.layers, block_table, segments, mode, policy)
 
     def capture_kv(
         self, token_lists: list[list[int]], block_tables: list[list[int]]

@@ -1,25 +1,77 @@
-"""Dispatch of the element-wise ops (RMSNorm, RoPE) to Triton on CUDA, torch references elsewhere.
+"""Dispatch of the element-wise ops (RMSNorm, RoPE) and choice of the kernel backend.
 
-The choice is made per call from the tensor's device, so one model object runs on CPU and CUDA.
+The choice is made per call from the tensor's device, so one model object runs on CPU and CUDA:
+Triton on CUDA when it imports, the torch references elsewhere. ``RAGFUSE_KERNELS=torch`` forces the
+references everywhere (to compare against them, or to step around a kernel).
 """
 
 from __future__ import annotations
 
-import torch
+import importlib.util
+import os
 
+import torch
 from ragfuse.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from ragfuse.kernels.rope import apply_rope_ref
 
+KERNELS_ENV = "RAGFUSE_KERNELS"
+BACKENDS = ("auto", "triton", "torch")
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+if HAVE_TRITON:
+    from ragfuse.kernels.norm_triton import fused_add_rms_norm_triton, rms_norm_triton
+    from ragfuse.kernels.rope_triton import apply_rope_qk_triton, apply_rope_triton
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    """``"triton"`` or ``"torch"`` for ``requested`` ("auto", "triton", "torch") on ``device``.
+
+    "auto" defers to ``RAGFUSE_KERNELS`` when set, else takes Triton on CUDA. Triton is refused off
+    CUDA: compiled kernels need a GPU (the interpreter is for tests, which call kernels directly).
+    """
+    if requested not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {requested!r} (one of {', '.join(BACKENDS)})")
+    if requested == "auto":
+        requested = os.environ.get(KERNELS_ENV, "auto")
+        if requested not in BACKENDS:
+            raise ValueError(f"{KERNELS_ENV}={requested!r}: expected one of {', '.join(BACKENDS)}")
+    if requested == "torch":
+        return "torch"
+    usable = device.type == "cuda" and HAVE_TRITON
+    if requested == "triton" and not usable:
+        raise ValueError(f"the triton backend needs CUDA and the triton package (device {device})")
+    return "triton" if usable else "torch"
+
+
+def _triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and resolve_backend("auto", x.device) == "triton"
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _triton(x):
+        return rms_norm_triton(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if _triton(x):
+        return fused_add_rms_norm_triton(x, residual, weight, eps)
     return fused_add_rms_norm_ref(x, residual, weight, eps)
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if _triton(x):
+        return apply_rope_triton(x, positions, cos, sin)
     return apply_rope_ref(x, positions, cos, sin)
+
+
+def apply_rope_qk(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated to ``positions``: one launch on CUDA, two reference calls elsewhere."""
+    if _triton(q):
+        q_out, k_out = apply_rope_qk_triton(q, k, positions, cos, sin)
+        assert k_out is not None
+        return q_out, k_out
+    return apply_rope_ref(q, positions, cos, sin), apply_rope_ref(k, positions, cos, sin)

@@ -135,12 +135,11 @@ def _prefill_kernel(
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
-    block_tables_ptr, seq_lens_ptr, scale_log2, window,
+    block_tables_ptr, seq_lens_ptr, scale_log2, window, num_splits,
     stride_qt, stride_qh, stride_ot, stride_os, stride_oh, stride_lt, stride_ls,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr,
-    PREC: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, PREC: tl.constexpr,
 ):
     """Program (sequence, kv head, split): the GROUP query heads of one KV head attend to one
     contiguous share of the sequence's keys, so each K/V tile is read once for the whole group.
@@ -155,7 +154,7 @@ def _decode_kernel(
     lo = 0
     if SLIDING:
         lo = tl.maximum(kv_len - window, 0)
-    share = tl.cdiv(tl.cdiv(kv_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    share = tl.cdiv(tl.cdiv(kv_len - lo, num_splits), BLOCK_N) * BLOCK_N
     start = lo + split * share
     end = tl.minimum(start + share, kv_len)
     offs_g = tl.arange(0, BLOCK_G)
@@ -190,15 +189,15 @@ def _decode_kernel(
 @triton.jit
 def _reduce_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
-    stride_pt, stride_ps, stride_ph, stride_plt, stride_pls, stride_ot, stride_oh, stride_lt,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    num_splits, stride_pt, stride_ps, stride_ph, stride_plt, stride_pls, stride_ot, stride_oh, stride_lt,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Program (sequence, head): merge the NUM_SPLITS partial attentions by their lse."""
+    """Program (sequence, head): merge the ``num_splits`` partial attentions by their lse."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
+    s_mask = offs_s < num_splits
     lse = tl.load(part_lse_ptr + seq * stride_plt + offs_s * stride_pls + head, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -328,20 +327,20 @@ def paged_decode_attention_triton(
     block_d = triton.next_power_of_2(head_dim)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, part_out, part_lse, block_tables, seq_lens,
-        scale * _LOG2E, sliding_window or 0,
+        scale * _LOG2E, sliding_window or 0, num_splits,
         q.stride(0), q.stride(1), part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         *_cache_strides(k_cache), *_cache_strides(v_cache), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE=k_cache.shape[1], BLOCK_N=_DECODE_BLOCK_N if q.is_cuda else 16, NUM_SPLITS=num_splits,
+        PAGE=k_cache.shape[1], BLOCK_N=_DECODE_BLOCK_N if q.is_cuda else 16,
         SLIDING=sliding_window is not None, PREC=_dot_precision(q.dtype), num_warps=4,
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, lse,
+            part_out, part_lse, out, lse, num_splits,
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1), lse.stride(0),
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
             num_warps=4,
         )
     return out, lse

@@ -1,18 +1,29 @@
 """``Attention``: the single place where a layer's queries meet the paged KV cache.
 
-It writes the step's new K/V into the cache, then runs the backend chosen for the device. Backends
+It writes the step's new K/V into the cache, then runs the backend chosen for the model: the Triton
+kernels on CUDA, the torch references elsewhere (or when forced, see ``engine.ops``). Backends
 return the output and its log-sum-exp so later paths (relay system prompts, split KV, fusion) can
 merge partial attentions exactly.
+
+The Triton path reads nothing back to the host, so a decode step through it can be captured in a
+CUDA graph; the torch path does (per-sequence loops over ``seq_lens``) and must not be captured.
 """
 
 from __future__ import annotations
 
 import torch
+from ragfuse.kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref
 from torch import nn
 
-from ragfuse.kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref
-
+from ..ops import HAVE_TRITON, resolve_backend
 from .metadata import AttentionMetadata
+
+if HAVE_TRITON:
+    from ragfuse.kernels.paged_attention_triton import (
+        paged_decode_attention_triton,
+        paged_prefill_attention_triton,
+        write_kv_triton,
+    )
 
 
 def write_kv(
@@ -21,6 +32,22 @@ def write_kv(
     """Store new tokens' K/V [tokens, kv_heads, head_dim] at their cache slots."""
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def flash_varlen_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill with no cached prefix through torch's own FlashAttention-2 (varlen, GQA, returns lse).
+
+    Every key is one of this step's new tokens, so K/V are read straight from the projections,
+    packed like q. Measured faster than the Triton prefill kernel for this case (kernels/NOTES.md).
+    """
+    window = sliding_window - 1 if sliding_window is not None else None
+    out, lse = torch.ops.aten._flash_attention_forward(
+        q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_query_len, meta.max_query_len, 0.0, True, False,
+        scale=scale, window_size_left=window, window_size_right=0 if window is not None else None,
+    )[:2]
+    return out, lse.transpose(0, 1)
 
 
 class Attention(nn.Module):
@@ -33,6 +60,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
+        self.backend = "auto"  # "auto" (by device, per call), "triton" or "torch"; see set_attention_backend
 
     def forward(
         self,
@@ -44,6 +72,20 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, D], k/v [T, KVH, D] for the step's new tokens -> (out [T, H, D], lse [T, H])."""
         k_cache, v_cache = kv_cache
+        backend = self.backend if self.backend != "auto" else resolve_backend("auto", q.device)
+        if backend == "triton":
+            write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+            if not meta.is_prefill:
+                return paged_decode_attention_triton(
+                    q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, self.sliding_window,
+                    max_seq_len=meta.max_seq_len,
+                )
+            if not meta.has_prefix and q.dtype in (torch.float16, torch.bfloat16):
+                return flash_varlen_prefill(q, k.to(q.dtype), v.to(q.dtype), meta, self.scale, self.sliding_window)
+            return paged_prefill_attention_triton(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale,
+                self.sliding_window, max_query_len=meta.max_query_len,
+            )
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         slots = meta.sequence_slots() if q.device.type == "cpu" else None
         if meta.is_prefill:
@@ -54,3 +96,13 @@ class Attention(nn.Module):
         return paged_decode_attention_ref(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, self.sliding_window, slots
         )
+
+
+def set_attention_backend(model: nn.Module, requested: str, device: torch.device) -> str:
+    """Resolve ``requested`` (EngineConfig.attention_backend) for ``device`` and set it on every
+    ``Attention`` of ``model``; returns the backend in use ("triton" or "torch")."""
+    backend = resolve_backend(requested, device)
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.backend = backend
+    return backend

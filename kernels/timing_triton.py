@@ -1,0 +1,261 @@
+"""Times the Triton kernels on the GPU against torch's own kernels and against the two floors.
+
+Run on the GPU machine: ``python -m ragfuse.kernels.timing_triton [out.json]``. Shapes are Mistral-7B's
+attention (32 query heads, 8 KV heads, head_dim 128) in bf16. It first measures the two ceilings
+(device-to-device copy bandwidth, bf16 matmul rate), then for each case prints the kernel's time, the
+flops floor and the bytes floor; kernels/NOTES.md records the results.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from . import paged_attention_triton as pat
+from .norm import fused_add_rms_norm_ref
+from .norm_triton import fused_add_rms_norm_triton
+from .rope import apply_rope_ref, cos_sin_table, inv_frequencies
+from .rope_triton import apply_rope_qk_triton
+
+H, KVH, D, PAGE = 32, 8, 128, 16
+DT = torch.bfloat16
+ROWS: list[dict[str, object]] = []
+
+
+def ms(fn: Callable[[], object]) -> float:
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def record(case: str, version: str, t_ms: float, flops: float = 0.0, nbytes: float = 0.0) -> None:
+    row = {"case": case, "version": version, "ms": round(t_ms, 4)}
+    if flops:
+        row["tflops"] = round(flops / t_ms / 1e9, 1)
+    if nbytes:
+        row["gbs"] = round(nbytes / t_ms / 1e6, 1)
+    ROWS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def ceilings() -> tuple[float, float]:
+    """(bytes/s of a device copy counting read + write, bf16 matmul flop/s), on random data."""
+    src = torch.randn(1 << 29, device="cuda", dtype=DT)  # 1 GiB
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() * 2 / (ms(lambda: dst.copy_(src)) * 1e-3)
+    a = torch.randn(8192, 8192, device="cuda", dtype=DT)
+    b = torch.randn(8192, 8192, device="cuda", dtype=DT)
+    rate = 2 * 8192**3 / (ms(lambda: a @ b) * 1e-3)
+    record("ceiling", "copy GB/s", 0.0, nbytes=0)
+    ROWS[-1].update(gbs=round(bw / 1e9, 1))
+    record("ceiling", "bf16 matmul TFLOP/s", 0.0)
+    ROWS[-1].update(tflops=round(rate / 1e12, 1))
+    return bw, rate
+
+
+def paged(seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    need = [-(-n // PAGE) for n in seq_lens]
+    blocks = sum(need)
+    k = torch.randn(blocks, PAGE, KVH, D, device="cuda", dtype=DT)
+    v = torch.randn_like(k)
+    perm = torch.randperm(blocks, device="cuda", dtype=torch.int32)
+    tables = torch.zeros(len(seq_lens), max(need), dtype=torch.int32, device="cuda")
+    at = 0
+    for s, n in enumerate(need):
+        tables[s, :n] = perm[at : at + n]
+        at += n
+    return k, v, tables
+
+
+def prefill(t: int, ctx: int, bw: float, rate: float) -> None:
+    """One sequence of ``t`` new tokens after ``ctx`` cached ones."""
+    n = ctx + t
+    k_cache, v_cache, tables = paged([n])
+    q = torch.randn(t, H, D, device="cuda", dtype=DT)
+    lens = torch.tensor([n], dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, t], dtype=torch.int32, device="cuda")
+    scale = D**-0.5
+    flops = 4 * H * D * (t * ctx + t * t / 2)
+    nbytes = (2 * t * H * D + 2 * n * KVH * D) * 2
+    case = f"prefill t={t} ctx={ctx}"
+    print(f"# {case}: floors {flops / rate * 1e3:.3f} ms (flops), {nbytes / bw * 1e3:.4f} ms (bytes)", flush=True)
+    default = pat._prefill_tiles
+    for tiles in [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 32, 4, 4)]:
+        pat._prefill_tiles = lambda d, dev, tiles=tiles: tiles
+        try:
+            fn = lambda: pat.paged_prefill_attention_triton(q, k_cache, v_cache, tables, lens, cu, scale, None, t)
+            record(case, f"triton {tiles}", ms(fn), flops, nbytes)
+        except Exception as e:  # a tile shape that does not fit shared memory: note it, go on
+            print(f"triton {tiles} failed: {e!r:.200}", flush=True)
+    pat._prefill_tiles = default
+    if ctx:
+        return
+    kk = k_cache.view(-1, KVH, D)[:t]
+    vv = v_cache.view(-1, KVH, D)[:t]
+    try:
+        fn = lambda: torch.ops.aten._flash_attention_forward(
+            q, kk, vv, cu, cu, t, t, 0.0, True, False, scale=scale
+        )
+        record(case, "torch flash varlen (FA2)", ms(fn), flops, nbytes)
+    except Exception as e:
+        print(f"flash varlen failed: {e!r:.300}", flush=True)
+    qb, kb, vb = q.transpose(0, 1)[None], kk.transpose(0, 1)[None], vv.transpose(0, 1)[None]
+    try:
+        fn = lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True)
+        record(case, "torch SDPA (enable_gqa)", ms(fn), flops, nbytes)
+    except Exception as e:
+        print(f"sdpa failed: {e!r:.300}", flush=True)
+    if t not in (512, 4096):  # each length compiles anew: two lengths bound the device time
+        return
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, t, t, device="cuda")
+        flex = torch.compile(flex_attention)
+        fn = lambda: flex(qb, kb, vb, block_mask=mask, scale=scale, enable_gqa=True, return_lse=True)
+        fn()
+        record(case, "torch FlexAttention (compiled)", ms(fn), flops, nbytes)
+    except Exception as e:
+        print(f"flex failed: {e!r:.300}", flush=True)
+
+
+def check_flash_matches_triton() -> None:
+    """The FA2 varlen op against the Triton kernel on the same packed no-prefix batch."""
+    q_lens = [300, 1, 129, 512]
+    n = sum(q_lens)
+    cu_list = [0]
+    for ql in q_lens:
+        cu_list.append(cu_list[-1] + ql)
+    # each sequence gets fresh consecutive blocks, so its keys are also a packed [t, KVH, D] slice
+    starts, at = [], 0
+    for ql in q_lens:
+        starts.append(at)
+        at += -(-ql // PAGE)
+    k_cache = torch.randn(at, PAGE, KVH, D, device="cuda", dtype=DT)
+    v_cache = torch.randn_like(k_cache)
+    width = max(-(-ql // PAGE) for ql in q_lens)
+    tables = torch.zeros(len(q_lens), width, dtype=torch.int32, device="cuda")
+    ks, vs = [], []
+    for s, ql in enumerate(q_lens):
+        nb = -(-ql // PAGE)
+        tables[s, :nb] = torch.arange(starts[s], starts[s] + nb, device="cuda", dtype=torch.int32)
+        ks.append(k_cache[starts[s] : starts[s] + nb].reshape(-1, KVH, D)[:ql])
+        vs.append(v_cache[starts[s] : starts[s] + nb].reshape(-1, KVH, D)[:ql])
+    k, v = torch.cat(ks), torch.cat(vs)
+    q = torch.randn(n, H, D, device="cuda", dtype=DT)
+    cu = torch.tensor(cu_list, dtype=torch.int32, device="cuda")
+    lens = torch.tensor(q_lens, dtype=torch.int32, device="cuda")
+    out_t, lse_t = pat.paged_prefill_attention_triton(q, k_cache, v_cache, tables, lens, cu, D**-0.5, None, 512)
+    try:
+        out_f, lse_f = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, 512, 512, 0.0, True, False, scale=D**-0.5, window_size_left=99, window_size_right=0
+        )[:2]
+        out_w, lse_w = pat.paged_prefill_attention_triton(q, k_cache, v_cache, tables, lens, cu, D**-0.5, 100, 512)
+        err = float((out_f.float() - out_w.float()).norm() / out_w.float().norm())
+        lse_err = float((lse_f.transpose(0, 1) - lse_w).abs().max())
+        print("flash window vs triton window: out", err, "lse", tuple(lse_f.shape), lse_err, flush=True)
+        out_f, lse_f = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, 512, 512, 0.0, True, False,
+                                                               scale=D**-0.5)[:2]
+        print("flash vs triton: out", float((out_f.float() - out_t.float()).norm() / out_t.float().norm()),
+              "lse", tuple(lse_f.shape), float((lse_f.transpose(0, 1) - lse_t).abs().max()), flush=True)
+    except Exception as e:
+        print(f"flash check failed: {e!r:.300}", flush=True)
+
+
+def decode(batch: int, ctx: int, bw: float) -> None:
+    k_cache, v_cache, tables = paged([ctx] * batch)
+    q = torch.randn(batch, H, D, device="cuda", dtype=DT)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    nbytes = 2 * batch * ctx * KVH * D * 2
+    case = f"decode b={batch} ctx={ctx}"
+    print(f"# {case}: bytes floor {nbytes / bw * 1e3:.4f} ms", flush=True)
+    for splits in (None, 1, 4, 16):
+        fn = lambda splits=splits: pat.paged_decode_attention_triton(
+            q, k_cache, v_cache, tables, lens, D**-0.5, None, ctx, num_splits=splits
+        )
+        record(case, f"triton splits={splits or pat.decode_num_splits(batch, KVH, ctx, q.device)}", ms(fn),
+               nbytes=nbytes)
+
+
+def elementwise(bw: float) -> None:
+    t, hidden = 4096, 4096
+    x = torch.randn(t, hidden, device="cuda", dtype=DT)
+    r = torch.randn_like(x)
+    w = torch.rand(hidden, device="cuda", dtype=DT)
+    nbytes = 4 * t * hidden * 2
+    record("add+rmsnorm 4096x4096", "triton", ms(lambda: fused_add_rms_norm_triton(x, r, w, 1e-5)), nbytes=nbytes)
+    record("add+rmsnorm 4096x4096", "torch ref", ms(lambda: fused_add_rms_norm_ref(x, r, w, 1e-5)), nbytes=nbytes)
+    qkv = torch.randn(t, (H + 2 * KVH) * D, device="cuda", dtype=DT)
+    q, k, _ = qkv.split((H * D, KVH * D, KVH * D), dim=-1)
+    q, k = q.view(t, H, D), k.view(t, KVH, D)
+    cos, sin = cos_sin_table(inv_frequencies(D, 1e6), 32768)
+    cos, sin = cos.cuda(), sin.cuda()
+    pos = torch.randint(0, 32768, (t,), device="cuda")
+    nbytes = 2 * t * (H + KVH) * D * 2
+    record("rope q+k 4096 tok", "triton (one launch)", ms(lambda: apply_rope_qk_triton(q, k, pos, cos, sin)),
+           nbytes=nbytes)
+    record("rope q+k 4096 tok", "torch ref", ms(lambda: (apply_rope_ref(q, pos, cos, sin),
+                                                        apply_rope_ref(k, pos, cos, sin))), nbytes=nbytes)
+
+
+def engine_decode() -> None:
+    """Decode steps of a random-weight Mistral-7B-shaped engine, with and without decode graphs."""
+    from ragfuse.engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams
+
+    mc = ModelConfig.from_dict({
+        "architectures": ["MistralForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 1e6, "eos_token_id": 2,
+    })
+    eng = LLMEngine(EngineConfig(device="cuda", max_model_len=4096), random_weights=mc)
+    weight_bytes = sum(p.numel() * p.element_size() for p in eng.runner.model.parameters())
+    graphs = eng.runner.graphs
+    for batch in (1, 16, 64):
+        for use_graphs in (True, False):
+            eng.runner.graphs = graphs if use_graphs else None
+            params = SamplingParams(max_tokens=33, ignore_eos=True)
+            for _ in range(batch):
+                eng.add_request(torch.randint(3, 32000, (1024,)).tolist(), params)
+            while any(s.num_uncomputed for s in eng.scheduler.running) or eng.scheduler.waiting:
+                eng.step()
+            eng.step()
+            torch.cuda.synchronize()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            steps = 0
+            while eng.has_unfinished():
+                eng.step()
+                steps += 1
+            end.record()
+            torch.cuda.synchronize()
+            step_ms = start.elapsed_time(end) / steps
+            record(f"engine decode b={batch} ctx=1024", f"graphs={use_graphs}", step_ms, nbytes=weight_bytes)
+    print(f"# weight bytes {weight_bytes / 1e9:.2f} GB", flush=True)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    bw, rate = ceilings()
+    check_flash_matches_triton()
+    for t in (512, 1024, 4096, 8192):
+        prefill(t, 0, bw, rate)
+    prefill(512, 3584, bw, rate)
+    for batch, ctx in ((1, 1024), (16, 1024), (64, 1024), (1, 8192), (64, 4096)):
+        decode(batch, ctx, bw)
+    elementwise(bw)
+    try:
+        engine_decode()
+    except Exception as e:
+        print(f"engine decode failed: {e!r:.500}", flush=True)
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(ROWS, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Kernel-backend choice, decode-graph batch padding and the attention metadata (no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ragfuse.engine.attention import AttentionMetadata
+from ragfuse.engine.cuda_graphs import padded_size
+from ragfuse.engine.ops import resolve_backend
+
+
+def test_backend_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAGFUSE_KERNELS", raising=False)
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", cpu) == "torch"
+    assert resolve_backend("torch", torch.device("cuda")) == "torch"
+    with pytest.raises(ValueError, match="needs CUDA"):
+        resolve_backend("triton", cpu)
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        resolve_backend("cutlass", cpu)
+    monkeypatch.setenv("RAGFUSE_KERNELS", "torch")
+    assert resolve_backend("auto", torch.device("cuda")) == "torch"
+    monkeypatch.setenv("RAGFUSE_KERNELS", "fast")
+    with pytest.raises(ValueError, match="RAGFUSE_KERNELS"):
+        resolve_backend("auto", cpu)
+
+
+@pytest.mark.gpu
+def test_auto_backend_is_triton_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAGFUSE_KERNELS", raising=False)
+    assert resolve_backend("auto", torch.device("cuda")) == "triton"
+
+
+def test_padded_sizes() -> None:
+    assert [padded_size(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 33, 64, 65)] == [1, 2, 4, 8, 8, 16, 16, 32, 48, 64, 80]
+
+
+def test_metadata_build_matches_per_token_definition() -> None:
+    """Slots, offsets and flags of a mixed batch: chunked prefill with a prefix, fresh prompt, decode."""
+    bs = 4
+    query_lens, seq_lens = [5, 3, 1], [9, 3, 6]
+    tables = [[7, 2, 9], [4], [0, 5]]
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, bs, torch.device("cpu"))
+    want = [
+        table[p // bs] * bs + p % bs
+        for q, n, table in zip(query_lens, seq_lens, tables)
+        for p in range(n - q, n)
+    ]
+    assert meta.slot_mapping.tolist() == want
+    assert meta.cu_seqlens_q.tolist() == [0, 5, 8, 9]
+    assert meta.block_tables.tolist() == [[7, 2, 9], [4, 0, 0], [0, 5, 0]]
+    assert meta.block_tables.dtype == meta.seq_lens.dtype == meta.cu_seqlens_q.dtype == torch.int32
+    assert meta.slot_mapping.dtype == torch.int64
+    assert (meta.is_prefill, meta.has_prefix, meta.max_query_len, meta.max_seq_len) == (True, True, 5, 9)
+    fresh = AttentionMetadata.build([3, 2], [3, 2], [[1], [2]], bs, torch.device("cpu"))
+    assert not fresh.has_prefix
+    decode = AttentionMetadata.build([1, 1], [6, 2], [[0, 5], [3]], bs, torch.device("cpu"))
+    assert not decode.is_prefill and decode.slot_mapping.tolist() == [21, 13]
