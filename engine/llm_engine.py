@@ -22,12 +22,13 @@ from .block_manager import BlockManager
 from .config import EngineConfig, ModelConfig
 from .detokenizer import IncrementalDetokenizer
 from .errors import RequestError
+from .fusion import FusionMode, FusionStats, Segment, SelectionPolicy
 from .kv_cache import KVCache
 from .model_runner import ModelRunner
 from .models import KVHook
-from .sampling import SamplingParams
+from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, Status
 
 log = logging.getLogger("ragfuse.engine")
 
@@ -76,6 +77,7 @@ class LLMEngine:
             self.blocks, self.config.max_num_seqs, max(self.config.max_num_batched_tokens, 1)
         )
         self._seqs: dict[str, Sequence] = {}
+        self._pending: list[Sequence] = []  # fused requests whose first token is not reported yet
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.eos_token_ids = set(mc.eos_token_ids)
@@ -200,16 +202,58 @@ class LLMEngine:
             for table in tables:
                 self.blocks.release(table)
 
+    def add_fused_request(
+        self,
+        segments: list[Segment],
+        params: SamplingParams | None = None,
+        mode: FusionMode | str = FusionMode.FUSE,
+        policy: SelectionPolicy | None = None,
+        request_id: str | None = None,
+    ) -> tuple[str, FusionStats]:
+        """Prefill a prompt made of ``segments`` with cache fusion, then decode it like any request.
+
+        The fused prefill runs now (its KV lands in the request's cache pages and its first token is
+        sampled); the first output comes with the next ``step``.
+        """
+        params = params or SamplingParams()
+        ids = self.tokenize([t for seg in segments for t in seg.token_ids])
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"prompt of {len(ids)} tokens exceeds the context of {self.max_model_len}")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            params = SamplingParams(**{**params.__dict__, "max_tokens": self.max_model_len - len(ids)})
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._seqs:
+            raise RequestError(f"request id {rid!r} is already in use")
+        seq = Sequence(rid, ids, params)
+        self.blocks.grow(seq.block_table, len(ids))
+        try:
+            logits, stats = self.runner.fused_prefill(seq.block_table, segments, mode, policy or SelectionPolicy())
+        except BaseException:
+            self.blocks.release(seq.block_table)
+            raise
+        seq.num_computed_tokens = len(ids)
+        seq.output_token_ids.append(sample(logits[None], [params], [seq.generator])[0])
+        seq.first_token_time = time.perf_counter()
+        seq.status = Status.RUNNING
+        self.scheduler.running.append(seq)
+        self._seqs[rid] = seq
+        if self.tokenizer is not None:
+            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self._pending.append(seq)
+        return rid, stats
+
     # ---- stepping -------------------------------------------------------------------------
 
     def step(self, hook: KVHook | None = None) -> list[RequestOutput]:
         """Run one scheduled batch; return an output for every request that got a new token."""
+        outputs = [self._emit(seq, [seq.output_token_ids[-1]], self._finish_reason(seq, seq.output_token_ids[-1]))
+                   for seq in self._pending if not seq.finished]
+        self._pending.clear()
         batch = self.scheduler.schedule()
         if batch is None:
-            return []
+            return outputs
         tokens = self.runner.run(batch, hook)
         now = time.perf_counter()
-        outputs = []
         for seq, tok in zip(batch.seqs, tokens):
             if tok is None:
                 continue

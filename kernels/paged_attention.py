@@ -28,8 +28,11 @@ def attention_with_lse(
     scale: float,
     q_start: int,
     sliding_window: int | None = None,
+    q_positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention for one sequence, query token ``i`` at absolute position ``q_start + i``.
+    """Causal attention for one sequence, query token ``i`` at absolute position ``q_start + i``
+    or, when given, at ``q_positions[i]`` (scattered positions, as selective recompute needs: each
+    query sees exactly the keys at or before its own position).
 
     q [Lq, H, D]; k, v [Lk, KVH, D] hold positions 0..Lk-1. Returns out [Lq, H, D], lse [Lq, H].
     """
@@ -37,7 +40,7 @@ def attention_with_lse(
     lk, kvh, _ = k.shape
     g = h // kvh
     window_cuts = sliding_window is not None and lk > sliding_window
-    if lq == 1 and not window_cuts:
+    if q_positions is None and lq == 1 and not window_cuts:
         # Decode: every cached key is visible. Fold the query heads of a KV group into the query
         # length so K/V are read once per KV head and never copied.
         qh = q.view(kvh, g, d)
@@ -46,10 +49,10 @@ def attention_with_lse(
     kh = k.transpose(0, 1).repeat_interleave(g, dim=0)
     vh = v.transpose(0, 1).repeat_interleave(g, dim=0)
     qh = q.transpose(0, 1)
-    if q_start == 0 and lq == lk and not window_cuts:
+    if q_positions is None and q_start == 0 and lq == lk and not window_cuts:
         out, lse = _sdpa_lse(qh, kh, vh, scale, None, True)
     else:
-        qpos = torch.arange(q_start, q_start + lq, device=q.device)
+        qpos = q_positions if q_positions is not None else torch.arange(q_start, q_start + lq, device=q.device)
         kpos = torch.arange(lk, device=q.device)
         visible = kpos[None, :] <= qpos[:, None]
         if sliding_window is not None:
@@ -133,3 +136,25 @@ def paged_decode_attention_ref(
     return paged_prefill_attention_ref(
         q, k_cache, v_cache, block_tables, seq_lens, cu, scale, sliding_window, slots
     )
+
+
+def paged_attention_at_positions_ref(
+    q: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    slots: torch.Tensor | slice | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's queries at arbitrary absolute positions ``q_positions`` [Lq] over its first
+    ``seq_len`` cached tokens, each query seeing the keys at or before its own position.
+
+    A bottom-right causal mask would be wrong here: the queries are scattered through the prompt.
+    """
+    kf = k_cache.view(-1, *k_cache.shape[2:])
+    vf = v_cache.view(-1, *v_cache.shape[2:])
+    idx = slots if slots is not None else sequence_slots(block_table, seq_len, k_cache.shape[1])
+    return attention_with_lse(q, kf[idx], vf[idx], scale, 0, sliding_window, q_positions)

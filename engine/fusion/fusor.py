@@ -1,0 +1,198 @@
+"""The fused prefill: one pass over the layers that reuses stored KV and recomputes a few tokens.
+
+For every layer, stored segments' KV (K rotated from position-free storage to its real offset) is
+written into the sequence's cache pages, then the *active* tokens are computed and their fresh KV
+overwrites the stored one. Tokens without stored KV (the question, the chat template's tail) are
+always active. In ``fuse`` mode all tokens are active until the first check layer, where the
+stored tokens that deviate most from their stored KV are kept active and the rest drop out; later
+check layers narrow the set (gradual filtering). Active tokens attend to the whole fused prompt
+with an exact causal mask for their scattered positions.
+
+Modes, comparable on the same input:
+- ``full``: every token computed (stored KV ignored): the reference.
+- ``prefix``: the first segment's stored KV reused (prefix caching), everything after computed.
+- ``reuse``: all stored KV reused, re-positioned; only tokens without stored KV computed.
+- ``fuse``: reuse plus selective recompute of high-deviation tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+from ragfuse.kernels.paged_attention import paged_attention_at_positions_ref, sequence_slots
+
+from ..attention import write_kv
+from ..models import LlamaForCausalLM
+from .prefetch import LayerPrefetcher
+from .segments import Segment
+from .selection import SelectionPolicy, choose, deviation, keep_count
+
+
+class FusionMode(str, Enum):
+    FULL = "full"
+    PREFIX = "prefix"
+    REUSE = "reuse"
+    FUSE = "fuse"
+
+
+@dataclass
+class FusionStats:
+    mode: str
+    recompute_ratio: float
+    prompt_tokens: int
+    stored_tokens: int  # tokens whose KV came from storage (before any recompute), exact prefix included
+    reused_tokens: int  # stored tokens whose stored KV stayed in use past the last check layer
+    recomputed_tokens: int  # stored tokens recomputed past the last check layer
+    computed_tokens: int  # tokens without stored KV, always computed
+    load_s: float
+    load_wait_s: float
+    compute_s: float
+    total_s: float
+    tiers: list[str] = field(default_factory=list)
+    active_per_layer: list[int] = field(default_factory=list)
+
+    @property
+    def load_hidden(self) -> float:
+        """Share of the loading time that overlapped compute."""
+        return 1.0 - self.load_wait_s / self.load_s if self.load_s > 0 else 1.0
+
+
+def fuse_prefill(
+    model: LlamaForCausalLM,
+    kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
+    block_table: list[int],
+    segments: list[Segment],
+    mode: FusionMode | str,
+    policy: SelectionPolicy,
+) -> tuple[torch.Tensor, FusionStats]:
+    """Fill ``block_table``'s cache pages with the prompt's KV and return the last token's logits."""
+    t_start = time.perf_counter()
+    mode = FusionMode(mode)
+    device = model.lm_head.weight.device
+    cfg = model.config
+    ids = [t for s in segments for t in s.token_ids]
+    n = len(ids)
+    used = _stored_segments(segments, mode)
+    stored = torch.zeros(n, dtype=torch.bool, device=device)
+    forced = torch.zeros(n, dtype=torch.bool, device=device)  # always recomputed among stored
+    exact = torch.zeros(n, dtype=torch.bool, device=device)  # stored KV computed in this very context
+    offset = 0
+    for i, seg in enumerate(segments):
+        if i in used:
+            stored[offset : offset + len(seg.token_ids)] = True
+            forced[offset : offset + min(policy.sink_tokens, len(seg.token_ids))] = mode is FusionMode.FUSE
+            # KV stored from position 0 is exactly what full prefill computes for a prompt that starts
+            # with it: a cached prefix, never a candidate for recompute
+            exact[offset : offset + len(seg.token_ids)] = offset == 0
+        offset += len(seg.token_ids)
+    stored[n - 1] = False  # the last token's hidden state gives the first answer token
+    exact[n - 1] = False
+    row_of = torch.full((n,), -1, dtype=torch.long, device=device)  # prompt index -> stored row
+    row_of[stored] = torch.arange(int(stored.sum()), device=device)
+    num_stored = int(stored.sum())
+    num_fusable = int((stored & ~exact).sum())
+    positions = torch.arange(n, device=device)
+    slots = sequence_slots(torch.tensor(block_table, device=device), n, kv_layers[0][0].shape[1])
+
+    active = ~stored if mode in (FusionMode.REUSE, FusionMode.PREFIX) else ~exact
+    checks = list(policy.check_layers) if mode is FusionMode.FUSE and num_fusable else []
+    active_idx = active.nonzero().squeeze(1)
+    block = model.model
+    sources = [segments[i].kv for i in sorted(used)]
+    hidden = block.embed_tokens(torch.tensor(ids, device=device))[active_idx]
+    residual: torch.Tensor | None = None
+    counts: list[int] = []
+    scale = cfg.head_dim**-0.5
+    window = cfg.sliding_window
+    with LayerPrefetcher(sources, cfg.num_layers, device) as loader, torch.inference_mode():
+        for li, layer in enumerate(block.layers):
+            kc, vc = kv_layers[li]
+            k_st, v_st = loader.get(li) if sources else (None, None)
+            if k_st is not None:
+                keep_stored = stored.clone()
+                keep_stored[active_idx] = False
+                rows = row_of[keep_stored]
+                pos = positions[keep_stored]
+                write_kv(block.rotary(k_st[rows], pos), v_st[rows], kc, vc, slots[pos])
+            if residual is None:
+                residual, h = hidden, layer.input_layernorm(hidden)
+            else:
+                h, residual = layer.input_layernorm(hidden, residual)
+            q, k_raw, v = layer.self_attn.project(h)
+            pos = positions[active_idx]
+            write_kv(block.rotary(k_raw, pos), v, kc, vc, slots[pos])
+            if checks and li == checks[0]:
+                keep = _check(policy, len(policy.check_layers) - len(checks), k_raw, v, k_st, v_st,
+                              active_idx, stored & ~exact, forced, row_of, num_fusable)
+                checks.pop(0)
+                q, residual = q[keep], residual[keep]
+                active_idx = active_idx[keep]
+                pos = positions[active_idx]
+            counts.append(int(active_idx.numel()))
+            whole = int(active_idx.numel()) == n
+            out, _ = paged_attention_at_positions_ref(
+                block.rotary(q, pos), None if whole else pos, kc, vc, torch.tensor(block_table, device=device),
+                n, scale, window, slots,
+            )
+            h = layer.self_attn.o_proj(out.reshape(out.shape[0], -1))
+            h, residual = layer.post_attention_layernorm(h, residual)
+            hidden = layer.mlp(h)
+        hidden, _ = block.norm(hidden, residual)
+        logits = model.compute_logits(hidden[-1:])[0]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    total = time.perf_counter() - t_start
+    final_active = torch.zeros(n, dtype=torch.bool, device=device)
+    final_active[active_idx] = True
+    recomputed = int((final_active & stored).sum())
+    stats = FusionStats(
+        mode=mode.value,
+        recompute_ratio=recomputed / num_fusable if num_fusable else (1.0 if mode is FusionMode.FULL else 0.0),
+        prompt_tokens=n,
+        stored_tokens=num_stored,
+        reused_tokens=num_stored - recomputed,
+        recomputed_tokens=recomputed,
+        computed_tokens=n - num_stored,
+        load_s=loader.load_s,
+        load_wait_s=loader.wait_s,
+        compute_s=total - loader.wait_s,
+        total_s=total,
+        tiers=sorted({s.tier for s in sources}),
+        active_per_layer=counts,
+    )
+    return logits, stats
+
+
+def _stored_segments(segments: list[Segment], mode: FusionMode) -> set[int]:
+    """Indices of the segments whose stored KV this mode uses."""
+    if mode is FusionMode.FULL:
+        return set()
+    if mode is FusionMode.PREFIX:
+        return {0} if segments and segments[0].kv is not None else set()
+    return {i for i, s in enumerate(segments) if s.kv is not None}
+
+
+def _check(
+    policy: SelectionPolicy,
+    check_index: int,
+    k_raw: torch.Tensor,
+    v: torch.Tensor,
+    k_st: torch.Tensor,
+    v_st: torch.Tensor,
+    active_idx: torch.Tensor,
+    stored: torch.Tensor,
+    forced: torch.Tensor,
+    row_of: torch.Tensor,
+    num_stored: int,
+) -> torch.Tensor:
+    """Bool mask over the active tokens: which stay active after this check layer."""
+    is_stored = stored[active_idx]
+    rows = row_of[active_idx[is_stored]]
+    dev = deviation(policy.metric, k_raw[is_stored], v[is_stored], k_st[rows], v_st[rows])
+    chosen = choose(dev, keep_count(policy.keep_share(check_index), num_stored), forced[active_idx[is_stored]])
+    keep = ~is_stored  # tokens without stored KV always stay
+    keep[is_stored.nonzero().squeeze(1)[chosen]] = True
+    return keep
