@@ -82,6 +82,8 @@ class Ingestor:
             self._precompute([ids for p in pending for ids in p.token_ids], report)
             report.kv_seconds = time.perf_counter() - t1
         offset = 0
+        all_removed: list[int] = []
+        all_added: list[int] = []
         for p in pending:
             n = len(p.texts)
             chunks = [
@@ -92,13 +94,17 @@ class Ingestor:
                         if c.kv_key]
             was_there = self.store.docs.file_hash(p.file.path) is not None
             removed, added = self.store.docs.replace_file(p.file.path, p.file.content_hash, chunks)
-            self.store.apply_changes(removed, added, vectors[offset:offset + n])
+            all_removed += removed
+            all_added += added
             report.kv_removed += self.store.forget_kv(old_keys)
             (report.replaced_files if was_there else report.new_files).append(p.file.path)
             report.chunks_added += len(added)
             report.chunks_removed += len(removed)
             report.tokens += sum(len(ids) for ids in p.token_ids)
             offset += n
+        if pending:  # one index update (and save) for the whole ingest; until then the saved
+            # index is behind the docstore's generation and a crash would make the next open rebuild it
+            self.store.apply_changes(all_removed, all_added, vectors)
         report.seconds = time.perf_counter() - t0
         return report
 

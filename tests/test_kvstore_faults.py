@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from ragfuse.engine.kvstore import DiskFullError, DiskTier, TieredKVStore
+
 from tests.kvstore_helpers import make_entry, same
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,11 +28,11 @@ def _python(code: str, *args: str, **kw) -> subprocess.Popen:
 def _check_consistent(root: Path) -> DiskTier:
     """Every listed entry reads back and verifies; nothing half-written lies around."""
     disk = DiskTier(root, capacity_bytes=1 << 40)
-    for key in disk.keys():
+    for key in disk.entry_keys():
         assert disk.get(key) is not None, f"listed entry {key} does not verify"
     assert disk.stats().corrupt == 0
     assert not list(root.glob("data/*/*.tmp"))
-    listed = {disk.path_of(k) for k in disk.keys()}
+    listed = {disk.path_of(k) for k in disk.entry_keys()}
     assert set(root.glob("data/*/*.safetensors")) == listed
     return disk
 
@@ -144,7 +144,7 @@ def test_full_disk_is_a_clear_error_and_the_store_stays_consistent(tmp_path):
     out, err = proc.communicate(timeout=60)
     assert out.startswith("full: disk full while writing a KV entry"), (out, err)
     disk = _check_consistent(tmp_path)
-    assert disk.keys() == [kept.key] and same(disk.get(kept.key), kept)
+    assert disk.entry_keys() == [kept.key] and same(disk.get(kept.key), kept)
 
 
 def test_free_space_check_refuses_before_writing(tmp_path):
@@ -152,4 +152,4 @@ def test_free_space_check_refuses_before_writing(tmp_path):
     disk = DiskTier(tmp_path, capacity_bytes=1 << 50, reserve_bytes=free)  # reserve more than is free
     with pytest.raises(DiskFullError, match="no room on disk"):
         disk.put(make_entry(3))
-    assert disk.keys() == [] and not list(tmp_path.glob("data/*/*"))
+    assert disk.entry_keys() == [] and not list(tmp_path.glob("data/*/*"))

@@ -92,6 +92,26 @@ class DiskEntryReader:
             raise CorruptEntryError("entry file is truncated")
         return data
 
+    def read_all(self, out: torch.Tensor) -> torch.Tensor:
+        """Every layer into ``out`` ``[layers, 2, tokens, heads, dim]``, verified. Layers lie in order
+        in the file, so this is one large sequential read (far fewer syscalls than layer by layer)."""
+        n = self.meta.layer_nbytes
+        if any(self._offsets[i] != [i * n, (i + 1) * n] for i in range(self.meta.num_layers)):
+            return torch.stack([self.read_layer(i, out[i]) for i in range(self.meta.num_layers)])
+        self._readinto(tensor_bytes(out), self._base, "the entry")
+        for i in range(self.meta.num_layers):
+            self.meta.verify_layer(i, out[i])
+        return out
+
+    def _readinto(self, buf: memoryview, offset: int, what: str) -> None:
+        self._f.seek(offset)
+        got = 0
+        while got < len(buf):
+            n = self._f.readinto(buf[got:])
+            if not n:
+                raise CorruptEntryError(f"entry {self.meta.key}: file ends inside {what}")
+            got += n
+
     def read_layer(self, i: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Layer ``i`` as ``[2, tokens, heads, dim]`` on CPU (into ``out`` when given), verified."""
         start, end = self._offsets[i]
@@ -99,14 +119,7 @@ class DiskEntryReader:
             raise CorruptEntryError(f"entry {self.meta.key}: layer {i} spans {end - start} bytes")
         if out is None:
             out = torch.empty(self.meta.layer_shape, dtype=self.meta.dtype)
-        buf = tensor_bytes(out)
-        self._f.seek(self._base + start)
-        got = 0
-        while got < len(buf):
-            n = self._f.readinto(buf[got:])
-            if not n:
-                raise CorruptEntryError(f"entry {self.meta.key}: file ends inside layer {i}")
-            got += n
+        self._readinto(tensor_bytes(out), self._base + start, f"layer {i}")
         self.meta.verify_layer(i, out)
         return out
 
@@ -148,6 +161,7 @@ class DiskTier(Tier):
         )
         self._db.execute("CREATE INDEX IF NOT EXISTS entries_lru ON entries(last_access)")
         self._stats = TierStats(capacity=self.capacity_bytes)
+        self._staging: list[torch.Tensor] | None = None  # page-locked buffers for reads to a GPU
         with self._lock:
             self._sweep()
 
@@ -200,19 +214,41 @@ class DiskTier(Tier):
         if reader is None:
             return None
         device = torch.device(device or "cpu")
-        pin = device.type == "cuda"
-        layers: list[torch.Tensor] = []
         with reader:
             try:
-                for i in range(reader.meta.num_layers):
-                    buf = torch.empty(reader.meta.layer_shape, dtype=reader.meta.dtype, pin_memory=pin)
-                    reader.read_layer(i, buf)
-                    layers.append(buf.to(device, non_blocking=True) if pin else buf)
+                layers = self._read_to_gpu(reader, device) if device.type == "cuda" else self._read_to_cpu(reader)
             except CorruptEntryError:
                 self._stats.hits -= 1
                 self.drop(key)
                 return None
         return StoredKV(reader.meta, layers)
+
+    @staticmethod
+    def _read_to_cpu(reader: DiskEntryReader) -> list[torch.Tensor]:
+        meta = reader.meta
+        whole = torch.empty((meta.num_layers, *meta.layer_shape), dtype=meta.dtype)  # one allocation
+        return list(reader.read_all(whole).unbind(0))
+
+    def _read_to_gpu(self, reader: DiskEntryReader, device: torch.device) -> list[torch.Tensor]:
+        """Read each layer into one of two page-locked staging buffers and copy it to the GPU
+        asynchronously, so the disk read of layer i+1 overlaps the copy of layer i."""
+        meta = reader.meta
+        nbytes = meta.layer_nbytes
+        if self._staging is None or self._staging[0].numel() < nbytes:
+            self._staging = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        out = torch.empty((meta.num_layers, *meta.layer_shape), dtype=meta.dtype, device=device)
+        done: list[torch.cuda.Event | None] = [None, None]
+        for i in range(meta.num_layers):
+            slot = i % 2
+            if done[slot] is not None:
+                done[slot].synchronize()  # the copy out of this buffer has finished
+            buf = self._staging[slot][:nbytes].view(meta.dtype).view(meta.layer_shape)
+            reader.read_layer(i, buf)
+            out[i].copy_(buf, non_blocking=True)
+            done[slot] = torch.cuda.Event()
+            done[slot].record()
+        torch.cuda.current_stream(device).synchronize()
+        return list(out.unbind(0))
 
     def drop(self, key: str) -> None:
         """Forget a corrupt entry: counted, removed, and reported to the caller as a miss."""
@@ -291,7 +327,7 @@ class DiskTier(Tier):
                 (self.root / file).unlink(missing_ok=True)
         return bool(rows)
 
-    def keys(self) -> list[str]:
+    def entry_keys(self) -> list[str]:
         return [k for (k,) in self._sql("SELECT key FROM entries ORDER BY last_access")]
 
     def path_of(self, key: str) -> Path | None:

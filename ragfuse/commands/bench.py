@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHES = ["engine"]
+BENCHES = ["engine", "store"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -1,0 +1,50 @@
+"""The ingest/search/store/profile commands end to end, and their one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+from ragfuse.cli import main
+
+
+def test_cli_ingest_search_stats_rm(tmp_path, capsys, engine):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("Photosynthesis turns light, water and carbon dioxide into sugar and oxygen.")
+    (docs / "b.txt").write_text("The Great Wall of China is thousands of kilometres long.")
+    (docs / "c.bin.txt").write_bytes(b"\x00\xff")
+    store = str(tmp_path / "store")
+    assert main(["ingest", str(docs), "--store", store, "--device", "cpu", "--chunk-tokens", "128", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["new_files"]) == 2 and report["kv_computed"] == 2 and len(report["skipped"]) == 1
+
+    assert main(["search", "how do plants make oxygen", "--store", store, "--top-k", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (hit,) = out["sources"]
+    assert set(hit) == {"id", "text", "source", "score"} and hit["source"].endswith("a.txt")
+
+    assert main(["store", "stats", "--store", store, "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["files"] == 2 and stats["kv"]["disk"]["entries"] == 2
+
+    assert main(["store", "rm", str(docs / "b.txt"), "--store", store]) == 0
+    assert "removed 1 files, 1 chunks, 1 KV entries" in capsys.readouterr().out
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["search", "anything", "--store", str(tmp_path / "none")]) == 2
+    assert "no ragfuse store" in capsys.readouterr().err
+    assert main(["search", "  ", "--store", str(tmp_path)]) == 2
+    assert "QUERY is empty" in capsys.readouterr().err
+
+
+def test_cli_profile_caches_a_profile(tmp_path, capsys, engine):
+    store = tmp_path / "store"
+    assert main(["profile", "--store", str(store), "--device", "cpu", "--lengths", "64,128", "--entries", "2",
+                 "--entry-tokens", "64", "--context", "1024", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    prof = out["profile"]
+    assert [n for n, _ in prof["prefill_points"]] == [64, 128] and all(s > 0 for _, s in prof["prefill_points"])
+    assert set(prof["bandwidth"]) == {"cpu", "disk"} and prof["kv_bytes_per_token"] == 30 * 3 * 64 * 2 * 4
+    assert out["decision"]["num_tokens"] == 1024 and 0.15 <= out["decision"]["recompute_ratio"] <= 1
+    assert len(list((store / "profiles").glob("profile-*.json"))) == 1

@@ -1,0 +1,126 @@
+"""Ingest and retrieval on a few small real documents, with the default model and embedder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ragfuse.documents import load_file
+from ragfuse.embeddings import Embedder
+from ragfuse.ingest import Ingestor
+from ragfuse.rag_store import RagStore
+from ragfuse.retrieval import Retriever
+from ragfuse.store_dir import StoreConfig, StoreError
+
+DOCS = {
+    "eiffel.txt": "The Eiffel Tower is a wrought-iron lattice tower in Paris, France. It was completed in 1889.",
+    "rust.md": "# Rust\n\nRust is a systems programming language that guarantees memory safety without a garbage "
+               "collector.",
+    "page.html": "<html><head><script>var x = 1;</script></head><body><h1>Volcanoes</h1><p>Mount Etna is an active "
+                 "volcano on the island of Sicily.</p></body></html>",
+}
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    return Embedder()
+
+
+def _config(embedder, chunk_tokens=64, index="flat"):
+    return StoreConfig("smollm2-135m-instruct", embedder.name, embedder.dim, index, chunk_tokens, 8)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    d = tmp_path / "docs"
+    d.mkdir()
+    for name, text in DOCS.items():
+        (d / name).write_text(text)
+    (d / "records.jsonl").write_text("\n".join(json.dumps({"title": t, "text": x}) for t, x in [
+        ("Mount Fuji", "Mount Fuji is the highest mountain in Japan."),
+        ("Danube", "The Danube flows through ten countries into the Black Sea."),
+    ]))
+    (d / "empty.txt").write_text("  \n")
+    (d / "blob.txt").write_bytes(b"\x00\x01\x02binary")
+    (d / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (d / "big.txt").write_text("x " * 2000)
+    return d
+
+
+def _ingest(store, engine, embedder, paths, **kw):
+    return Ingestor(store, engine, embedder, progress=False, **kw).ingest(paths)
+
+
+def test_ingest_search_reingest_change_remove(tmp_path, corpus, engine, embedder):
+    store = RagStore(tmp_path / "store", _config(embedder))
+    rep = _ingest(store, engine, embedder, [corpus], max_bytes=3000)
+    assert len(rep.new_files) == 4 and rep.chunks_added == 5
+    skipped = {s.path.rsplit("/", 1)[-1]: s.reason for s in rep.skipped}
+    assert skipped["empty.txt"] == "empty" and skipped["blob.txt"].startswith("binary")
+    assert "not UTF-8" in skipped["latin1.txt"] and "larger than the limit" in skipped["big.txt"]
+    retriever = Retriever(store, embedder)
+    top = retriever.search("Which volcano is on Sicily?", top_k=2)
+    assert top[0].source.endswith("page.html") and "Etna" in top[0].text and "var x" not in top[0].text
+    assert top[0].score > top[1].score
+    fuji = retriever.search("highest mountain in Japan", top_k=1)[0]
+    assert fuji.source.endswith("records.jsonl#0.text") and fuji.text.startswith("Mount Fuji\n")
+
+    # every chunk's KV is stored, keyed by its token ids, and equals a fresh computation
+    chunk = store.docs.chunks([top[0].id])[top[0].id]
+    entry = store.kv.get(chunk.kv_key)
+    k, v = engine.compute_kv([list(chunk.token_ids)])[0]
+    assert torch.allclose(entry.kv()[0], k, atol=1e-5) and torch.allclose(entry.kv()[1], v, atol=1e-5)
+
+    again = _ingest(store, engine, embedder, [corpus], max_bytes=3000)
+    assert len(again.unchanged_files) == 4 and again.chunks_added == 0 and again.kv_computed == 0
+    gen = store.docs.generation
+
+    (corpus / "eiffel.txt").write_text("The Eiffel Tower is 330 metres tall.")
+    changed = _ingest(store, engine, embedder, [corpus / "eiffel.txt"])
+    assert changed.replaced_files and changed.chunks_removed == 1 and changed.chunks_added == 1
+    assert changed.kv_removed == 1 and store.docs.generation > gen
+    assert "330 metres" in retriever.search("How tall is the Eiffel Tower?", top_k=1)[0].text
+    assert len(store.index) == store.docs.counts()["chunks"] == 5
+
+    chunks, kv = store.remove([str((corpus / "rust.md").resolve())])
+    assert (chunks, kv) == (1, 1) and len(store.index) == 4
+    assert all("Rust" not in r.text for r in retriever.search("memory safe programming language", top_k=4))
+    store.close()
+
+
+def test_failed_ingest_loses_nothing_and_stale_index_is_rebuilt(tmp_path, corpus, engine, embedder):
+    root = tmp_path / "store"
+    store = RagStore(root, _config(embedder))
+    _ingest(store, engine, embedder, [corpus / "eiffel.txt"])
+    store.close()
+    (root / "index.faiss.json").write_text('{"generation": -1, "kind": "flat"}')  # as if a crash left it stale
+    store = RagStore(root, _config(embedder), kv_capacity_gb=1e-6)  # too small to hold any KV entry
+    assert len(store.index) == 1
+    rep = _ingest(store, engine, embedder, [corpus / "rust.md"])
+    assert rep.kv_computed == 1 and store.docs.counts()["files"] == 2
+    with pytest.raises(StoreError, match="other settings"):
+        RagStore(root, _config(embedder, chunk_tokens=128))
+    store.close()
+
+
+@pytest.mark.parametrize("kind", ["ivf", "hnsw"])
+def test_approximate_indexes(tmp_path, corpus, engine, embedder, kind):
+    store = RagStore(tmp_path / kind, _config(embedder, index=kind))
+    _ingest(store, engine, embedder, [corpus], precompute_kv=False)
+    assert Retriever(store, embedder).search("Danube Black Sea", top_k=1)[0].text.startswith("Danube")
+    n = len(store.index)
+    store.remove([str((corpus / "records.jsonl").resolve())])
+    assert len(store.index) == n - 2
+    store.close()
+
+
+def test_nested_json_records(tmp_path):
+    path = tmp_path / "cases.json"
+    path.write_text(json.dumps([{"ctxs": [{"title": "A", "text": "alpha"}, {"title": "B", "text": "beta"}]},
+                                {"ctxs": [{"text": "gamma"}]}]))
+    loaded = load_file(path, text_field="ctxs[].text")
+    assert [(d.text, d.source.split("#")[1]) for d in loaded.documents] == [
+        ("A\nalpha", "0.ctxs[0].text"), ("B\nbeta", "0.ctxs[1].text"), ("gamma", "1.ctxs[0].text")]
+    assert "no record has" in load_file(path, text_field="body").reason
