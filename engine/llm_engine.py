@@ -173,6 +173,27 @@ class LLMEngine:
         n = len(ids) if last_n is None else last_n
         return self.runner.model.compute_logits(hidden[-n:])
 
+    @torch.inference_mode()
+    def score_fused(
+        self,
+        segments: list[Segment],
+        continuation: list[int],
+        mode: FusionMode | str,
+        policy: SelectionPolicy | None = None,
+    ) -> tuple[torch.Tensor, FusionStats]:
+        """Logits after the fused prompt and after each ``continuation`` token, teacher-forced on
+        top of the fused cache: [1 + len(continuation), vocab]. For quality evals of fusion modes."""
+        prompt = [t for seg in segments for t in seg.token_ids]
+        if continuation:
+            self.tokenize(continuation)
+        (ids,) = self._fresh_groups([prompt + continuation])[0]
+        with self._borrowed_blocks([ids]) as (table,):
+            first, stats = self.runner.fused_prefill(table, segments, mode, policy or SelectionPolicy())
+            if not continuation:
+                return first[None], stats
+            rest = self.runner.forward_continuation(continuation, len(prompt), table)
+        return torch.cat([first[None], self.runner.model.compute_logits(rest)]), stats
+
     def _fresh_groups(self, token_lists: list[list[int]]) -> list[list[list[int]]]:
         """Validate the lists and pack them into forward passes of bounded size."""
         for toks in token_lists:

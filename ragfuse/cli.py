@@ -19,6 +19,7 @@ COMMANDS = {
     "search": "search",
     "store": "store",
     "profile": "profile",
+    "ask": "ask",
 }
 
 

@@ -16,7 +16,10 @@ DEFAULT_KV_CAPACITY_GB = 200.0
 
 class RagStore:
     def __init__(self, root: Path, config: StoreConfig, kv_capacity_gb: float = DEFAULT_KV_CAPACITY_GB,
-                 redis_url: str | None = None, redis_capacity_gb: float = 4.0) -> None:
+                 redis_url: str | None = None, redis_capacity_gb: float = 4.0,
+                 memory_tiers: list | None = None) -> None:
+        """``memory_tiers`` (GPU/CPU pools, fastest first) sit above the disk tier: a long-running
+        process keeps hot chunks there; a one-shot command needs none."""
         self.root = root
         self.config = config
         try:
@@ -30,7 +33,7 @@ class RagStore:
             config.save(root)
         self.docs = DocStore(root / "docstore.sqlite")
         self.index = self._load_index()
-        tiers: list = [DiskTier(root / "kv", int(kv_capacity_gb * 2**30))]
+        tiers: list = [*(memory_tiers or []), DiskTier(root / "kv", int(kv_capacity_gb * 2**30))]
         if redis_url:
             tiers.append(RedisTier(redis_url, int(redis_capacity_gb * 2**30)))
         self.kv = TieredKVStore(tiers)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from ragfuse.engine.kvstore import StoredKV, kv_key
 
 LAYERS, HEADS, DIM = 4, 2, 16

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from ragfuse.engine.kvstore import DelayProfile, KVStoreError, LoadingController, profile_path
 
 KV_PER_TOKEN = 128 * 1024  # Mistral-7B, bf16

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ragfuse.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 from transformers import LlamaForCausalLM as HFLlama
 from transformers import MistralForCausalLM as HFMistral
 from transformers import Qwen2ForCausalLM as HFQwen2
+
+from ragfuse.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 
 from .test_engine_parity import hf_greedy
 

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 import torch
+
 from ragfuse.engine import LLM, AsyncEngine, EngineConfig, LLMEngine, RequestError, SamplingParams
 from ragfuse.engine.block_manager import BlockManager
 

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from ragfuse.engine.kvstore import DiskFullError, DiskTier, TieredKVStore
 
+from ragfuse.engine.kvstore import DiskFullError, DiskTier, TieredKVStore
 from tests.kvstore_helpers import make_entry, same
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,8 +9,8 @@ import subprocess
 import time
 
 import pytest
-from ragfuse.engine.kvstore import DiskTier, KVStoreError, MemoryTier, RedisTier, TieredKVStore
 
+from ragfuse.engine.kvstore import DiskTier, KVStoreError, MemoryTier, RedisTier, TieredKVStore
 from tests.kvstore_helpers import make_entry, same
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from ragfuse.engine.kvstore import DiskTier, MemoryTier, StoredKV, TieredKVStore, kv_key
 from safetensors import safe_open
 
+from ragfuse.engine.kvstore import DiskTier, MemoryTier, StoredKV, TieredKVStore, kv_key
 from tests.kvstore_helpers import LAYERS, make_entry, same
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
+
 from ragfuse.kernels.paged_attention import paged_attention_at_positions_ref, sequence_slots
 
 from ..attention import write_kv

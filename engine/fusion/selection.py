@@ -31,6 +31,11 @@ class SelectionPolicy:
             raise ValueError("check layers must be >= 1 (layer 0 never deviates)")
 
     @classmethod
+    def default(cls) -> SelectionPolicy:
+        """The selection ragfuse ships (chosen by ``ragfuse eval qa``; see the README)."""
+        return cls()
+
+    @classmethod
     def paper(cls, ratio: float) -> SelectionPolicy:
         """The paper's straightforward selection: one check layer, V deviation."""
         return cls(ratio=ratio, check_layers=(1,), first_factor=1.0, metric="v")

@@ -10,11 +10,13 @@ from .entry import CorruptEntryError, EntryMeta, KVStoreError, StoredKV, kv_key
 from .memory import MemoryTier
 from .profile import DelayProfile, measure_prefill, measure_read_bandwidth, profile_path
 from .redis_tier import RedisTier
+from .source import EntrySource, LayerwiseSource, open_source
 from .store import TieredKVStore
 from .tier import Tier, TierStats
 
 __all__ = [
-    "CorruptEntryError", "DelayProfile", "DiskEntryReader", "DiskFullError", "DiskTier", "EntryMeta", "KVStoreError",
+    "CorruptEntryError", "DelayProfile", "EntrySource", "LayerwiseSource", "open_source",
+    "DiskEntryReader", "DiskFullError", "DiskTier", "EntryMeta", "KVStoreError",
     "LoadingController", "LoadingDecision", "MemoryTier", "RedisTier", "StoredKV", "Tier", "TierEstimate", "TierStats",
     "TieredKVStore", "kv_key", "measure_prefill", "measure_read_bandwidth", "profile_path",
 ]

@@ -54,6 +54,11 @@ class TieredKVStore:
         if persistent not in (None, 0):
             self._insert(persistent, entry)
 
+    def put_top(self, entry: StoredKV) -> None:
+        """Promote an entry read from a lower tier into the top tier (no write-through: it is
+        already persisted where it came from)."""
+        self._insert(0, entry)
+
     def _insert(self, level: int, entry: StoredKV) -> None:
         """Put ``entry`` in tier ``level``; cascade what falls out down the tiers."""
         pending = [(level, entry)]

@@ -1,0 +1,105 @@
+"""Stored entries as the fusor's layer sources: each layer is read when the fusor's loader asks.
+
+An entry in a memory tier hands out views of its tensors. An entry on disk or in Redis is read and
+verified one layer at a time, so the read of layer i+1 overlaps the recompute of layer i. Layers
+read from a slower tier are collected, and once all have arrived the whole entry is promoted to the
+store's top tier, as a ``TieredKVStore.get`` hit would be.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .disk import DiskEntryReader, DiskTier
+from .entry import CorruptEntryError, StoredKV
+from .redis_tier import RedisTier
+from .store import TieredKVStore
+
+
+class EntrySource:
+    """An entry already in memory (a GPU or CPU pool, or just computed)."""
+
+    def __init__(self, entry: StoredKV, tier: str) -> None:
+        self.entry = entry
+        self.tier = tier
+        self.num_tokens = entry.meta.num_tokens
+
+    def load_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.entry.layer(layer)
+
+    def finish(self) -> None:
+        """Nothing to promote: the entry is in memory already."""
+
+
+class LayerwiseSource:
+    """An entry in a persistent tier (disk or Redis), read and verified a layer at a time."""
+
+    def __init__(self, store: TieredKVStore, tier: DiskTier | RedisTier, key: str) -> None:
+        self.store = store
+        self.tier = tier.name
+        self._tier = tier
+        self.key = key
+        self._reader: DiskEntryReader | None = None
+        if isinstance(tier, DiskTier):
+            self._reader = tier.open(key)
+            if self._reader is None:
+                raise KeyError(key)
+            self.meta = self._reader.meta
+        else:
+            meta = tier.meta(key)
+            if meta is None:
+                raise KeyError(key)
+            self.meta = meta
+        self.num_tokens = self.meta.num_tokens
+        self._layers: list[torch.Tensor | None] = [None] * self.meta.num_layers
+        self._lock = threading.Lock()  # the loader may read two layers at once; a file has one offset
+
+    def load_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raises ``CorruptEntryError`` when the layer fails its checksum: the caller drops the
+        entry (``drop``) and recomputes the chunk, never serving what was read."""
+        with self._lock:
+            try:
+                if self._reader is not None:
+                    t = self._reader.read_layer(layer)
+                else:
+                    assert isinstance(self._tier, RedisTier)
+                    t = self._tier.read_layer(self.key, self.meta, layer)
+            except CorruptEntryError as exc:
+                exc.key = self.key  # which entry to drop and recompute
+                raise
+        self._layers[layer] = t
+        return t[0], t[1]
+
+    def finish(self) -> None:
+        """Close the reader; promote the entry to the top tier if every layer was read."""
+        if self._reader is not None:
+            self._reader.close()
+        if all(t is not None for t in self._layers) and self.store.tiers[0].name != self.tier:
+            self.store.put_top(StoredKV(self.meta, [t for t in self._layers if t is not None]))
+
+    def drop(self) -> None:
+        """The entry failed a checksum: remove it from its tier."""
+        if self._reader is not None:
+            self._reader.close()
+        if isinstance(self._tier, DiskTier):
+            self._tier.drop(self.key)
+        else:
+            self._tier.delete(self.key)
+
+
+def open_source(store: TieredKVStore, key: str) -> EntrySource | LayerwiseSource | None:
+    """A layer source for ``key`` from the fastest tier that holds it, or None on a miss."""
+    for tier in store.tiers:
+        if not tier.contains(key):
+            continue
+        if isinstance(tier, DiskTier | RedisTier):
+            try:
+                return LayerwiseSource(store, tier, key)
+            except KeyError:  # gone (evicted, or corrupt and dropped) since ``contains``
+                continue
+        entry = tier.get(key)
+        if entry is not None:
+            return EntrySource(entry, tier.name)
+    return None

@@ -1,0 +1,59 @@
+"""Assembling the pieces an entry point needs (CLI, server, connectors): engine, store, retriever,
+loading controller and accuracy gate, from a store directory and a model name."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ragfuse.engine import EngineConfig, LLMEngine
+from ragfuse.engine.errors import RagfuseError
+from ragfuse.engine.kvstore import DelayProfile, LoadingController, MemoryTier, profile_path
+from ragfuse.engine.kvstore.entry import dtype_name
+from ragfuse.pipeline import RagPipeline
+from ragfuse.rag_store import RagStore
+from ragfuse.store_dir import StoreConfig, resolve_store_dir
+
+log = logging.getLogger("ragfuse.app")
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def open_pipeline(
+    store: str | None,
+    model: str | None = None,
+    device: str = "auto",
+    dtype: str | None = None,
+    redis_url: str | None = None,
+    cpu_cache_gb: float = 2.0,
+    gpu_cache_gb: float = 4.0,
+    engine: LLMEngine | None = None,
+    gate: bool = True,
+) -> RagPipeline:
+    """A pipeline over the store at ``store`` (or the default store), serving ``model`` (default:
+    the model the store was ingested with). KV tiers: GPU pool (with CUDA), CPU pool, disk, Redis."""
+    root = resolve_store_dir(store)
+    config = StoreConfig.load(root)
+    if config is None:
+        raise RagfuseError(f"no ragfuse store at {root} (run `ragfuse ingest` first, or pass --store)")
+    if model not in (None, DEFAULT_MODEL, config.model):
+        raise RagfuseError(f"the store at {root} was ingested with model {config.model!r}, not {model!r}")
+    engine = engine or LLMEngine(EngineConfig(model=config.model, device=device, dtype=dtype))
+    tiers = []
+    if engine.device.type == "cuda":
+        tiers.append(MemoryTier("gpu", engine.device, int(gpu_cache_gb * 2**30)))
+    tiers.append(MemoryTier("cpu", "cpu", int(cpu_cache_gb * 2**30), pin=torch.cuda.is_available()))
+    rag = RagStore(root, config, redis_url=redis_url, memory_tiers=tiers)
+    controller = None
+    prof_file = profile_path(root / "profiles", engine.fingerprint, str(engine.device), dtype_name(engine.dtype))
+    if prof_file.exists():
+        controller = LoadingController(DelayProfile.load(prof_file))
+    else:
+        log.info("no delay profile at %s (run `ragfuse profile`): recompute ratio r* without the controller",
+                 prof_file)
+    r_star = None
+    if gate:
+        from ragfuse.gate import calibrated_r_star
+
+        r_star = calibrated_r_star(engine)
+    return RagPipeline(engine, rag, r_star=r_star, controller=controller)

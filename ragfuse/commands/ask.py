@@ -1,0 +1,62 @@
+"""``ragfuse ask``: retrieve from a store, fuse the chunks' stored KV, answer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ragfuse.commands.generate import add_model_args, positive_int
+from ragfuse.commands.ingest import add_store_arg
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ask", help="answer QUESTION from an ingested store, reusing its chunks' KV")
+    p.add_argument("question")
+    add_store_arg(p)
+    add_model_args(p)
+    p.add_argument("--mode", default="fuse", choices=["fuse", "full", "prefix", "reuse"])
+    p.add_argument("--recompute-ratio", type=float, default=None,
+                   help="share of stored tokens to recompute (default: the loading controller's choice)")
+    p.add_argument("--top-k", type=positive_int, default=5)
+    p.add_argument("--max-tokens", type=positive_int, default=64)
+    p.add_argument("--redis", metavar="URL", help="also read KV from this Redis tier")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ragfuse.app import open_pipeline
+    from ragfuse.engine import SamplingParams
+
+    if not args.question.strip():
+        raise _usage("QUESTION is empty")
+    pipe = open_pipeline(args.store, args.model, args.device, args.dtype, redis_url=args.redis)
+    params = SamplingParams(max_tokens=args.max_tokens)
+    result = None
+    for item in pipe.stream(args.question, mode=args.mode, ratio=args.recompute_ratio, top_k=args.top_k,
+                            params=params):
+        if hasattr(item, "delta_text"):
+            if not args.json:
+                sys.stdout.write(item.delta_text)
+                sys.stdout.flush()
+        else:
+            result = item
+    assert result is not None
+    if args.json:
+        print(json.dumps(result.as_dict()))
+        return 0
+    print()
+    print("\nsources:")
+    for s in result.sources:
+        print(f"  [{s['score']:.3f}] {s['source']}: {s['text'][:90].replace(chr(10), ' ')}...")
+    print(f"\nmode {result.mode}, recomputed {result.recompute_ratio:.0%} of stored tokens, "
+          f"TTFT {result.ttft_s * 1e3:.0f} ms, KV from {', '.join(result.tiers) or 'nowhere (full prefill)'}")
+    for note in result.notes:
+        print(f"note: {note}")
+    return 0
+
+
+def _usage(msg: str) -> SystemExit:
+    sys.stderr.write(f"ragfuse: error: {msg}\n")
+    return SystemExit(2)

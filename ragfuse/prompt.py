@@ -1,0 +1,64 @@
+"""The RAG prompt, cut into the segments that cache fusion works on.
+
+The model's own chat template is rendered once around placeholders and split there, so every
+passage's tokens sit in the prompt exactly as they were stored at ingest (each passage tokenized
+alone): that is what lets its stored KV be reused at any position. The prompt shape follows the
+CacheBlend experiments: an instruction, the passages, the question, an answer within a few words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_INSTRUCTION = (
+    "You are given several passages and a question. Answer the question using the passages. "
+    "Answer within a few words."
+)
+_PASSAGES = "\x00ragfuse-passages\x00"
+_QUESTION = "\x00ragfuse-question\x00"
+
+
+@dataclass(frozen=True)
+class PromptParts:
+    prefix: list[int]  # chat header and instruction: the same for every question, stored once
+    separator: list[int]  # between passages
+    tail: list[int]  # question and the template's assistant header: computed per request
+
+
+class RagPromptBuilder:
+    def __init__(self, tokenizer: Any, instruction: str = DEFAULT_INSTRUCTION) -> None:
+        self.tokenizer = tokenizer
+        self.instruction = instruction
+        user = f"{_PASSAGES}Question: {_QUESTION}"
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(
+                [{"role": "system", "content": instruction}, {"role": "user", "content": user}],
+                tokenize=False, add_generation_prompt=True,
+            )
+        else:  # a base model: plain text
+            text = f"{instruction}\n\n{user}\nAnswer:"
+        self._head, rest = text.split(_PASSAGES)
+        self._before_q, self._after_q = rest.split(_QUESTION)
+        self.prefix = self._encode(self._head)
+        self.separator = self._encode("\n\n")
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def tail(self, question: str) -> list[int]:
+        q = " ".join(question.split())
+        return self._encode(f"\n{self._before_q}{q}{self._after_q}")
+
+    def passage_tokens(self, text: str) -> list[int]:
+        """How a passage is tokenized for storage: alone, as it will appear in the prompt."""
+        return self._encode(text.strip())
+
+    def token_ids(self, passages: list[list[int]], question: str) -> list[int]:
+        """The whole prompt as one token list (what full prefill runs)."""
+        out = list(self.prefix)
+        for i, p in enumerate(passages):
+            if i:
+                out += self.separator
+            out += p
+        return out + self.tail(question)
