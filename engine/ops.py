@@ -11,6 +11,7 @@ import importlib.util
 import os
 
 import torch
+
 from ragfuse.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from ragfuse.kernels.rope import apply_rope_ref
 

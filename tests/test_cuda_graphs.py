@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from ragfuse.engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams
 from ragfuse.engine.attention import AttentionMetadata
 from ragfuse.engine.cuda_graphs import padded_size
@@ -86,8 +87,36 @@ def test_graph_replay_matches_eager_and_padding_writes_nothing(monkeypatch: pyte
         eager = runner.model(ids, pos, runner.kv_cache.layers, meta)
     assert padded_size(3) == 4 and graphs.replays == 1
     assert (replayed - eager).abs().max().item() < 1e-4 * eager.abs().max().item()
-    changed = (after_graph != before).flatten(3).any(-1)  # [layers, k/v, blocks, block offsets]
+    changed = (after_graph != before).flatten(4).any(-1)  # [layers, k/v, blocks, block offsets]
     expect = torch.zeros_like(changed)
     for n, table in zip(seq_lens, tables):
         expect[:, :, table[(n - 1) // bs], (n - 1) % bs] = True
     assert torch.equal(changed, expect)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [77, 2048, 2500])
+def test_attention_layer_fresh_prefill_matches_reference(tokens: int) -> None:
+    """The layer's path for one fresh bf16 sequence (Triton when short, cuDNN when long) against the
+    torch reference."""
+    from ragfuse.engine.attention import Attention
+    from ragfuse.kernels.paged_attention import paged_prefill_attention_ref
+
+    heads, kv_heads, d, bs = 32, 8, 128, 16
+    attn = Attention(heads, kv_heads, d)
+    attn.backend = "triton"
+    blocks = -(-tokens // bs)
+    k_cache = torch.randn(blocks + 2, bs, kv_heads, d, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(tokens, heads, d, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(tokens, kv_heads, d, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    table = list(range(2, 2 + blocks))
+    meta = AttentionMetadata.build([tokens], [tokens], [table], bs, torch.device("cuda"))
+    assert attn._cudnn_fits(q, meta) == (tokens >= 2048)
+    out, lse = attn(q, k, v, (k_cache, v_cache), meta)
+    ref, ref_lse = paged_prefill_attention_ref(
+        q.float(), k_cache.float(), v_cache.float(), meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, d**-0.5
+    )
+    assert float((out.float() - ref).norm() / ref.norm()) < 2e-2
+    assert float((lse - ref_lse).abs().max()) < 1e-2

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from ragfuse.kernels.merge import merge_attention_ref
 from ragfuse.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from ragfuse.kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref

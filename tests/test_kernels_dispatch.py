@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from ragfuse.engine.attention import AttentionMetadata
 from ragfuse.engine.cuda_graphs import padded_size
 from ragfuse.engine.ops import resolve_backend
