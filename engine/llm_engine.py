@@ -69,7 +69,9 @@ class LLMEngine:
             self.model_name = self.checkpoint.name
         mc = self.model_config
         self.max_model_len = min(self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.runner = ModelRunner(mc, self.checkpoint, self.device, self.dtype, self.max_model_len)
+        self.runner = ModelRunner(
+            mc, self.checkpoint, self.device, self.dtype, self.max_model_len, self.config.attention_backend
+        )
         num_blocks = KVCache.blocks_for_budget(mc, self.config.block_size, self.dtype, self._kv_budget())
         self.runner.allocate_cache(num_blocks, self.config.block_size)
         self.blocks = BlockManager(num_blocks, self.config.block_size)
@@ -159,7 +161,7 @@ class LLMEngine:
         """
         results: list[tuple[torch.Tensor, torch.Tensor]] = []
         for group in self._fresh_groups(token_lists):
-            with self._borrowed_blocks(group) as tables:
+            with self.borrowed_blocks(group) as tables:
                 results.extend(self.runner.capture_kv(group, tables))
         return results
 
@@ -168,7 +170,7 @@ class LLMEngine:
         """Logits (float32, [n, vocab]) the model gives after each of the last ``last_n`` tokens
         (all by default) of ``token_ids`` run as one fresh sequence: teacher forcing, for evals."""
         (ids,) = self._fresh_groups([token_ids])[0]
-        with self._borrowed_blocks([ids]) as tables:
+        with self.borrowed_blocks([ids]) as tables:
             hidden = self.runner.forward_fresh([ids], tables)
         n = len(ids) if last_n is None else last_n
         return self.runner.model.compute_logits(hidden[-n:])
@@ -187,7 +189,7 @@ class LLMEngine:
         if continuation:
             self.tokenize(continuation)
         (ids,) = self._fresh_groups([prompt + continuation])[0]
-        with self._borrowed_blocks([ids]) as (table,):
+        with self.borrowed_blocks([ids]) as (table,):
             first, stats = self.runner.fused_prefill(table, segments, mode, policy or SelectionPolicy())
             if not continuation:
                 return first[None], stats
@@ -212,7 +214,7 @@ class LLMEngine:
         return groups
 
     @contextmanager
-    def _borrowed_blocks(self, token_lists: list[list[int]]) -> Iterator[list[list[int]]]:
+    def borrowed_blocks(self, token_lists: list[list[int]]) -> Iterator[list[list[int]]]:
         """Cache blocks for a side computation, returned however it ends."""
         tables: list[list[int]] = [[] for _ in token_lists]
         try:

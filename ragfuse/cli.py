@@ -20,6 +20,7 @@ COMMANDS = {
     "store": "store",
     "profile": "profile",
     "ask": "ask",
+    "eval": "eval",
 }
 
 

@@ -1,0 +1,124 @@
+"""``ragfuse eval qa``: quality and TTFT of the fusion modes against full prefill."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ragfuse.commands.generate import add_model_args, positive_int
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="quality evaluations")
+    esub = p.add_subparsers(dest="eval", required=True, parser_class=type(p))
+    q = esub.add_parser("qa", help="fusion modes vs full prefill on CacheBlend-format QA data")
+    q.add_argument("--dataset", required=True, help="JSON list of {ctxs, question, answers}")
+    q.add_argument("--limit", type=positive_int, default=None, help="first N examples")
+    q.add_argument("--max-passages", type=positive_int, default=6, help="passages per example (default 6)")
+    q.add_argument("--modes", default="full,prefix,reuse,fuse,fuse-paper",
+                   help="comma-separated: full, prefix, reuse, fuse (ragfuse's selection), fuse-paper "
+                        "(the paper's one-check-layer V-deviation selection)")
+    q.add_argument("--recompute-ratio", type=float, default=0.15)
+    q.add_argument("--sweep", action="store_true", help="also sweep ratios 0-100%% for fuse and fuse-paper")
+    q.add_argument("--sweep-limit", type=positive_int, default=None, help="examples in the sweep (default: all)")
+    q.add_argument("--max-tokens", type=positive_int, default=16, help="greedy answer length")
+    add_model_args(q)
+    add_policy_args(q)
+    q.add_argument("--out", default=None, help="write results.json, results.md and results.png here")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=run_qa)
+
+
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    """Knobs of ragfuse's own selection (``fuse``); defaults are the shipped policy."""
+    from ragfuse.engine.fusion import SelectionPolicy
+
+    d = SelectionPolicy.default()
+    p.add_argument("--metric", choices=["k", "v", "kv"], default=d.metric)
+    p.add_argument("--check-layers", default=",".join(map(str, d.check_layers)))
+    p.add_argument("--first-factor", type=float, default=d.first_factor)
+    p.add_argument("--sink-tokens", type=int, default=d.sink_tokens)
+
+
+def policy_from_args(args: argparse.Namespace, ratio: float) -> Any:
+    from ragfuse.engine import RagfuseError
+    from ragfuse.engine.fusion import SelectionPolicy
+
+    try:
+        layers = tuple(int(x) for x in args.check_layers.split(",") if x.strip())
+        return SelectionPolicy(ratio=ratio, check_layers=layers, first_factor=args.first_factor,
+                               metric=args.metric, sink_tokens=args.sink_tokens)
+    except ValueError as exc:
+        raise RagfuseError(f"bad selection policy: {exc}") from exc
+
+
+def run_qa(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from tqdm.auto import tqdm
+
+    from ragfuse.engine import EngineConfig, LLMEngine, RagfuseError
+    from ragfuse.eval_qa import SWEEP, evaluate, load_dataset
+
+    if not 0.0 <= args.recompute_ratio <= 1.0:
+        raise RagfuseError(f"--recompute-ratio must be in [0, 1], got {args.recompute_ratio}")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    examples = load_dataset(args.dataset, args.limit, args.max_passages)
+    policy = policy_from_args(args, args.recompute_ratio)
+    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
+    with tqdm(total=len(examples), desc="eval qa") as bar:
+        main = evaluate(engine, examples, modes, args.recompute_ratio, policy, max_tokens=args.max_tokens,
+                        progress=bar)
+    report: dict[str, Any] = {
+        "modes": main["modes"],
+        "settings": {"dataset": args.dataset, "examples": len(examples), "max_passages": args.max_passages,
+                     "recompute_ratio": args.recompute_ratio, "policy": asdict(policy), "model": engine.model_name,
+                     "device": str(engine.device), "max_tokens": args.max_tokens},
+        "elapsed_s": main["elapsed_s"],
+    }
+    if args.sweep:
+        sweep_examples = examples[: args.sweep_limit] if args.sweep_limit else examples
+        with tqdm(total=len(sweep_examples), desc="eval qa sweep") as bar:
+            sw = evaluate(engine, sweep_examples, ["reuse"], args.recompute_ratio, policy, sweep=SWEEP,
+                          max_tokens=args.max_tokens, progress=bar)
+        report["sweep"] = sw["modes"]
+        report["settings"]["sweep_examples"] = len(sweep_examples)
+    if args.out:
+        _write(args.out, report)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        from ragfuse.bench.report import markdown_table
+
+        print(markdown_table([{"mode": k, **v} for k, v in report["modes"].items()]))
+        if "sweep" in report:
+            print(markdown_table([{"point": k, **v} for k, v in report["sweep"].items()]))
+    return 0
+
+
+def _write(out: str, report: dict[str, Any]) -> None:
+    from ragfuse.bench.report import write_report
+
+    rows = [{"mode": k, **v} for k, v in report["modes"].items()]
+    sweep = report.get("sweep", {})
+    rows += [{"mode": k, **v} for k, v in sweep.items() if "@" in k]
+
+    def plot(fig: Any) -> None:
+        ax1, ax2, ax3 = fig.subplots(1, 3)
+        for name in ("fuse", "fuse-paper"):
+            pts = sorted((float(k.split("@")[1]), v) for k, v in sweep.items() if k.startswith(f"{name}@"))
+            if not pts:
+                continue
+            xs = [100 * x for x, _ in pts]
+            ax1.plot(xs, [v["kl_tf"] for _, v in pts], marker="o", label=name)
+            ax2.plot(xs, [v["f1_full"] for _, v in pts], marker="o", label=name)
+            ax3.plot(xs, [v["ttft_s"] for _, v in pts], marker="o", label=name)
+        for ax, label in ((ax1, "kl_tf vs full (lower is better)"), (ax2, "f1 vs full's answer"),
+                          (ax3, "TTFT s")):
+            ax.set_xlabel("recompute ratio %")
+            ax.set_title(label)
+            ax.legend()
+
+    write_report(out, "ragfuse eval qa", report, rows, plot if sweep else None,
+                 notes=json.dumps(report["settings"]))

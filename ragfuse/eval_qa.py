@@ -1,0 +1,174 @@
+"""``ragfuse eval qa``: fusion modes against full prefill on multi-hop QA (CacheBlend's datasets).
+
+Each example's passages are stored alone (as ingest stores chunks), then fused in the given order
+behind the instruction prefix, with the question last. Every mode runs one fused prefill; on that
+cache it is scored teacher-forced along full prefill's own answer (``kl_tf``: one early difference
+does not compound), then it answers greedily (``agreement``, ``f1_full``, ``f1``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import string
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ragfuse.engine import LLMEngine, RagfuseError
+from ragfuse.engine.fusion import SelectionPolicy
+from ragfuse.prompt import RagPromptBuilder
+from ragfuse.quality import Case, build_case, kl_rows
+
+FUSION_MODES = ("full", "prefix", "reuse", "fuse", "fuse-paper")
+SWEEP = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+
+
+@dataclass
+class Example:
+    passages: list[str]
+    question: str
+    answers: list[str]
+
+
+def load_dataset(path: str | Path, limit: int | None, max_passages: int | None) -> list[Example]:
+    """CacheBlend's format: ``[{ctxs: [{title, text}], question, answers}]``; ``answers`` is a list
+    of strings or a list of lists of strings (aliases of one answer)."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise RagfuseError(f"cannot read dataset {path}: {exc}") from exc
+    if not isinstance(raw, list) or not raw:
+        raise RagfuseError(f"{path}: expected a non-empty JSON list of examples")
+    out = []
+    for i, ex in enumerate(raw[:limit] if limit else raw):
+        try:
+            ctxs = ex["ctxs"][:max_passages] if max_passages else ex["ctxs"]
+            passages = [f"{c.get('title', '')}\n{c['text']}".strip() for c in ctxs]
+            answers = [a for group in ex["answers"] for a in (group if isinstance(group, list) else [group])]
+            out.append(Example(passages, str(ex["question"]), [str(a) for a in answers]))
+        except (KeyError, TypeError) as exc:
+            raise RagfuseError(f"{path}: example {i} lacks ctxs/question/answers ({exc})") from exc
+    return out
+
+
+def normalize(text: str) -> str:
+    """SQuAD-style answer normalization: lower case, no punctuation, no articles, single spaces."""
+    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def token_f1(prediction: str, reference: str) -> float:
+    p, r = normalize(prediction).split(), normalize(reference).split()
+    common = sum((Counter(p) & Counter(r)).values())
+    if not p or not r:
+        return float(p == r)
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(p), common / len(r)
+    return 2 * precision * recall / (precision + recall)
+
+
+def policy_for(mode: str, ratio: float, ours: SelectionPolicy) -> tuple[str, SelectionPolicy]:
+    """(engine mode, selection policy) of an eval mode name."""
+    if mode == "fuse-paper":
+        return "fuse", SelectionPolicy.paper(ratio)
+    return mode, ours.with_ratio(ratio)
+
+
+@torch.inference_mode()
+def run_mode(
+    engine: LLMEngine, case: Case, mode: str, policy: SelectionPolicy, max_tokens: int
+) -> dict[str, Any]:
+    """One fused prefill: teacher-forced KL along full's answer, then the mode's own greedy answer."""
+    runner = engine.runner
+    prompt = [t for s in case.segments for t in s.token_ids]
+    n = len(prompt)
+    with engine.borrowed_blocks([prompt + [0] * max(max_tokens, len(case.answer_ids))]) as (table,):
+        first, stats = runner.fused_prefill(table, case.segments, mode, policy)
+        teacher = case.answer_ids[:-1]
+        rest = runner.model.compute_logits(runner.forward_continuation(teacher, n, table)) if teacher else None
+        logits = first[None] if rest is None else torch.cat([first[None], rest])
+        kls = kl_rows(case.full_logits, logits)
+        answer = [int(first.argmax())]
+        while len(answer) < max_tokens and answer[-1] not in engine.eos_token_ids:
+            h = runner.forward_continuation(answer[-1:], n + len(answer) - 1, table)
+            answer.append(int(runner.model.compute_logits(h)[0].argmax()))
+    answer = [t for t in answer if t not in engine.eos_token_ids]
+    return {
+        "kl_first": float(kls[0]), "kl_tf": float(kls.mean()), "answer_ids": answer,
+        "answer": engine.tokenizer.decode(answer, skip_special_tokens=True).strip(),
+        "ttft_s": stats.total_s, "recompute_ratio": stats.recompute_ratio, "prompt_tokens": stats.prompt_tokens,
+    }
+
+
+def summarize(per_case: list[dict[str, Any]], reuse_kl: float | None) -> dict[str, float]:
+    n = len(per_case)
+    kl_tf = sum(r["kl_tf"] for r in per_case) / n
+    return {
+        "kl_first": sum(r["kl_first"] for r in per_case) / n,
+        "kl_tf": kl_tf,
+        "gap_closed": (1.0 - kl_tf / reuse_kl) if reuse_kl else float("nan"),
+        "agreement": sum(normalize(r["answer"]) == normalize(r["full_answer"]) for r in per_case) / n,
+        "f1_full": sum(token_f1(r["answer"], r["full_answer"]) for r in per_case) / n,
+        "f1": sum(max(token_f1(r["answer"], a) for a in r["gold"]) for r in per_case) / n,
+        "ttft_s": sum(r["ttft_s"] for r in per_case) / n,
+        "recompute_ratio": sum(r["recompute_ratio"] for r in per_case) / n,
+        "n": n,
+    }
+
+
+def evaluate(
+    engine: LLMEngine,
+    examples: list[Example],
+    modes: Iterable[str],
+    ratio: float,
+    policy: SelectionPolicy,
+    sweep: Iterable[float] = (),
+    sweep_modes: Iterable[str] = ("fuse", "fuse-paper"),
+    max_tokens: int = 16,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """Run every mode (and the ratio sweep) on every example; return per-mode summaries."""
+    modes = list(modes)
+    sweep = list(sweep)
+    sweep_modes = list(sweep_modes) if sweep else []
+    bad = [m for m in modes + sweep_modes if m not in FUSION_MODES]
+    if bad:
+        raise RagfuseError(f"unknown eval mode(s) {bad} ({', '.join(FUSION_MODES)})")
+    builder = RagPromptBuilder(engine.tokenizer)
+    # (row key, eval mode, ratio): the main modes at ``ratio``, then the sweep's points
+    jobs = [(m, m, ratio) for m in modes] + [(f"{m}@{r:g}", m, r) for m in sweep_modes for r in sweep]
+    rows: dict[str, list[dict[str, Any]]] = {}
+    t0 = time.perf_counter()
+    for ex in examples:
+        case = build_case(engine, builder, ex.passages, ex.question, max_tokens)
+        full_answer = engine.tokenizer.decode(case.answer_ids, skip_special_tokens=True).strip()
+        done: dict[tuple[str, float], dict[str, Any]] = {}
+        for key, name, r in jobs:
+            if (name, r) not in done:
+                mode, pol = policy_for(name, r, policy)
+                done[(name, r)] = {**run_mode(engine, case, mode, pol, max_tokens),
+                                   "full_answer": full_answer, "gold": ex.answers}
+            rows.setdefault(key, []).append(done[(name, r)])
+        if progress is not None:
+            progress.update(1)
+    reuse_kl = _reuse_kl(rows)
+    return {
+        "modes": {k: summarize(v, reuse_kl) for k, v in rows.items()},
+        "answers": {k: [r["answer"] for r in v] for k, v in rows.items()},
+        "elapsed_s": time.perf_counter() - t0,
+    }
+
+
+def _reuse_kl(rows: dict[str, list[dict[str, Any]]]) -> float | None:
+    for key in ("reuse", "fuse@0", "fuse-paper@0"):
+        if key in rows:
+            return sum(r["kl_tf"] for r in rows[key]) / len(rows[key])
+    return None
