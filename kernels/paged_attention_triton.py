@@ -75,14 +75,18 @@ def _attend_tile(
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
-    block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
+    block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, q_positions_ptr,
     scale_log2, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, PREC: tl.constexpr,
+    HAS_POS: tl.constexpr,
 ):
-    """Program (query tile, sequence, query head). Tiles past a sequence's query length exit."""
+    """Program (query tile, sequence, query head). Tiles past a sequence's query length exit.
+
+    ``HAS_POS``: the queries sit at the given ascending absolute positions (cache fusion's scattered
+    recompute) instead of the last ``q_len`` positions of the sequence."""
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -101,18 +105,25 @@ def _prefill_kernel(
     rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-    q_pos = ctx + offs_m
+    if HAS_POS:
+        q_pos = tl.load(q_positions_ptr + rows, mask=row_mask, other=0)
+        first = tl.load(q_positions_ptr + q_start + m0)
+        last = tl.load(q_positions_ptr + q_start + tl.minimum(m0 + BLOCK_M, q_len) - 1)
+    else:
+        q_pos = ctx + offs_m
+        first = ctx + m0
+        last = ctx + m0 + BLOCK_M - 1
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = tl.minimum(ctx + m0 + BLOCK_M, kv_len)
+    hi = tl.minimum(last + 1, kv_len)
     if SLIDING:  # every tile may cut a row's window: mask them all, start at the first row's window
-        lo = (tl.maximum(ctx + m0 - window + 1, 0) // BLOCK_N) * BLOCK_N
+        lo = (tl.maximum(first - window + 1, 0) // BLOCK_N) * BLOCK_N
         full_end = lo
     else:  # keys before the tile's first query are visible to all its rows
         lo = 0
-        full_end = ((ctx + m0) // BLOCK_N) * BLOCK_N
+        full_end = (first // BLOCK_N) * BLOCK_N
     for start_n in range(lo, full_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, start_n, q_pos, kv_len, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, window,
@@ -260,11 +271,13 @@ def paged_prefill_attention_triton(
     scale: float,
     sliding_window: int | None = None,
     max_query_len: int | None = None,
+    q_positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``paged_prefill_attention_ref``.
 
     ``max_query_len`` sizes the grid; pass it (the metadata has it) to avoid reading
-    ``cu_seqlens_q`` back to the host.
+    ``cu_seqlens_q`` back to the host. ``q_positions`` [total] (ascending within each sequence)
+    places the queries at arbitrary positions, each seeing the keys at or before its own.
     """
     total, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -281,12 +294,13 @@ def paged_prefill_attention_triton(
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, lse, block_tables, seq_lens, cu_seqlens_q,
+        q_positions if q_positions is not None else cu_seqlens_q,
         scale * _LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0),
         *_cache_strides(k_cache), *_cache_strides(v_cache), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, SLIDING=sliding_window is not None,
-        PREC=_dot_precision(q.dtype), num_warps=warps, num_stages=stages,
+        PREC=_dot_precision(q.dtype), HAS_POS=q_positions is not None, num_warps=warps, num_stages=stages,
     )
     return out, lse
 

@@ -19,7 +19,11 @@ import torch
 
 from ragfuse.kernels.merge import merge_attention_ref
 from ragfuse.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
-from ragfuse.kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref
+from ragfuse.kernels.paged_attention import (
+    paged_attention_at_positions_ref,
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+)
 from ragfuse.kernels.rope import apply_rope_ref, cos_sin_table, inv_frequencies
 
 pytest.importorskip("triton")
@@ -111,6 +115,31 @@ def test_prefill_matches_reference(kern, heads, kv_heads, head_dim, page, window
             q, k_cache, v_cache, tables, lens, cu, scale, window, max_query_len=max(q_lens)
         )
         assert out.dtype == dtype and lse.dtype == torch.float32
+        assert rel_err(out, ref_out) < TOL[dtype], dtype
+        assert rel_err(lse, ref_lse) < 1e-4, dtype
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", ATTN_SHAPES)
+@pytest.mark.parametrize("window", [None, 6])
+def test_prefill_at_scattered_positions_matches_reference(kern, heads, kv_heads, head_dim, window) -> None:
+    """Cache fusion's recompute: queries at scattered ascending positions over a whole cached
+    sequence, each with its own causal bound (positions straddle tile and page edges)."""
+    seq_len = 700 if kern.big else 53
+    picks = [0, 1, 5, 16, 17, 31, 32, 33, 52] if not kern.big else [0, 3, 63, 64, 65, 200, 511, 512, 699]
+    for dtype in kern.dtypes:
+        k_cache, v_cache, tables = make_cache([seq_len], kv_heads, head_dim, 16, dtype, kern.device)
+        q = torch.randn(len(picks), heads, head_dim, dtype=dtype, device=kern.device)
+        pos = torch.tensor(picks, device=kern.device)
+        scale = head_dim**-0.5
+        ref_out, ref_lse = paged_attention_at_positions_ref(
+            q.float(), pos, k_cache.float(), v_cache.float(), tables[0], seq_len, scale, window
+        )
+        poison(kern.device, (q.shape, dtype), (q.shape[:2], torch.float32))
+        cu = torch.tensor([0, len(picks)], dtype=torch.int32, device=kern.device)
+        lens = torch.tensor([seq_len], dtype=torch.int32, device=kern.device)
+        out, lse = kern.paged_prefill_attention_triton(
+            q, k_cache, v_cache, tables, lens, cu, scale, window, max_query_len=len(picks), q_positions=pos
+        )
         assert rel_err(out, ref_out) < TOL[dtype], dtype
         assert rel_err(lse, ref_lse) < 1e-4, dtype
 

@@ -14,7 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ragfuse.kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref
+from ragfuse.kernels.paged_attention import (
+    paged_attention_at_positions_ref,
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+)
 
 from ..ops import HAVE_TRITON, resolve_backend
 from .metadata import AttentionMetadata
@@ -103,6 +107,39 @@ class Attention(nn.Module):
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, self.sliding_window, slots
         )
 
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        q_positions: torch.Tensor | None,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        block_table: torch.Tensor,
+        seq_len: int,
+        slots: torch.Tensor | slice | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's queries over its first ``seq_len`` cached tokens (K/V already written).
+
+        ``q_positions`` (ascending) puts the queries at scattered positions with an exact causal
+        mask each, as cache fusion's selective recompute needs; None means the last ``len(q)``
+        positions. ``block_table`` is [1, blocks] int32.
+        """
+        k_cache, v_cache = kv_cache
+        backend = self.backend if self.backend != "auto" else resolve_backend("auto", q.device)
+        if backend == "triton":
+            n = q.shape[0]
+            cu = torch.tensor([0, n], dtype=torch.int32, device=q.device)
+            lens = torch.tensor([seq_len], dtype=torch.int32, device=q.device)
+            return paged_prefill_attention_triton(
+                q, k_cache, v_cache, block_table, lens, cu, self.scale, self.sliding_window,
+                max_query_len=n, q_positions=q_positions,
+            )
+        if q_positions is None:
+            q_positions = torch.arange(seq_len - q.shape[0], seq_len, device=q.device)
+            if q.shape[0] == seq_len:
+                q_positions = None  # a whole fresh sequence: the plain causal path
+        return paged_attention_at_positions_ref(
+            q, q_positions, k_cache, v_cache, block_table[0], seq_len, self.scale, self.sliding_window, slots
+        )
 
     def _cudnn_fits(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
         """One long fresh 16-bit sequence whose window (if any) cuts nothing: from host values only."""

@@ -23,7 +23,7 @@ from enum import Enum
 
 import torch
 
-from ragfuse.kernels.paged_attention import paged_attention_at_positions_ref, sequence_slots
+from ragfuse.kernels.paged_attention import sequence_slots
 
 from ..attention import write_kv
 from ..models import LlamaForCausalLM
@@ -96,7 +96,8 @@ def fuse_prefill(
     num_stored = int(stored.sum())
     num_fusable = int((stored & ~exact).sum())
     positions = torch.arange(n, device=device)
-    slots = sequence_slots(torch.tensor(block_table, device=device), n, kv_layers[0][0].shape[1])
+    table = torch.tensor([block_table], dtype=torch.int32, device=device)
+    slots = sequence_slots(table[0], n, kv_layers[0][0].shape[1])
 
     active = ~stored if mode in (FusionMode.REUSE, FusionMode.PREFIX) else ~exact
     checks = list(policy.check_layers) if mode is FusionMode.FUSE and num_fusable else []
@@ -106,8 +107,6 @@ def fuse_prefill(
     hidden = block.embed_tokens(torch.tensor(ids, device=device))[active_idx]
     residual: torch.Tensor | None = None
     counts: list[int] = []
-    scale = cfg.head_dim**-0.5
-    window = cfg.sliding_window
     with LayerPrefetcher(sources, cfg.num_layers, device) as loader, torch.inference_mode():
         for li, layer in enumerate(block.layers):
             kc, vc = kv_layers[li]
@@ -134,9 +133,8 @@ def fuse_prefill(
                 pos = positions[active_idx]
             counts.append(int(active_idx.numel()))
             whole = int(active_idx.numel()) == n
-            out, _ = paged_attention_at_positions_ref(
-                block.rotary(q, pos), None if whole else pos, kc, vc, torch.tensor(block_table, device=device),
-                n, scale, window, slots,
+            out, _ = layer.self_attn.attn.attend(
+                block.rotary(q, pos), None if whole else pos, (kc, vc), table, n, slots
             )
             h = layer.self_attn.o_proj(out.reshape(out.shape[0], -1))
             h, residual = layer.post_attention_layernorm(h, residual)
