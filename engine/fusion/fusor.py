@@ -105,18 +105,15 @@ def fuse_prefill(
     block = model.model
     sources = [segments[i].kv for i in sorted(used)]
     hidden = block.embed_tokens(torch.tensor(ids, device=device))[active_idx]
+    idle_rows, idle_pos = _idle_stored(stored, active_idx, row_of)
     residual: torch.Tensor | None = None
     counts: list[int] = []
     with LayerPrefetcher(sources, cfg.num_layers, device) as loader, torch.inference_mode():
         for li, layer in enumerate(block.layers):
             kc, vc = kv_layers[li]
             k_st, v_st = loader.get(li) if sources else (None, None)
-            if k_st is not None:
-                keep_stored = stored.clone()
-                keep_stored[active_idx] = False
-                rows = row_of[keep_stored]
-                pos = positions[keep_stored]
-                write_kv(block.rotary(k_st[rows], pos), v_st[rows], kc, vc, slots[pos])
+            if k_st is not None and idle_pos.numel():
+                write_kv(block.rotary(k_st[idle_rows], idle_pos), v_st[idle_rows], kc, vc, slots[idle_pos])
             if residual is None:
                 residual, h = hidden, layer.input_layernorm(hidden)
             else:
@@ -131,6 +128,7 @@ def fuse_prefill(
                 q, residual = q[keep], residual[keep]
                 active_idx = active_idx[keep]
                 pos = positions[active_idx]
+                idle_rows, idle_pos = _idle_stored(stored, active_idx, row_of)
             counts.append(int(active_idx.numel()))
             whole = int(active_idx.numel()) == n
             out, _ = layer.self_attn.attn.attend(
@@ -163,6 +161,17 @@ def fuse_prefill(
         active_per_layer=counts,
     )
     return logits, stats
+
+
+def _idle_stored(
+    stored: torch.Tensor, active_idx: torch.Tensor, row_of: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored tokens not being computed (their stored KV is used): rows in the stored KV and their
+    prompt positions. Changes only at check layers, so it is worked out then, not per layer."""
+    idle = stored.clone()
+    idle[active_idx] = False
+    pos = idle.nonzero().squeeze(1)
+    return row_of[pos], pos
 
 
 def _stored_segments(segments: list[Segment], mode: FusionMode) -> set[int]:

@@ -53,6 +53,11 @@ class LayerwiseSource:
                 raise KeyError(key)
             self.meta = meta
         self.num_tokens = self.meta.num_tokens
+        # with a GPU, layers land in page-locked memory so their copies to it run asynchronously
+        self._buffer = torch.empty(
+            (self.meta.num_layers, *self.meta.layer_shape), dtype=self.meta.dtype,
+            pin_memory=torch.cuda.is_available(),
+        )
         self._layers: list[torch.Tensor | None] = [None] * self.meta.num_layers
         self._lock = threading.Lock()  # the loader may read two layers at once; a file has one offset
 
@@ -62,10 +67,10 @@ class LayerwiseSource:
         with self._lock:
             try:
                 if self._reader is not None:
-                    t = self._reader.read_layer(layer)
+                    t = self._reader.read_layer(layer, self._buffer[layer])
                 else:
                     assert isinstance(self._tier, RedisTier)
-                    t = self._tier.read_layer(self.key, self.meta, layer)
+                    t = self._buffer[layer].copy_(self._tier.read_layer(self.key, self.meta, layer))
             except CorruptEntryError as exc:
                 exc.key = self.key  # which entry to drop and recompute
                 raise

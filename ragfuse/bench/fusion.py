@@ -1,0 +1,232 @@
+"""``ragfuse bench fusion``: TTFT of each fusion mode with chunk KV in the CPU and disk tiers.
+
+A RAG prompt of ``--chunks`` stored chunks and a computed query. For each tier the chunks' KV is
+stored there and every mode runs its fused prefill from it (page cache dropped before each disk
+run, so the disk is really read). Reported per run: TTFT, the loading and the compute time, and
+how much of the shorter of the two was hidden behind the other by the layer pipeline. A delay
+profile is then built from this run's own measurements and the loading controller picks each
+tier's ratio: where loading is slower than recompute at r*, the ratio rises to fill that time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .report import machine_info, write_report
+
+RATIOS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fusion", help="TTFT per fusion mode and KV tier, load/compute overlap")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--shape", action="append", default=None,
+                   help="random-weight shape(s) (cuda default: mistral-7b); cpu default: the default model")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--chunks", type=int, default=6)
+    p.add_argument("--chunk-tokens", type=int, default=512)
+    p.add_argument("--query-tokens", type=int, default=32)
+    p.add_argument("--ratio", type=float, default=0.15, help="r* for the fuse rows")
+    p.add_argument("--tiers", default="cpu,disk")
+    p.add_argument("--sweep", type=lambda s: [float(x) for x in s.split(",")], default=list(RATIOS),
+                   help="ratios for the TTFT-vs-ratio curve (CPU tier)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ragfuse.engine import RagfuseError
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise RagfuseError("--device cuda: no CUDA device here")
+    shapes = args.shape or (["mistral-7b"] if args.device == "cuda" else [None])
+    tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    if set(tiers) - {"cpu", "disk", "gpu"}:
+        raise RagfuseError(f"--tiers takes cpu, disk and gpu, got {args.tiers}")
+    rows: list[dict[str, Any]] = []
+    sweeps: dict[str, list[dict[str, Any]]] = {}
+    extra: dict[str, Any] = {}
+    for shape in shapes:
+        r, sw, ex = bench_shape(args, shape, tiers)
+        rows += r
+        sweeps[shape or args.model] = sw
+        extra[shape or args.model] = ex
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    results = {"benchmark": "fusion", "machine": machine_info(args.device), "sweeps": sweeps, "per_model": extra,
+               "settings": {k: v for k, v in vars(args).items() if k != "func"}}
+    out = args.out or f"bench-results/fusion-{args.device}"
+    path = write_report(out, "ragfuse bench fusion", results, rows, lambda fig: _plot(fig, rows, sweeps),
+                        notes=_notes(rows))
+    print((path / "results.md").read_text())
+    return 0
+
+
+def _engine(args: argparse.Namespace, shape: str | None) -> Any:
+    from ragfuse.engine import EngineConfig, LLMEngine, ModelConfig
+
+    n = args.chunks * args.chunk_tokens + args.query_tokens
+    if shape is None:
+        return LLMEngine(EngineConfig(model=args.model, device=args.device, max_model_len=max(n + 64, 4096)))
+    from .shapes import shape_config
+
+    cfg = shape_config(shape)
+    cfg["max_position_embeddings"] = min(cfg["max_position_embeddings"], max(n + 64, 8192))
+    mc = ModelConfig.from_dict(cfg)
+    budget = int(mc.kv_bytes_per_token(torch.bfloat16) * (n + 256) * 3)
+    return LLMEngine(EngineConfig(device=args.device, kv_cache_bytes=budget), random_weights=mc)
+
+
+def bench_shape(
+    args: argparse.Namespace, shape: str | None, tiers: list[str]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    from ragfuse.engine.fusion import Segment, SelectionPolicy
+    from ragfuse.engine.kvstore import (
+        DelayProfile,
+        DiskTier,
+        LoadingController,
+        MemoryTier,
+        StoredKV,
+        TieredKVStore,
+        kv_key,
+        open_source,
+    )
+
+    eng = _engine(args, shape)
+    name = shape or eng.model_name
+    mc = eng.model_config
+    gen = torch.Generator().manual_seed(0)
+    chunks = [torch.randint(3, mc.vocab_size, (args.chunk_tokens,), generator=gen).tolist() for _ in range(args.chunks)]
+    query = torch.randint(3, mc.vocab_size, (args.query_tokens,), generator=gen).tolist()
+    n_ctx = args.chunks * args.chunk_tokens
+    print(f"bench fusion [{name}]: computing {args.chunks} x {args.chunk_tokens}-token chunks' KV", flush=True)
+    kvs = eng.compute_kv(chunks)
+    keys = [kv_key(eng.fingerprint, eng.dtype, c) for c in chunks]
+    entries = [StoredKV.from_kv(k, kk, vv) for k, (kk, vv) in zip(keys, kvs, strict=True)]
+    del kvs
+    entry_bytes = sum(e.nbytes for e in entries)
+    policy = SelectionPolicy.default()
+    rows: list[dict[str, Any]] = []
+    sweep: list[dict[str, Any]] = []
+    measured: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="ragfuse-bench-fusion-") as tmp:
+        stores: dict[str, Any] = {}
+        for tier in tiers:
+            if tier == "disk":
+                t = DiskTier(Path(tmp) / "kv", entry_bytes * 2, reserve_bytes=0)
+            else:
+                t = MemoryTier(tier, eng.device if tier == "gpu" else "cpu", entry_bytes * 2,
+                               pin=tier == "cpu" and torch.cuda.is_available())
+            for e in entries:
+                t.put(e, keep_evicted=False)
+            stores[tier] = TieredKVStore([t])
+
+        def fused(tier: str, mode: str, ratio: float) -> dict[str, float]:
+            store = stores[tier]
+            best: list[Any] = []
+            for _ in range(args.repeats):
+                if tier == "disk":
+                    for k in keys:
+                        store.tiers[0].drop_cache(k)
+                segs = [Segment(c, open_source(store, k) if mode != "full" else None) for c, k in zip(chunks, keys,
+                                                                                                        strict=True)]
+                segs.append(Segment(query))
+                with eng.borrowed_blocks([[t for s in segs for t in s.token_ids]]) as (table,):
+                    _logits, stats = eng.runner.fused_prefill(table, segs, mode, policy.with_ratio(ratio))
+                best.append(stats)
+            st = sorted(best, key=lambda s: s.total_s)[len(best) // 2]
+            shorter = min(st.load_s, st.compute_s) if st.load_s > 0 else 0.0
+            hidden = (st.load_s - st.load_wait_s) / shorter if shorter > 0 else 1.0
+            return {"ttft_s": st.total_s, "load_s": st.load_s, "compute_s": st.compute_s,
+                    "load_wait_s": st.load_wait_s, "hidden": min(1.0, hidden), "ratio": st.recompute_ratio}
+
+        fused(tiers[0], "fuse", args.ratio)  # warm-up: kernels, allocator
+        jobs = [(t, m) for t in tiers for m in ("full", "prefix", "reuse", "fuse")]
+        for tier, mode in tqdm(jobs, desc=f"bench fusion [{name}]"):
+            res = fused(tier, mode, args.ratio if mode == "fuse" else 0.0)
+            rows.append({"model": name, "tier": tier, "mode": mode, **res})
+            if mode == "reuse":
+                measured[tier] = entry_bytes / max(res["load_s"], 1e-9)
+        full = next(r for r in rows if r["mode"] == "full")
+        for tier in tiers:
+            for mode in ("prefix", "reuse", "fuse"):
+                row = next(r for r in rows if r["tier"] == tier and r["mode"] == mode and r["model"] == name)
+                row["speedup_vs_full"] = full["ttft_s"] / row["ttft_s"]
+        prefix = {r["tier"]: r["ttft_s"] for r in rows if r["mode"] == "prefix" and r["model"] == name}
+        for r in rows:
+            if r["model"] == name and r["mode"] == "fuse":
+                r["speedup_vs_prefix"] = prefix[r["tier"]] / r["ttft_s"]
+        profile = DelayProfile(
+            model=name, device=str(eng.device), dtype=str(eng.dtype), kv_bytes_per_token=entry_bytes // n_ctx,
+            prefill_points=[(n_ctx + args.query_tokens, full["compute_s"])], bandwidth=measured,
+        )
+        controller = LoadingController(profile, r_star=args.ratio)
+        for tier in tqdm(tiers, desc="controller"):
+            decision = controller.decide(n_ctx, tier)
+            res = fused(tier, "fuse", decision.recompute_ratio)
+            rows.append({"model": name, "tier": tier, "mode": "fuse@controller", **res,
+                         "speedup_vs_full": full["ttft_s"] / res["ttft_s"], "controller_reason": decision.reason})
+        with torch.inference_mode():
+            ref = _first_logits(eng, chunks, query) if shape is None else None
+        for ratio in tqdm(args.sweep, desc="ratio sweep"):
+            res = fused(tiers[0], "fuse" if ratio > 0 else "reuse", ratio)
+            point = {"ratio": ratio, **res}
+            if ref is not None:
+                point["kl_first"] = _kl_at(eng, chunks, keys, query, stores[tiers[0]], ratio, policy, ref)
+            sweep.append(point)
+    return rows, sweep, {"context_tokens": n_ctx, "kv_bytes": entry_bytes, "bandwidth_measured": measured}
+
+
+def _first_logits(eng: Any, chunks: list[list[int]], query: list[int]) -> torch.Tensor:
+    return eng.score([t for c in chunks for t in c] + query, last_n=1)[0]
+
+
+def _kl_at(eng: Any, chunks: list[list[int]], keys: list[str], query: list[int], store: Any, ratio: float,
+           policy: Any, ref: torch.Tensor) -> float:
+    """First-token KL of fusion at ``ratio`` from full prefill (meaningful with real weights only)."""
+    from ragfuse.engine.fusion import Segment
+    from ragfuse.engine.kvstore import open_source
+    from ragfuse.quality import kl_rows
+
+    segs = [Segment(c, open_source(store, k)) for c, k in zip(chunks, keys, strict=True)] + [Segment(query)]
+    logits, _ = eng.score_fused(segs, [], "fuse" if ratio > 0 else "reuse", policy.with_ratio(ratio))
+    return float(kl_rows(ref[None], logits)[0])
+
+
+def _notes(rows: list[dict[str, Any]]) -> str:
+    lines = ["TTFT = fused prefill incl. KV loading (median of repeats). hidden = share of the shorter of "
+             "loading and compute that overlapped the other."]
+    for r in rows:
+        if r["mode"] == "fuse" and "speedup_vs_prefix" in r:
+            lines.append(f"- {r['model']} {r['tier']}: fuse@{r['ratio']:.0%} is {r['speedup_vs_full']:.2f}x faster "
+                         f"than full and {r['speedup_vs_prefix']:.2f}x faster than prefix; {r['hidden']:.0%} hidden")
+        if r["mode"] == "fuse@controller":
+            lines.append(f"- {r['model']} {r['tier']}: controller ratio {r['ratio']:.0%} ({r['controller_reason']})")
+    return "\n".join(lines)
+
+
+def _plot(fig: Any, rows: list[dict[str, Any]], sweeps: dict[str, list[dict[str, Any]]]) -> None:
+    ax1, ax2 = fig.subplots(1, 2)
+    for name, pts in sweeps.items():
+        ax1.plot([100 * p["ratio"] for p in pts], [p["ttft_s"] * 1e3 for p in pts], marker="o", label=name)
+        if pts and "kl_first" in pts[0]:
+            ax2.plot([100 * p["ratio"] for p in pts], [p["kl_first"] for p in pts], marker="o", label=name)
+    for name in {r["model"] for r in rows}:
+        full = statistics.mean(r["ttft_s"] for r in rows if r["model"] == name and r["mode"] == "full")
+        ax1.axhline(full * 1e3, linestyle="--", linewidth=1, label=f"{name} full prefill")
+    ax1.set_xlabel("recompute ratio %")
+    ax1.set_ylabel("TTFT ms (CPU tier)")
+    ax1.set_title("TTFT vs recompute ratio")
+    ax1.legend()
+    ax2.set_xlabel("recompute ratio %")
+    ax2.set_ylabel("first-token KL vs full prefill")
+    ax2.set_title("quality vs ratio (real weights only)")
+    if ax2.lines:
+        ax2.legend()
