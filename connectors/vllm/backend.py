@@ -147,3 +147,11 @@ class VLLMBackend:
             raise RagfuseError("store_chunks needs the connector")
         prompts = [{"prompt_token_ids": list(c)} for c in chunks]
         self.llm.generate(prompts, self._params(1, {"store_as_chunk": True}), use_tqdm=False)
+
+    def close(self) -> None:
+        """Stop vLLM's engine process now (a benchmark runs two engines one after the other)."""
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        import gc
+
+        gc.collect()

@@ -169,8 +169,8 @@ class RagfuseKVConnector(KVConnectorBase_V1):
         state.chunk_hits = state.chunk_hits_loaded = 0
         for span in state.spans:
             available = self._available(span.key)
-            if not available and contiguous and self.pending.is_pending(span.key):
-                return None, False  # its save is in flight: ask again next step rather than recompute
+            if not available and (contiguous or span.kind == CHUNK) and self.pending.is_pending(span.key):
+                return None, False  # its save is in flight: ask again next step rather than miss it
             if span.kind == CHUNK and not state.store_as_chunk:
                 state.chunk_hits += available
                 state.chunk_hits_loaded += available and contiguous
