@@ -29,7 +29,7 @@ from ..attention import write_kv
 from ..models import LlamaForCausalLM
 from .prefetch import LayerPrefetcher
 from .segments import Segment
-from .selection import SelectionPolicy, choose, deviation, keep_count
+from .selection import SelectionPolicy, attention_weights, choose, deviation, keep_count
 
 
 class FusionMode(str, Enum):
@@ -122,8 +122,12 @@ def fuse_prefill(
             pos = positions[active_idx]
             write_kv(block.rotary(k_raw, pos), v, kc, vc, slots[pos])
             if checks and li == checks[0]:
+                weight = None
+                if policy.metric == "attn":  # what the prompt's computed tail (the question) reads
+                    tail = ~stored[active_idx]
+                    weight = attention_weights(block.rotary(q[tail], pos[tail]), block.rotary(k_raw, pos))
                 keep = _check(policy, len(policy.check_layers) - len(checks), k_raw, v, k_st, v_st,
-                              active_idx, stored & ~exact, forced, row_of, num_fusable)
+                              active_idx, stored & ~exact, forced, row_of, num_fusable, weight)
                 checks.pop(0)
                 q, residual = q[keep], residual[keep]
                 active_idx = active_idx[keep]
@@ -195,11 +199,18 @@ def _check(
     forced: torch.Tensor,
     row_of: torch.Tensor,
     num_stored: int,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Bool mask over the active tokens: which stay active after this check layer."""
+    """Bool mask over the active tokens: which stay active after this check layer.
+
+    With ``weight`` (the question's attention to each active token) a token ranks by its first-order
+    share of the question's attention error, weight x |V deviation|, not by deviation alone."""
     is_stored = stored[active_idx]
     rows = row_of[active_idx[is_stored]]
-    dev = deviation(policy.metric, k_raw[is_stored], v[is_stored], k_st[rows], v_st[rows])
+    metric = "v" if policy.metric == "attn" else policy.metric
+    dev = deviation(metric, k_raw[is_stored], v[is_stored], k_st[rows], v_st[rows])
+    if weight is not None:
+        dev = dev * weight[is_stored]
     chosen = choose(dev, keep_count(policy.keep_share(check_index), num_stored), forced[active_idx[is_stored]])
     keep = ~is_stored  # tokens without stored KV always stay
     keep[is_stored.nonzero().squeeze(1)[chosen]] = True

@@ -96,14 +96,19 @@ def build_pair(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any
     from .shapes import shape_config
 
     cfg = shape_config(args.shape)
-    need = max((args.prefill or [0]) + [(args.context or 0) + (args.decode_steps or 0) + 8, 16384])
-    cfg["max_position_embeddings"] = min(cfg["max_position_embeddings"], need)
+    need = (args.context or 1024) + (args.decode_steps or 64) + 8
+    cfg["max_position_embeddings"] = min(cfg["max_position_embeddings"], max(max(args.prefill or [8192]) + 16, need))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hf_cfg = AutoConfig.for_model(cfg["architectures"][0].removesuffix("ForCausalLM").lower(), **cfg)
     hf_cfg.torch_dtype = dtype
     with torch.device(device):
         hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation="sdpa").eval()
-    eng = LLMEngine(EngineConfig(device=device.type), random_weights=ModelConfig.from_dict(cfg))
+    mc = ModelConfig.from_dict(cfg)
+    # size the cache for this benchmark alone: the transformers model beside it needs the rest
+    tokens = max(max(args.prefill or [8192]), max(args.decode_batches or [64]) * (need + 16))
+    kv_bytes = int(mc.kv_bytes_per_token(dtype) * tokens * 1.25)
+    eng = LLMEngine(EngineConfig(device=device.type, kv_cache_bytes=kv_bytes, dtype=str(dtype).removeprefix("torch.")),
+                    random_weights=mc)
     eng.runner.model.load_weights(hf.state_dict().items())
     return eng, hf, f"random {args.shape}"
 

@@ -145,7 +145,7 @@ def bench_shape(
             shorter = min(st.load_s, st.compute_s) if st.load_s > 0 else 0.0
             hidden = (st.load_s - st.load_wait_s) / shorter if shorter > 0 else 1.0
             return {"ttft_s": st.total_s, "load_s": st.load_s, "compute_s": st.compute_s,
-                    "load_wait_s": st.load_wait_s, "hidden": min(1.0, hidden), "ratio": st.recompute_ratio}
+                    "load_wait_s": st.load_wait_s, "hidden": min(1.0, max(0.0, hidden)), "ratio": st.recompute_ratio}
 
         fused(tiers[0], "fuse", args.ratio)  # warm-up: kernels, allocator
         jobs = [(t, m) for t in tiers for m in ("full", "prefix", "reuse", "fuse")]

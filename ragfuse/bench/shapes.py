@@ -7,6 +7,12 @@ from typing import Any
 _BASE: dict[str, Any] = {"rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False, "eos_token_id": 2}
 
 SHAPES: dict[str, dict[str, Any]] = {
+    # a few MB: for smoke tests of the benchmarks' random-weight paths on a CPU
+    "tiny-llama": {
+        **_BASE, "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+    },
     "mistral-7b": {
         **_BASE, "architectures": ["MistralForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
         "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,

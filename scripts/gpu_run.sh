@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# GPU tests and benchmarks on a CUDA machine (the image's python3: torch, triton, transformers).
+# Usage: bash scripts/gpu_run.sh PART [OUT]   PART: tests | engine | store | fusion | all
+# Results land in OUT (default $OUT, else gpu-results): one folder per benchmark, plus logs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:-all}
+out=${2:-${OUT:-gpu-results}}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+run() { echo "== $*"; "$@" 2>&1 | grep -v "it/s]" ; }
+case "$part" in
+  tests|all)
+    run timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_kernels_dispatch.py \
+      tests/test_cuda_graphs.py tests/test_fusion_gpu.py | tee "$out/gpu-tests.log" | tail -15 ;;&
+  engine|all)
+    run python3 -m ragfuse.cli bench engine --device cuda --shape mistral-7b --out "$out/engine" | tail -12 ;;&
+  store|all)
+    run python3 -m ragfuse.cli bench store --device cuda --out "$out/store" | tail -12 ;;&
+  fusion|all)
+    run python3 -m ragfuse.cli bench fusion --device cuda --shape mistral-7b --shape "${FUSION_BIG_SHAPE:-yi-34b}" \
+      --out "$out/fusion" | tail -30 ;;
+esac
