@@ -104,6 +104,7 @@ class _RequestState:
     chunk_hits_loaded: int = 0
     load_from: int = 0
     load_to: int = 0
+    loaded: int = 0
     load_pending: bool = False
     block_ids: list[int] = field(default_factory=list)
     saved_spans: int = 0
@@ -115,6 +116,10 @@ class RagfuseKVConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        par = vllm_config.parallel_config
+        if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
+            # each rank holds a slice of heads/layers; entries would need per-shard keys (not yet)
+            raise ValueError("ragfuse connector: tensor/pipeline parallelism is not supported yet (TP=PP=1 only)")
         self.settings = ConnectorSettings.from_vllm(vllm_config)
         self.store = shared_store(self.settings)
         self.pending = PendingSaves(self.settings.store_dir)
@@ -182,13 +187,14 @@ class RagfuseKVConnector(KVConnectorBase_V1):
         # the same attention path as after a local prefix hit (a lone last token takes the decode
         # path, whose bf16 rounding differs and can flip a greedy near-tie).
         state.matched = (min(matched, state.num_prompt - 1) // self.block_size) * self.block_size
+        state.load_from = num_computed_tokens  # vLLM's own prefix-cache hit, if enabled: load after it
         return max(0, state.matched - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self._state(request)
         if num_external_tokens > 0:
-            state.load_to = request.num_computed_tokens + num_external_tokens
-            state.load_from = state.load_to - num_external_tokens
+            state.load_to = state.load_from + num_external_tokens
+            state.loaded = num_external_tokens
             state.load_pending = True
             state.block_ids = list(blocks.get_block_ids()[0])
 
@@ -250,7 +256,7 @@ class RagfuseKVConnector(KVConnectorBase_V1):
         if state is None:
             return False, None
         return False, {PARAMS_KEY: {
-            "mode": MODE, "prompt_tokens": state.num_prompt, "loaded_tokens": state.load_to - state.load_from,
+            "mode": MODE, "prompt_tokens": state.num_prompt, "loaded_tokens": state.loaded,
             "chunk_spans": state.chunk_spans, "chunk_hits": state.chunk_hits,
             "chunk_hits_loaded": state.chunk_hits_loaded, "saved_spans": state.saved_spans,
         }}

@@ -3,11 +3,13 @@
 Two workloads, both engines in one run on the default model (vLLM's own prefix cache off in both,
 so every reuse measured is the connector's):
 - **session**: a chat's second turn (turn 1 = system + a long user message, its greedy answer, then a
-  follow-up). With the connector, turn 1's prompt was saved while it ran; turn 2 loads it.
+  follow-up). With the connector, turn 1's prompt was saved while it ran; turn 2 loads it (from the
+  worker's memory tier, where the save put it).
 - **rag**: MuSiQue questions over ``--passages`` retrieved passages, each a chunk whose KV was stored
   beforehand (as ``ragfuse ingest`` would; here computed by vLLM itself), the system header stored
-  by a warm-up request. With the connector the chunks are loaded at their positions in **full-reuse
-  mode** (re-positioned stored KV, no selective recompute): the quality columns say what that costs
+  by a warm-up request; then a fresh engine reads them from the disk tier, page cache dropped. The
+  chunks are loaded at their positions in **full-reuse mode** (re-positioned stored KV, no
+  selective recompute): the quality columns say what that costs
   against vLLM alone (first-token top-1 agreement, first-token KL over the top-20 logprobs, greedy
   answer agreement, answer F1 against the gold answers for both).
 
@@ -88,13 +90,15 @@ def _session_turns(backend: Any, doc: str, answer: str | None) -> tuple[Any, lis
     return backend.chat_prompt(msgs), msgs
 
 
-def _measure(backend: Any, cases: list[dict[str, Any]], max_tokens: int, connector: bool) -> dict[str, Any]:
-    """Session turn-2 TTFTs, RAG TTFTs, RAG answers and first-token logprobs for one engine."""
-    # warm-up: first requests of a fresh engine pay one-off costs
-    warm = backend.rag_prompt("What is this?", ["A warm-up passage about nothing in particular."])
-    backend.generate(warm, max_tokens=2)
-    out: dict[str, Any] = {"session_ttft": [], "session_loaded": [], "rag_ttft": [], "rag_loaded": [],
-                           "rag_hits": [], "answers": [], "first": []}
+def _warm_up(backend: Any) -> None:
+    """The first requests of a fresh engine pay one-off costs; keep them out of the timings."""
+    backend.generate(backend.rag_prompt("What is this?", ["A warm-up passage about nothing in particular."]),
+                     max_tokens=2)
+
+
+def _session(backend: Any, cases: list[dict[str, Any]]) -> dict[str, list]:
+    """Turn 2 TTFT of one chat per case (turn 1: a document of two passages, answered greedily)."""
+    out: dict[str, list] = {"session_ttft": [], "session_loaded": []}
     for case in cases:
         doc = "\n\n".join(case["passages"][:2])
         turn1, _ = _session_turns(backend, doc, None)
@@ -103,23 +107,42 @@ def _measure(backend: Any, cases: list[dict[str, Any]], max_tokens: int, connect
         g = backend.generate(turn2, max_tokens=1)
         out["session_ttft"].append(g.seconds)
         out["session_loaded"].append((g.connector or {}).get("loaded_tokens", 0))
-    if connector:  # ingest: every chunk's KV computed alone and stored; the system header by one request
-        chunks = [backend.rag_prompt(c["question"], c["passages"]).chunk_token_ids for c in cases]
-        backend.store_chunks([t for ids in chunks for t in ids])
-        backend.generate(backend.rag_prompt("Warm-up question?", ["Another warm-up passage."]), max_tokens=1)
+    return out
+
+
+def _ingest(backend: Any, cases: list[dict[str, Any]]) -> None:
+    """What ``ragfuse ingest`` does ahead of queries: every chunk's KV computed alone and stored; the
+    RAG system header stored by one request on other passages."""
+    chunks = [backend.rag_prompt(c["question"], c["passages"]).chunk_token_ids for c in cases]
+    backend.store_chunks([t for ids in chunks for t in ids])
+    backend.generate(backend.rag_prompt("Warm-up question?", ["Another warm-up passage."]), max_tokens=1)
+
+
+def _rag(backend: Any, cases: list[dict[str, Any]], max_tokens: int) -> dict[str, list]:
+    """RAG TTFTs, then answers and first-token logprobs (after timing, so a timed request never finds
+    a tail saved by an earlier request of the same prompt)."""
+    out: dict[str, list] = {"rag_ttft": [], "rag_loaded": [], "rag_hits": [], "answers": [], "first": [],
+                            "prompt_tokens": []}
     for case in cases:
-        prompt = backend.rag_prompt(case["question"], case["passages"])
-        g = backend.generate(prompt, max_tokens=1)
+        g = backend.generate(backend.rag_prompt(case["question"], case["passages"]), max_tokens=1)
         out["rag_ttft"].append(g.seconds)
         out["rag_loaded"].append((g.connector or {}).get("loaded_tokens", 0))
         out["rag_hits"].append((g.connector or {}).get("chunk_hits", 0))
-    for case in cases:  # answers after timing, so timing requests never find their own saved tails
+    for case in cases:
         prompt = backend.rag_prompt(case["question"], case["passages"])
         g = backend.generate(prompt, max_tokens=max_tokens, logprobs=20)
         out["answers"].append(g.text)
         out["first"].append(g.first_logprobs or {})
-        out.setdefault("prompt_tokens", []).append(len(prompt.token_ids))
+        out["prompt_tokens"].append(len(prompt.token_ids))
     return out
+
+
+def _drop_page_cache(store: str) -> None:
+    """Make the RAG pass read entries from the disk itself, not from the OS page cache."""
+    from ragfuse.engine.kvstore.disk import drop_page_cache
+
+    for f in Path(store).rglob("*.safetensors"):
+        drop_page_cache(f)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,11 +158,20 @@ def run(args: argparse.Namespace) -> int:
 
     cases = _load_cases(args.data, args.cases, args.passages)
     store = args.store or tempfile.mkdtemp(prefix="ragfuse-vllm-bench-")
-    results: dict[str, dict[str, Any]] = {}
-    for name, with_connector in (("vllm", False), ("vllm+ragfuse", True)):
+    results: dict[str, dict[str, Any]] = {"vllm": {}, "vllm+ragfuse": {}}
+    # 1. vLLM alone; 2. with the connector: sessions (turn 1 saved while it runs, turn 2 loads it from the
+    # worker's memory tier) and ingest; 3. a fresh engine with the connector: RAG with every entry read
+    # from the disk tier with the page cache dropped, as when chunks were ingested by another process.
+    stages = [(False, lambda b: {**_session(b, cases), **_rag(b, cases, args.max_tokens)}, "vllm"),
+              (True, lambda b: {**_session(b, cases), **(_ingest(b, cases) or {})}, "vllm+ragfuse"),
+              (True, lambda b: _rag(b, cases, args.max_tokens), "vllm+ragfuse")]
+    for with_connector, stage, name in stages:
         backend = VLLMBackend(args.model, store_dir=store, connector=with_connector)
         try:
-            results[name] = _measure(backend, cases, args.max_tokens, with_connector)
+            _warm_up(backend)
+            if name == "vllm+ragfuse" and "session_ttft" in results[name]:
+                _drop_page_cache(store)
+            results[name].update(stage(backend))
         finally:
             backend.close()
     base, conn = results["vllm"], results["vllm+ragfuse"]
@@ -149,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
         b, c = med(base[f"{workload}_ttft"]), med(conn[f"{workload}_ttft"])
         rows.append({"workload": workload, "vllm_ttft_s": b, "vllm+ragfuse_ttft_s": c, "speedup": b / c,
                      "loaded_tokens_median": med(conn[f"{workload}_loaded"]),
-                     "mode": "exact (prefix)" if workload == "session" else MODE})
+                     "mode": "exact (prefix)" if workload == "session" else MODE,
+                     "tier": "memory" if workload == "session" else "disk (page cache dropped)"})
     top1 = [max(b, key=b.get) == max(c, key=c.get) for b, c in zip(base["first"], conn["first"]) if b and c]
     kls = [_kl_top(b, c) for b, c in zip(base["first"], conn["first"]) if b and c]
     quality = {
