@@ -116,19 +116,23 @@ class Attention(nn.Module):
         block_table: torch.Tensor,
         seq_len: int,
         slots: torch.Tensor | slice | None = None,
+        bounds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's queries over its first ``seq_len`` cached tokens (K/V already written).
 
         ``q_positions`` (ascending) puts the queries at scattered positions with an exact causal
         mask each, as cache fusion's selective recompute needs; None means the last ``len(q)``
-        positions. ``block_table`` is [1, blocks] int32.
+        positions. ``block_table`` is [1, blocks] int32. ``bounds`` = int32 ``[0, len(q), seq_len]``
+        on the device: a caller running many layers builds it once, since creating it here would
+        copy from the host, and wait for the device, at every layer.
         """
         k_cache, v_cache = kv_cache
         backend = self.backend if self.backend != "auto" else resolve_backend("auto", q.device)
         if backend == "triton":
             n = q.shape[0]
-            cu = torch.tensor([0, n], dtype=torch.int32, device=q.device)
-            lens = torch.tensor([seq_len], dtype=torch.int32, device=q.device)
+            if bounds is None:
+                bounds = torch.tensor([0, n, seq_len], dtype=torch.int32, device=q.device)
+            cu, lens = bounds[:2], bounds[2:]
             return paged_prefill_attention_triton(
                 q, k_cache, v_cache, block_table, lens, cu, self.scale, self.sliding_window,
                 max_query_len=n, q_positions=q_positions,

@@ -29,7 +29,7 @@ from ..attention import write_kv
 from ..models import LlamaForCausalLM
 from .prefetch import LayerPrefetcher
 from .segments import Segment
-from .selection import SelectionPolicy, attention_weights, choose, deviation, keep_count
+from .selection import SelectionPolicy, choose, deviation, keep_count
 
 
 class FusionMode(str, Enum):
@@ -106,6 +106,8 @@ def fuse_prefill(
     sources = [segments[i].kv for i in sorted(used)]
     hidden = block.embed_tokens(torch.tensor(ids, device=device))[active_idx]
     idle_rows, idle_pos = _idle_stored(stored, active_idx, row_of)
+    shape_key: tuple[bool, int] = (False, -1)
+    bounds = torch.empty(0)
     residual: torch.Tensor | None = None
     counts: list[int] = []
     with LayerPrefetcher(sources, cfg.num_layers, device) as loader, torch.inference_mode():
@@ -122,12 +124,8 @@ def fuse_prefill(
             pos = positions[active_idx]
             write_kv(block.rotary(k_raw, pos), v, kc, vc, slots[pos])
             if checks and li == checks[0]:
-                weight = None
-                if policy.metric == "attn":  # what the prompt's computed tail (the question) reads
-                    tail = ~stored[active_idx]
-                    weight = attention_weights(block.rotary(q[tail], pos[tail]), block.rotary(k_raw, pos))
                 keep = _check(policy, len(policy.check_layers) - len(checks), k_raw, v, k_st, v_st,
-                              active_idx, stored & ~exact, forced, row_of, num_fusable, weight)
+                              active_idx, stored & ~exact, forced, row_of, num_fusable)
                 checks.pop(0)
                 q, residual = q[keep], residual[keep]
                 active_idx = active_idx[keep]
@@ -135,8 +133,11 @@ def fuse_prefill(
                 idle_rows, idle_pos = _idle_stored(stored, active_idx, row_of)
             counts.append(int(active_idx.numel()))
             whole = int(active_idx.numel()) == n
+            if shape_key != (whole, int(active_idx.numel())):  # the active set changed: new launch sizes
+                shape_key = (whole, int(active_idx.numel()))
+                bounds = torch.tensor([0, shape_key[1], n], dtype=torch.int32, device=device)
             out, _ = layer.self_attn.attn.attend(
-                block.rotary(q, pos), None if whole else pos, (kc, vc), table, n, slots
+                block.rotary(q, pos), None if whole else pos, (kc, vc), table, n, slots, bounds
             )
             h = layer.self_attn.o_proj(out.reshape(out.shape[0], -1))
             h, residual = layer.post_attention_layernorm(h, residual)
@@ -199,18 +200,11 @@ def _check(
     forced: torch.Tensor,
     row_of: torch.Tensor,
     num_stored: int,
-    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Bool mask over the active tokens: which stay active after this check layer.
-
-    With ``weight`` (the question's attention to each active token) a token ranks by its first-order
-    share of the question's attention error, weight x |V deviation|, not by deviation alone."""
+    """Bool mask over the active tokens: which stay active after this check layer."""
     is_stored = stored[active_idx]
     rows = row_of[active_idx[is_stored]]
-    metric = "v" if policy.metric == "attn" else policy.metric
-    dev = deviation(metric, k_raw[is_stored], v[is_stored], k_st[rows], v_st[rows])
-    if weight is not None:
-        dev = dev * weight[is_stored]
+    dev = deviation(policy.metric, k_raw[is_stored], v[is_stored], k_st[rows], v_st[rows])
     chosen = choose(dev, keep_count(policy.keep_share(check_index), num_stored), forced[active_idx[is_stored]])
     keep = ~is_stored  # tokens without stored KV always stay
     keep[is_stored.nonzero().squeeze(1)[chosen]] = True

@@ -19,21 +19,25 @@ class SelectionPolicy:
     ratio: float = 0.15  # share of the stored tokens recomputed after the last check layer
     check_layers: tuple[int, ...] = (1,)  # layer 0's K/V depend on the token alone: never check there
     first_factor: float = 1.0  # the first check keeps first_factor * ratio, narrowing to ratio at the last
-    metric: str = "v"  # "k", "v", "kv" (deviation) or "attn" (deviation weighted by the query's attention)
+    metric: str = "v"  # "k", "v" or "kv": which deviation ranks tokens
     sink_tokens: int = 0  # the first tokens of every stored segment are always recomputed
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"recompute ratio must be in [0, 1], got {self.ratio}")
-        if self.metric not in ("k", "v", "kv", "attn"):
+        if self.metric not in ("k", "v", "kv"):
             raise ValueError(f"unknown deviation metric {self.metric!r}")
         if not self.check_layers or min(self.check_layers) < 1:
             raise ValueError("check layers must be >= 1 (layer 0 never deviates)")
 
     @classmethod
     def default(cls) -> SelectionPolicy:
-        """The selection ragfuse ships (chosen by ``ragfuse eval qa``; see the README)."""
-        return cls()
+        """The selection ragfuse ships: gradual filtering over check layers 1-3, keeping 2r, then
+        1.5r, then r of the stored tokens by V deviation. On 6 MuSiQue cases at r = 15% (default
+        model) it removed 67% of full KV reuse's teacher-forced KL, against 60% for the paper's
+        one-check-layer selection; K deviation, sink tokens and query-attention weighting did not
+        beat it."""
+        return cls(ratio=0.15, check_layers=(1, 2, 3), first_factor=2.0, metric="v")
 
     @classmethod
     def paper(cls, ratio: float) -> SelectionPolicy:
@@ -62,15 +66,6 @@ def deviation(
         dv = (v_new.float() - v_old.float()).flatten(1).norm(dim=1)
         parts.append(dv / (v_old.float().flatten(1).norm(dim=1).mean() + 1e-6))
     return parts[0] if len(parts) == 1 else parts[0] + parts[1]
-
-
-def attention_weights(q_rot: torch.Tensor, k_rot: torch.Tensor) -> torch.Tensor:
-    """Mean attention probability [keys] that the queries ``q_rot`` [nq, H, D] give each key of
-    ``k_rot`` [n, KVH, D] (all keys visible: the queries are the prompt's last, computed tokens)."""
-    group = q_rot.shape[1] // k_rot.shape[1]
-    k = k_rot.float().repeat_interleave(group, dim=1)  # [n, H, D]
-    scores = torch.einsum("qhd,khd->hqk", q_rot.float(), k) * q_rot.shape[-1] ** -0.5
-    return scores.softmax(-1).mean(dim=(0, 1))
 
 
 def choose(dev: torch.Tensor, keep: int, forced: torch.Tensor) -> torch.Tensor:
