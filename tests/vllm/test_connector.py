@@ -36,6 +36,10 @@ PASSAGES = [  # about 100 tokens each, so the loadable run spans whole 128-token
 MAX_TOKENS = 24
 
 
+RAG_SYSTEM = "Answer from the passages only. (chunk-hit test)"
+RAG_QUESTION = "Where was the author of Hannibal and Scipio educated?"
+
+
 def _session(backend: VLLMBackend, answer: str | None) -> Prompt:
     msgs = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": f"Read this:\n\n{DOC}\n\nWhat is it about?"}]
@@ -52,7 +56,9 @@ def reference() -> dict:
         turn1 = _session(backend, None)
         answer = backend.generate(turn1, max_tokens=MAX_TOKENS).text
         turn2 = _session(backend, answer)
-        return {"turn1": turn1, "turn2": turn2, "turn2_ids": backend.generate(turn2, max_tokens=MAX_TOKENS).token_ids}
+        rag = backend.rag_prompt(RAG_QUESTION, PASSAGES, system=RAG_SYSTEM)
+        return {"turn1": turn1, "turn2": turn2, "turn2_ids": backend.generate(turn2, max_tokens=MAX_TOKENS).token_ids,
+                "rag_first": backend.generate(rag, max_tokens=1, logprobs=20).first_logprobs}
     finally:
         backend.close()
 
@@ -83,9 +89,8 @@ def test_second_turn_loads_history_and_matches_vllm_alone(reference: dict, conne
     assert second.token_ids == reference["turn2_ids"]
 
 
-def test_stored_chunk_in_the_middle_is_a_hit(connected: VLLMBackend) -> None:
-    system = "Answer from the passages only. (chunk-hit test)"
-    prompt = connected.rag_prompt("Where was the author of Hannibal and Scipio educated?", PASSAGES, system=system)
+def test_stored_chunk_in_the_middle_is_a_hit(reference: dict, connected: VLLMBackend) -> None:
+    prompt = connected.rag_prompt(RAG_QUESTION, PASSAGES, system=RAG_SYSTEM)
     connected.store_chunks([prompt.chunk_token_ids[1]])  # only the middle passage is stored
     g = connected.generate(prompt, max_tokens=4)
     r = g.connector
@@ -94,10 +99,23 @@ def test_stored_chunk_in_the_middle_is_a_hit(connected: VLLMBackend) -> None:
     assert r["mode"] == "full-reuse"
 
     connected.store_chunks(prompt.chunk_token_ids)  # the others; the header was saved by the request above
-    g = connected.generate(prompt, max_tokens=4)
+    g = connected.generate(prompt, max_tokens=1, logprobs=20)
     r = g.connector
     assert (r["chunk_hits"], r["chunk_hits_loaded"]) == (3, 3)
     assert r["loaded_tokens"] >= (prompt.chunks[2][1] // 128) * 128 > 0
+    # accuracy gate for full reuse: the first-token distribution stays close to vLLM alone's (0.025
+    # here). Chunk KV written to the wrong slots (tokens reversed) measured 1.1 and fails it; a chunk
+    # left at positions 0..n measured 0.036, too close to tell apart: RoPE is checked by the next test.
+    ref = reference["rag_first"]
+    kl = _kl_top20(ref, g.first_logprobs)
+    print(f"full-reuse first-token KL(top-20) vs vLLM alone: {kl:.4f}")
+    assert kl < 0.5
+
+
+def _kl_top20(p_lp: dict[int, float], q_lp: dict[int, float]) -> float:
+    from ragfuse.bench.vllm import _kl_top
+
+    return _kl_top(p_lp, q_lp)
 
 
 def test_repositioned_chunk_k_equals_vllms_own_k_at_that_position(connected: VLLMBackend) -> None:
