@@ -60,7 +60,7 @@ class VLLMBackend:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, store_dir: str | Path | None = None, connector: bool = True,
-                 max_model_len: int = 2048, kv_dtype: str = "float32", span_tokens: int = 128,
+                 max_model_len: int = 2048, kv_dtype: str = "float32", span_tokens: int = 128, memory_mb: int = 1024,
                  enable_prefix_caching: bool = False, kv_cache_memory_bytes: int = 512 << 20,
                  **llm_kwargs: Any) -> None:
         vllm = import_vllm()
@@ -69,10 +69,11 @@ class VLLMBackend:
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # both cores of a small CPU box
         self.checkpoint = resolve(model)
         self.settings = ConnectorSettings.for_model(self.checkpoint.path, store_dir, kv_dtype_name=kv_dtype,
-                                                    span_tokens=span_tokens)
+                                                    span_tokens=span_tokens, memory_mb=memory_mb)
         kv_transfer = KVTransferConfig(
             kv_connector=CONNECTOR_CLASS, kv_role="kv_both", kv_connector_module_path=CONNECTOR_MODULE,
             kv_connector_extra_config=self.settings.to_extra_config(),
+            kv_load_failure_policy="recompute",  # a corrupt or vanished entry costs a prefill, never the request
         ) if connector else None
         self.connector = connector
         self.llm = vllm.LLM(

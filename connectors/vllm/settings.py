@@ -106,9 +106,7 @@ def shared_store(settings: ConnectorSettings) -> TieredKVStore:
         store = _STORES.get(settings)
         if store is None:
             root = Path(settings.store_dir)
-            store = TieredKVStore([
-                MemoryTier("cpu", "cpu", settings.memory_mb << 20, pin=False),
-                DiskTier(root, int(settings.disk_gb * 2**30)),
-            ])
+            memory = [MemoryTier("cpu", "cpu", settings.memory_mb << 20, pin=False)] if settings.memory_mb > 0 else []
+            store = TieredKVStore([*memory, DiskTier(root, int(settings.disk_gb * 2**30))])
             _STORES[settings] = store
         return store

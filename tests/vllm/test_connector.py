@@ -65,7 +65,8 @@ def reference() -> dict:
 
 @pytest.fixture(scope="module")
 def connected(tmp_path_factory: pytest.TempPathFactory) -> VLLMBackend:
-    backend = VLLMBackend(store_dir=tmp_path_factory.mktemp("kvstore"))
+    # no memory tier: every load is read layer by layer from the disk tier, and a corrupted file is seen
+    backend = VLLMBackend(store_dir=tmp_path_factory.mktemp("kvstore"), memory_mb=0)
     yield backend
     backend.close()
 
@@ -87,6 +88,28 @@ def test_second_turn_loads_history_and_matches_vllm_alone(reference: dict, conne
     # the history's whole 128-token spans come from the store, not from prefill
     assert second.connector["loaded_tokens"] >= (n1 // 128) * 128 > 0
     assert second.token_ids == reference["turn2_ids"]
+
+
+def test_corrupt_history_entry_is_dropped_and_recomputed(reference: dict, connected: VLLMBackend) -> None:
+    settings = connected.settings
+    connected.generate(reference["turn1"], max_tokens=1)  # history stored (no-op if the test above ran)
+    _wait_saved(settings.store_dir)
+    span = plan_spans(reference["turn1"].token_ids, [], settings.fingerprint, settings.kv_dtype, 128)[1]
+    path = Path(settings.store_dir) / "data" / span.key[:2] / f"{span.key}.safetensors"
+    size = path.stat().st_size
+    with open(path, "r+b") as f:  # flip bytes inside the last layer's data
+        f.seek(size - 4096)
+        f.write(bytes(b ^ 0xFF for b in f.read(64)))
+    second = connected.generate(reference["turn2"], max_tokens=MAX_TOKENS)
+    assert second.token_ids == reference["turn2_ids"]  # the failed blocks were recomputed, not served
+    assert not path.exists()  # the corrupt entry was dropped when its checksum failed
+    connected.generate(reference["turn1"], max_tokens=1)  # the next request with this history stores it again
+    _wait_saved(settings.store_dir)
+    disk = DiskTier(settings.store_dir, 1 << 30)
+    try:
+        assert disk.get(span.key) is not None  # present and verified
+    finally:
+        disk.close()
 
 
 def test_stored_chunk_in_the_middle_is_a_hit(reference: dict, connected: VLLMBackend) -> None:
