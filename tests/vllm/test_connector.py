@@ -177,3 +177,24 @@ def test_repositioned_chunk_k_equals_vllms_own_k_at_that_position(connected: VLL
     assert err(p) < 0.02  # bf16 rounding only
     assert err(p + 1) > 10 * err(p)  # the wrong offset is clearly wrong: the check has teeth
     assert torch.allclose(v_raw, v_ctx[p:p + n], atol=1e-2, rtol=1e-2)
+
+
+def test_openai_server_command_parses_as_vllm_config(connected: VLLMBackend) -> None:
+    """The OpenAI-server argv passes vLLM's own argument parser and builds the connector config."""
+    import json
+
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from ragfuse.connectors.vllm import openai_server_command
+
+    argv = openai_server_command(store_dir=connected.settings.store_dir)
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[3:])
+    assert AsyncEngineArgs.from_cli_args(args).enable_prefix_caching is False
+    cfg = KVTransferConfig(**json.loads(argv[argv.index("--kv-transfer-config") + 1]))
+    assert cfg.kv_connector_module_path == "ragfuse.connectors.vllm.connector"
+    assert cfg.kv_connector_extra_config["fingerprint"] == connected.settings.fingerprint
+    assert cfg.kv_load_failure_policy == "recompute"
