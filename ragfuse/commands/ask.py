@@ -21,6 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=positive_int, default=5)
     p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--redis", metavar="URL", help="also read KV from this Redis tier")
+    p.add_argument("--compare", action="store_true",
+                   help="also answer with full prefill and print both TTFTs (with --json: under 'compare')")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -43,8 +45,14 @@ def run(args: argparse.Namespace) -> int:
         else:
             result = item
     assert result is not None
+    baseline = None
+    if args.compare and args.mode != "full":
+        baseline = pipe.ask(args.question, mode="full", top_k=args.top_k, params=params)
     if args.json:
-        print(json.dumps(result.as_dict()))
+        out = result.as_dict()
+        if baseline is not None:
+            out["compare"] = {"full": baseline.as_dict(), "ttft_speedup": baseline.ttft_s / result.ttft_s}
+        print(json.dumps(out))
         return 0
     print()
     print("\nsources:")
@@ -52,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"  [{s['score']:.3f}] {s['source']}: {s['text'][:90].replace(chr(10), ' ')}...")
     print(f"\nmode {result.mode}, recomputed {result.recompute_ratio:.0%} of stored tokens, "
           f"TTFT {result.ttft_s * 1e3:.0f} ms, KV from {', '.join(result.tiers) or 'nowhere (full prefill)'}")
+    if baseline is not None:
+        print(f"full prefill: TTFT {baseline.ttft_s * 1e3:.0f} ms -> {args.mode} is "
+              f"{baseline.ttft_s / result.ttft_s:.1f}x faster to the first token "
+              f"(answers {'match' if baseline.answer == result.answer else 'differ'})")
     for note in result.notes:
         print(f"note: {note}")
     return 0

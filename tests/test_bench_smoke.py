@@ -1,0 +1,30 @@
+"""The benchmarks run end to end on a tiny random-weight shape and write their report files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize("args", [
+    ["engine", "--shape", "tiny-llama", "--prefill", "32", "--decode-batches", "2", "--context", "16",
+     "--decode-steps", "3", "--repeats", "1"],
+    ["fusion", "--shape", "tiny-llama", "--chunks", "3", "--chunk-tokens", "32", "--query-tokens", "4",
+     "--repeats", "1", "--sweep", "0,0.5"],
+])
+def test_bench_writes_results_table_and_plot(args, tmp_path):
+    out = tmp_path / args[0]
+    r = subprocess.run([sys.executable, "-m", "ragfuse.cli", "bench", *args, "--device", "cpu", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["rows"]
+    assert (out / "results.md").read_text().count("|") > 10
+    assert (out / "results.png").stat().st_size > 1000
+    if args[0] == "fusion":
+        modes = {row["mode"] for row in results["rows"]}
+        assert {"full", "prefix", "reuse", "fuse", "fuse@controller"} <= modes
+        assert {row["tier"] for row in results["rows"]} == {"cpu", "disk"}

@@ -1,0 +1,52 @@
+"""The QA evaluation's parts: dataset formats, answer normalisation, F1, and a real run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ragfuse.engine import RagfuseError
+from ragfuse.engine.fusion import SelectionPolicy
+from ragfuse.eval_qa import evaluate, load_dataset, normalize, token_f1
+
+
+def test_normalize_and_f1_follow_squad():
+    assert normalize("The  Eiffel Tower!") == "eiffel tower"
+    assert token_f1("the Eiffel tower", "Eiffel Tower") == 1.0
+    assert token_f1("Paris", "London") == 0.0
+    assert abs(token_f1("new york city", "new york") - 0.8) < 1e-9
+
+
+def test_dataset_answers_may_be_lists_of_aliases(tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([
+        {"ctxs": [{"title": "A", "text": "a"}, {"title": "B", "text": "b"}], "question": "q1", "answers": ["x", "y"]},
+        {"ctxs": [{"title": "C", "text": "c"}], "question": "q2", "answers": [["u", "U"], ["v"]]},
+    ]))
+    exs = load_dataset(path, limit=None, max_passages=1)
+    assert [e.answers for e in exs] == [["x", "y"], ["u", "U", "v"]]
+    assert exs[0].passages == ["A\na"]
+    path.write_text(json.dumps([{"question": "no contexts"}]))
+    with pytest.raises(RagfuseError, match="ctxs"):
+        load_dataset(path, None, None)
+
+
+def test_evaluate_reports_every_mode_against_full(engine, tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([{
+        "ctxs": [{"title": "Marrow Canal", "text": "The Marrow Canal was designed by Agnes Voll in 1822."},
+                 {"title": "Agnes Voll", "text": "Agnes Voll was born in the town of Harrowgate."}],
+        "question": "Where was the designer of the Marrow Canal born?", "answers": ["Harrowgate"],
+    }]))
+    examples = load_dataset(path, None, None)
+    res = evaluate(engine, examples, ["full", "reuse", "fuse", "fuse-paper"], 0.5, SelectionPolicy.default(),
+                   sweep=[0.0, 1.0], sweep_modes=["fuse"], max_tokens=8)
+    modes = res["modes"]
+    assert modes["full"]["kl_tf"] < 1e-6 and modes["full"]["agreement"] == 1.0 and modes["full"]["f1_full"] == 1.0
+    assert modes["fuse@1"]["kl_tf"] < 1e-4  # ratio 1 is full prefill
+    assert modes["reuse"]["kl_tf"] > modes["fuse@1"]["kl_tf"]
+    assert modes["reuse"]["gap_closed"] == 0.0
+    assert abs(modes["fuse"]["recompute_ratio"] - 0.5) < 0.05
+    for m in modes.values():
+        assert set(m) >= {"kl_first", "kl_tf", "gap_closed", "agreement", "f1_full", "f1", "ttft_s", "n"}

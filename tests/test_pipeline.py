@@ -1,0 +1,115 @@
+"""``ragfuse ask`` end to end: ingest the demo documents, then answer from their stored KV."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ragfuse.engine.kvstore import DiskTier
+
+DEMO = Path(__file__).resolve().parents[1] / "demo" / "docs"
+QUESTION = "When was the Hollowpoint lighthouse electrified?"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, engine):
+    """The demo documents ingested (chunks, embeddings, per-chunk KV) with the shared engine."""
+    from ragfuse.embeddings import Embedder
+    from ragfuse.ingest import Ingestor
+    from ragfuse.rag_store import RagStore
+    from ragfuse.store_dir import StoreConfig
+
+    root = tmp_path_factory.mktemp("store")
+    embedder = Embedder()
+    cfg = StoreConfig(model="smollm2-135m-instruct", embedding_model=embedder.name, embedding_dim=embedder.dim,
+                      index_kind="flat", chunk_tokens=512, chunk_overlap=0)
+    rag = RagStore(root, cfg)
+    report = Ingestor(rag, engine, embedder).ingest([DEMO])
+    assert report.kv_computed >= 3
+    rag.close()
+    return root
+
+
+@pytest.fixture(scope="module")
+def pipeline(store, engine):
+    from ragfuse.app import open_pipeline
+
+    return open_pipeline(str(store), engine=engine, gate=False)
+
+
+def test_fused_answer_uses_stored_kv_and_matches_full(pipeline):
+    from ragfuse.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=24)
+    fused = pipeline.ask(QUESTION, mode="fuse", ratio=1.0, top_k=2, params=params)
+    full = pipeline.ask(QUESTION, mode="full", top_k=2, params=params)
+    assert "1952" in full.answer
+    assert fused.answer == full.answer  # ratio 1: exactly full prefill
+    assert "lighthouses.md" in fused.sources[0]["source"]
+    assert set(fused.tiers) & {"disk", "cpu"}
+    assert full.tiers == [] and full.reused_tokens == 0
+    assert fused.prompt_tokens == full.prompt_tokens
+
+
+def test_reuse_modes_report_what_they_reused(pipeline):
+    from ragfuse.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=8)
+    reuse = pipeline.ask(QUESTION, mode="reuse", top_k=3, params=params)
+    prefix = pipeline.ask(QUESTION, mode="prefix", top_k=3, params=params)
+    fuse = pipeline.ask(QUESTION, mode="fuse", ratio=0.2, top_k=3, params=params)
+    assert reuse.recomputed_tokens == 0 and reuse.reused_tokens > 300
+    assert prefix.reused_tokens == len(pipeline.builder.prefix)  # the instruction prefix only
+    assert 0.19 < fuse.recompute_ratio < 0.25 and fuse.recomputed_tokens > 0
+
+
+def test_corrupt_entry_is_recomputed_not_served(pipeline):
+    from ragfuse.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=16)
+    before = pipeline.ask(QUESTION, mode="fuse", ratio=1.0, top_k=1, params=params)
+    disk = next(t for t in pipeline.store.kv.tiers if isinstance(t, DiskTier))
+    for tier in pipeline.store.kv.tiers:  # force the next read to come from disk
+        if not tier.persistent:
+            for key in list(disk.entry_keys()):
+                tier.delete(key)
+    chunk_key = pipeline.store.docs.chunks([h["id"] for h in before.sources])[before.sources[0]["id"]].kv_key
+    path = disk.path_of(chunk_key)
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF  # flip bits inside the last layer
+    path.write_bytes(bytes(data))
+    after = pipeline.ask(QUESTION, mode="fuse", ratio=1.0, top_k=1, params=params)
+    assert any("checksum" in n for n in after.notes)
+    assert after.answer == before.answer
+    assert disk.stats().corrupt >= 1
+
+
+def test_cli_ask_json_compares_fuse_with_full(store):
+    r = subprocess.run(
+        [sys.executable, "-m", "ragfuse.cli", "ask", QUESTION, "--store", str(store), "--json", "--compare",
+         "--top-k", "2", "--recompute-ratio", "0.3", "--max-tokens", "16"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("answer", "sources", "mode", "recompute_ratio", "ttft_s", "total_s", "prompt_tokens",
+                "reused_tokens", "recomputed_tokens", "load_s", "recompute_s", "tiers"):
+        assert key in out
+    assert out["mode"] == "fuse" and out["compare"]["full"]["mode"] == "full"
+    assert {"id", "text", "source", "score"} <= set(out["sources"][0])
+
+
+def test_cli_ask_refuses_bad_input(store, tmp_path):
+    for args, needle in [
+        (["ask", QUESTION, "--store", str(tmp_path / "none")], "no ragfuse store"),
+        (["ask", "  ", "--store", str(store)], "empty"),
+        (["ask", QUESTION, "--store", str(store), "--recompute-ratio", "2"], "ratio"),
+        (["ask", QUESTION, "--store", str(store), "--mode", "magic"], "invalid choice"),
+    ]:
+        r = subprocess.run([sys.executable, "-m", "ragfuse.cli", *args], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and needle in r.stderr, (args, r.stderr)
+        assert "Traceback" not in r.stderr
