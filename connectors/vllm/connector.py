@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -135,7 +135,6 @@ class RagfuseKVConnector(KVConnectorBase_V1):
         self._failed_reqs: set[str] = set()
         self._save_buffers: dict[tuple[str, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragfuse-save")
-        self._save_futures: list[Future] = []
         if role == KVConnectorRole.WORKER:
             self._init_rope(vllm_config)
         logger.info(
@@ -215,6 +214,8 @@ class RagfuseKVConnector(KVConnectorBase_V1):
         spans = [s for s in state.spans
                  if (s.kind != CHUNK or state.store_as_chunk) and not self._available(s.key)]
         state.saved_spans = len(spans)
+        for span in spans:  # marked here, before any later lookup can miss them; the worker clears them
+            self.pending.mark(span.key)
         return SaveOp(req_id, list(state.block_ids), spans) if spans else None
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -322,7 +323,7 @@ class RagfuseKVConnector(KVConnectorBase_V1):
     def _load_all(self, loads: list[LoadOp], layout: PagedLayout) -> None:
         """Layer by layer: read every item's layer i, rotate K to its positions, write into the cache."""
         order = sorted(self._layer_index, key=self._layer_index.__getitem__)
-        jobs = []  # (op, item, source, slots, positions, entry offset)
+        jobs = []  # (op, item, source, slots, positions)
         try:
             for op in loads:
                 failed_from = None
@@ -381,24 +382,22 @@ class RagfuseKVConnector(KVConnectorBase_V1):
                       **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, RagfuseConnectorMetadata)
-        if not meta.saves or self._layout is None and not self._probe_for_save(layer_name):
+        if not meta.saves:
             return
-        assert self._layout is not None
+        if self._layout is None:
+            from vllm.forward_context import get_forward_context
+
+            self._layout = self._ensure_layout(get_forward_context())
         i = self._layer_index[layer_name]
         for op in meta.saves:
             start, end = op.spans[0].start, max(s.end for s in op.spans)
             k, v = self._layout.gather(kv_layer, slots_for(op.block_ids, self.block_size, start, end))
             self._save_buffers.setdefault((op.req_id, i), []).append((k, v))
 
-    def _probe_for_save(self, layer_name: str) -> bool:
-        from vllm.forward_context import get_forward_context
-
-        self._ensure_layout(get_forward_context())
-        return True
-
     def wait_for_save(self) -> None:
-        """Hand the copied layers to the save thread; the step does not wait for disk writes."""
-        if not self._save_buffers or not self.has_connector_metadata():
+        """Hand the copied layers to the save thread; the step does not wait for disk writes. An op
+        whose layers were not all copied (no forward ran) is dropped and its pending marks cleared."""
+        if not self.has_connector_metadata():
             self._save_buffers.clear()
             return
         meta = self._get_connector_metadata()
@@ -407,14 +406,16 @@ class RagfuseKVConnector(KVConnectorBase_V1):
         for op in meta.saves:
             layers = [self._save_buffers.get((op.req_id, i)) for i in range(num_layers)]
             if any(not entry for entry in layers):
+                self._clear_pending(op)
                 continue
             k = torch.stack([entry[0][0] for entry in layers])  # [layers, tokens, heads, dim]
             v = torch.stack([entry[0][1] for entry in layers])
-            for span in op.spans:
-                self.pending.mark(span.key)
-            self._save_futures.append(self._saver.submit(self._write, op, k, v))
+            self._saver.submit(self._write, op, k, v)
         self._save_buffers.clear()
-        self._save_futures = [f for f in self._save_futures if not f.done()]
+
+    def _clear_pending(self, op: SaveOp) -> None:
+        for span in op.spans:
+            self.pending.clear(span.key)
 
     def _write(self, op: SaveOp, k: torch.Tensor, v: torch.Tensor) -> None:
         """Put one entry per span: chunk K un-rotated (before RoPE, the engine's format, movable),
@@ -432,13 +433,8 @@ class RagfuseKVConnector(KVConnectorBase_V1):
         except Exception:  # a failed save is a future miss, never a failed request
             logger.exception("ragfuse connector: saving KV of request %s failed", op.req_id)
         finally:
-            for span in op.spans:
-                self.pending.clear(span.key)
-
-    def flush(self) -> None:
-        """Wait for queued saves (tests, benchmarks and shutdown)."""
-        for f in list(self._save_futures):
-            f.result()
+            self._clear_pending(op)
 
     def shutdown(self) -> None:
+        """Finish queued saves before the worker exits (a save cut short would only be a future miss)."""
         self._saver.shutdown(wait=True)
