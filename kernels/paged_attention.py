@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .merge import merge_attention_ref
+
 
 def sequence_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
     """Flat cache slots of a sequence's first ``seq_len`` tokens, in position order."""
@@ -46,18 +48,31 @@ def attention_with_lse(
         qh = q.view(kvh, g, d)
         out, lse = _sdpa_lse(qh, k.transpose(0, 1), v.transpose(0, 1), scale, None, False)
         return out.reshape(1, h, d), lse.reshape(1, h)
+    if q_positions is None and q_start > 0 and q_start + lq == lk and not window_cuts and q.device.type == "cpu":
+        # New tokens after a cached prefix: the prefix is fully visible (no mask) and the new block
+        # is plain causal, so two fast unmasked partials merged by log-sum-exp replace one explicitly
+        # masked pass, which CPU flash attention runs far slower.
+        out_p, lse_p = _grouped(q, k[:q_start], v[:q_start], scale, None, False)
+        out_n, lse_n = _grouped(q, k[q_start:], v[q_start:], scale, None, True)
+        return merge_attention_ref(out_p, lse_p, out_n, lse_n)
+    if q_positions is None and q_start == 0 and lq == lk and not window_cuts:
+        return _grouped(q, k, v, scale, None, True)
+    qpos = q_positions if q_positions is not None else torch.arange(q_start, q_start + lq, device=q.device)
+    kpos = torch.arange(lk, device=q.device)
+    visible = kpos[None, :] <= qpos[:, None]
+    if sliding_window is not None:
+        visible &= (qpos[:, None] - kpos[None, :]) < sliding_window
+    return _grouped(q, k, v, scale, visible, False)
+
+
+def _grouped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, visible: torch.Tensor | None, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [Lq, H, D] over k, v [Lk, KVH, D] with KV heads repeated for their query groups."""
+    g = q.shape[1] // k.shape[1]
     kh = k.transpose(0, 1).repeat_interleave(g, dim=0)
     vh = v.transpose(0, 1).repeat_interleave(g, dim=0)
-    qh = q.transpose(0, 1)
-    if q_positions is None and q_start == 0 and lq == lk and not window_cuts:
-        out, lse = _sdpa_lse(qh, kh, vh, scale, None, True)
-    else:
-        qpos = q_positions if q_positions is not None else torch.arange(q_start, q_start + lq, device=q.device)
-        kpos = torch.arange(lk, device=q.device)
-        visible = kpos[None, :] <= qpos[:, None]
-        if sliding_window is not None:
-            visible &= (qpos[:, None] - kpos[None, :]) < sliding_window
-        out, lse = _sdpa_lse(qh, kh, vh, scale, visible, False)
+    out, lse = _sdpa_lse(q.transpose(0, 1), kh, vh, scale, visible, causal)
     return out.transpose(0, 1), lse.transpose(0, 1)
 
 
@@ -140,7 +155,7 @@ def paged_decode_attention_ref(
 
 def paged_attention_at_positions_ref(
     q: torch.Tensor,
-    q_positions: torch.Tensor,
+    q_positions: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -150,11 +165,13 @@ def paged_attention_at_positions_ref(
     slots: torch.Tensor | slice | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's queries at arbitrary absolute positions ``q_positions`` [Lq] over its first
-    ``seq_len`` cached tokens, each query seeing the keys at or before its own position.
+    ``seq_len`` cached tokens, each query seeing the keys at or before its own position; None
+    means the last ``len(q)`` positions.
 
     A bottom-right causal mask would be wrong here: the queries are scattered through the prompt.
     """
     kf = k_cache.view(-1, *k_cache.shape[2:])
     vf = v_cache.view(-1, *v_cache.shape[2:])
     idx = slots if slots is not None else sequence_slots(block_table, seq_len, k_cache.shape[1])
-    return attention_with_lse(q, kf[idx], vf[idx], scale, 0, sliding_window, q_positions)
+    q_start = seq_len - q.shape[0] if q_positions is None else 0
+    return attention_with_lse(q, kf[idx], vf[idx], scale, q_start, sliding_window, q_positions)

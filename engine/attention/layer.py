@@ -137,10 +137,8 @@ class Attention(nn.Module):
                 q, k_cache, v_cache, block_table, lens, cu, self.scale, self.sliding_window,
                 max_query_len=n, q_positions=q_positions,
             )
-        if q_positions is None:
-            q_positions = torch.arange(seq_len - q.shape[0], seq_len, device=q.device)
-            if q.shape[0] == seq_len:
-                q_positions = None  # a whole fresh sequence: the plain causal path
+        if q_positions is not None and int(q_positions[0]) == seq_len - q.shape[0]:
+            q_positions = None  # ascending and ending at the last token: a contiguous suffix
         return paged_attention_at_positions_ref(
             q, q_positions, k_cache, v_cache, block_table[0], seq_len, self.scale, self.sliding_window, slots
         )
