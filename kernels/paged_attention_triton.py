@@ -322,42 +322,78 @@ def paged_decode_attention_triton(
     ``max_seq_len`` (a host int; the metadata has it) only bounds the default split count.
     """
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     lse = torch.empty((num_seqs, num_heads), dtype=torch.float32, device=q.device)
     if num_seqs == 0:
         return out, lse
-    if q.stride(-1) != 1:
-        q = q.contiguous()
     if num_splits is None:
         bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * k_cache.shape[1]
-        num_splits = decode_num_splits(num_seqs, num_kv_heads, bound, q.device)
+        num_splits = decode_num_splits(num_seqs, k_cache.shape[2], bound, q.device)
     if num_splits == 1:  # the single share is the answer: write it in place, no reduction pass
         part_out, part_lse = out.unsqueeze(1), lse.unsqueeze(1)
     else:
-        part_out = torch.empty((num_seqs, num_splits, num_heads, head_dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_seqs, num_splits, num_heads), dtype=torch.float32, device=q.device)
-    block_d = triton.next_power_of_2(head_dim)
+        part_out, part_lse = split_buffers(num_seqs, num_splits, num_heads, head_dim, q.device)
+    decode_partials_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, part_out, part_lse,
+                           num_splits)
+    if num_splits > 1:
+        reduce_splits_triton(part_out, part_lse, out, lse)
+    return out, lse
+
+
+def split_buffers(
+    tokens: int, splits: int, heads: int, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 partial outputs [tokens, splits, heads, head_dim] and their lse [tokens, splits, heads]."""
+    return (torch.empty((tokens, splits, heads, head_dim), dtype=torch.float32, device=device),
+            torch.empty((tokens, splits, heads), dtype=torch.float32, device=device))
+
+
+def decode_partials_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    num_splits: int,
+) -> None:
+    """Write each sequence's ``num_splits`` decode partials into splits ``[0, num_splits)`` of
+    ``part_out``/``part_lse`` ([tokens, splits, heads(, head_dim)]); the buffers may hold more splits
+    (relay attention puts the system partials after them and reduces all in one pass)."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if q.stride(-1) != 1:
+        q = q.contiguous()
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, part_out, part_lse, block_tables, seq_lens,
         scale * _LOG2E, sliding_window or 0, num_splits,
         q.stride(0), q.stride(1), part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         *_cache_strides(k_cache), *_cache_strides(v_cache), block_tables.stride(0),
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE=k_cache.shape[1], BLOCK_N=_DECODE_BLOCK_N if q.is_cuda else 16,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), PAGE=k_cache.shape[1],
+        BLOCK_N=_DECODE_BLOCK_N if q.is_cuda else 16,
         SLIDING=sliding_window is not None, PREC=_dot_precision(q.dtype), num_warps=4,
     )
-    if num_splits > 1:
-        _reduce_splits_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, lse, num_splits,
-            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0),
-            BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
-            num_warps=4,
-        )
-    return out, lse
+
+
+def reduce_splits_triton(
+    part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+) -> None:
+    """Merge every split of ``part_out``/``part_lse`` by lse into ``out`` [tokens, heads, head_dim]
+    and ``lse`` [tokens, heads]: an empty split (lse = -inf) contributes nothing."""
+    tokens, num_splits, num_heads, head_dim = part_out.shape
+    _reduce_splits_kernel[(tokens, num_heads)](
+        part_out, part_lse, out, lse, num_splits,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )
 
 
 @triton.jit

@@ -1,0 +1,221 @@
+"""RelayAttention in Triton: system attention as one matrix-matrix product per KV head, and relay
+decode, where the context and system partials are merged in one fused pass.
+
+Same contracts as ``relay.py`` (the torch reference). A program takes one tile of query rows (the
+tokens of one system prompt times the query heads of one KV head), one KV head and one share of the
+system's keys (split-K over the system prompt, so a batch of a few requests still fills the GPU):
+each system K/V tile is loaded once for all the rows of the tile, i.e. once per batch when a tile
+holds the whole batch.
+
+Relay decode writes the context's split-K partials (the paged decode kernel) and the system's
+partials into one buffer and reduces them all in a single kernel: the relay fusion
+o = a*o_sys + (1-a)*o_ctx, a = 1/(1 + exp(lse_ctx - lse_sys)) is that reduction's two-sided case, so
+it costs no pass of its own. Nothing reads device values on the host (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .paged_attention_triton import (
+    _LOG2E,
+    _MAX_SPLITS,
+    _attend_tile,
+    _cache_strides,
+    _dot_precision,
+    _sm_count,
+    decode_num_splits,
+    decode_partials_triton,
+    reduce_splits_triton,
+    split_buffers,
+)
+
+_SYSTEM_BLOCK_N = 64
+
+
+@triton.jit
+def _system_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr,
+    tile_tokens_ptr, tile_system_ptr, sys_tables_ptr, sys_lens_ptr,
+    scale_log2, num_splits, split_offset,
+    stride_qt, stride_qh, stride_pt, stride_ps, stride_ph, stride_plt, stride_pls,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_st,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, TILE_T: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+):
+    """Program (tile, kv head, split): the tile's rows (token slot r // BLOCK_G, query head
+    kv_head * GROUP + r % BLOCK_G) attend to one share of their system prompt's keys, all visible.
+    Writes normalised partials at split ``split_offset + split``; an empty share writes out 0,
+    lse -inf (a token behind no system prompt gets only empty shares)."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    system = tl.load(tile_system_ptr + tile)
+    has_system = system >= 0
+    system = tl.maximum(system, 0)
+    sys_len = tl.where(has_system, tl.load(sys_lens_ptr + system), 0)
+    share = tl.cdiv(tl.cdiv(sys_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * share
+    end = tl.minimum(start + share, sys_len)
+    offs_r = tl.arange(0, TILE_T * BLOCK_G)
+    g = offs_r % BLOCK_G
+    token = tl.load(tile_tokens_ptr + tile * TILE_T + offs_r // BLOCK_G).to(tl.int64)
+    row_ok = (token >= 0) & (g < GROUP)
+    heads = kv_head * GROUP + g
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + token[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_mask[None, :], other=0.0)
+    table_ptr = sys_tables_ptr + system.to(tl.int64) * stride_st
+    q_pos = tl.full([TILE_T * BLOCK_G], 0, tl.int32) + end - 1  # every key of the share is visible
+    m_i = tl.full([TILE_T * BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([TILE_T * BLOCK_G], tl.float32)
+    acc = tl.zeros([TILE_T * BLOCK_G, BLOCK_D], tl.float32)
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    for start_n in range(start, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start_n, q_pos, end, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, 0,
+            scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, offs_d, d_mask,
+            PAGE, BLOCK_N, False, False, PREC,
+        )
+    for start_n in range(full_end, end, BLOCK_N):  # the system's last, partial key tile
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start_n, q_pos, end, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, 0,
+            scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, offs_d, d_mask,
+            PAGE, BLOCK_N, True, False, PREC,
+        )
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    at = split_offset + split
+    tl.store(part_out_ptr + token[:, None] * stride_pt + at * stride_ps + heads[:, None] * stride_ph + offs_d[None, :],
+             out.to(part_out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
+    tl.store(part_lse_ptr + token * stride_plt + at * stride_pls + heads, lse, mask=row_ok)
+
+
+def system_num_splits(num_tiles: int, num_kv_heads: int, max_sys_len: int, device: torch.device) -> int:
+    """Shares of the system keys so the grid has about two programs per multiprocessor; from host
+    ints only, so a captured graph's count stays valid for every system prompt it replays with."""
+    want = math.ceil(2 * _sm_count(device) / max(1, num_tiles * num_kv_heads))
+    return max(1, min(_MAX_SPLITS, want, math.ceil(max(1, max_sys_len) / _SYSTEM_BLOCK_N)))
+
+
+def system_partials_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    sys_tables: torch.Tensor,
+    sys_lens: torch.Tensor,
+    tile_tokens: torch.Tensor,
+    tile_system: torch.Tensor,
+    scale: float,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    num_splits: int,
+    split_offset: int = 0,
+) -> None:
+    """Write the system partials of every token into splits ``[split_offset, split_offset +
+    num_splits)`` of ``part_out`` [tokens, splits, heads, head_dim] / ``part_lse``.
+
+    ``tile_tokens`` [tiles * tokens_per_tile] int32 (-1 padded) and ``tile_system`` [tiles] int32
+    come from ``relay.system_tiles``; ``sys_tables`` [systems, blocks] int32, ``sys_lens`` [systems].
+    """
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_g = triton.next_power_of_2(group)
+    num_tiles = tile_system.shape[0]
+    tile_t = tile_tokens.shape[0] // max(1, num_tiles)
+    if num_tiles == 0:
+        return
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    _system_kernel[(num_tiles, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, part_out, part_lse, tile_tokens, tile_system, sys_tables, sys_lens,
+        scale * _LOG2E, num_splits, split_offset,
+        q.stride(0), q.stride(1), part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        *_cache_strides(k_cache), *_cache_strides(v_cache), sys_tables.stride(0),
+        GROUP=group, BLOCK_G=block_g, TILE_T=tile_t, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        PAGE=k_cache.shape[1], BLOCK_N=_SYSTEM_BLOCK_N if q.is_cuda else 16, PREC=_dot_precision(q.dtype),
+        num_warps=4,
+    )
+
+
+def system_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    sys_tables: torch.Tensor,
+    sys_lens: torch.Tensor,
+    tile_tokens: torch.Tensor,
+    tile_system: torch.Tensor,
+    scale: float,
+    max_sys_len: int,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``relay.system_attention_ref`` (the tiles stand for its ``token_system``).
+
+    ``max_sys_len`` (a host int) only bounds the default split count.
+    """
+    tokens, num_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((tokens, num_heads), dtype=torch.float32, device=q.device)
+    if tokens == 0:
+        return out, lse
+    if num_splits is None:
+        num_splits = system_num_splits(tile_system.shape[0], k_cache.shape[2], max_sys_len, q.device)
+    if num_splits == 1:
+        part_out, part_lse = out.unsqueeze(1), lse.unsqueeze(1)
+    else:
+        part_out, part_lse = split_buffers(tokens, num_splits, num_heads, head_dim, q.device)
+    system_partials_triton(q, k_cache, v_cache, sys_tables, sys_lens, tile_tokens, tile_system, scale,
+                           part_out, part_lse, num_splits)
+    if num_splits > 1:
+        reduce_splits_triton(part_out, part_lse, out, lse)
+    return out, lse
+
+
+def relay_decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sys_tables: torch.Tensor,
+    sys_lens: torch.Tensor,
+    tile_tokens: torch.Tensor,
+    tile_system: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    max_sys_len: int,
+    num_splits: int | None = None,
+    sys_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token per sequence over its system prompt and its own paged context, exactly:
+    equals ``merge_attention_ref(system_attention_ref(...), paged_decode_attention_ref(...))``.
+
+    ``seq_lens`` count each sequence's own tokens (its context, after the system prompt). Three
+    launches: context partials, system partials, one reduction of both (the relay fusion).
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    out = torch.empty_like(q)
+    lse = torch.empty((num_seqs, num_heads), dtype=torch.float32, device=q.device)
+    if num_seqs == 0:
+        return out, lse
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
+    if sys_splits is None:
+        sys_splits = system_num_splits(tile_system.shape[0], num_kv_heads, max_sys_len, q.device)
+    part_out, part_lse = split_buffers(num_seqs, num_splits + sys_splits, num_heads, head_dim, q.device)
+    decode_partials_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, None, part_out, part_lse, num_splits)
+    system_partials_triton(q, k_cache, v_cache, sys_tables, sys_lens, tile_tokens, tile_system, scale,
+                           part_out, part_lse, sys_splits, split_offset=num_splits)
+    reduce_splits_triton(part_out, part_lse, out, lse)
+    return out, lse
