@@ -8,6 +8,10 @@ nothing) and ``slot = -1`` (write nothing), so they cannot touch real sequences'
 
 Only the Triton attention backend may be captured: the torch reference reads lengths back to the
 host inside the forward.
+
+A decode batch behind registered system prompts (relay attention) replays its own graph per size,
+whose static inputs also hold the batch's system tiles (padded with empty tiles: they read and write
+nothing); the system prompts' block tables are the registry's fixed device tensors.
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .attention import AttentionMetadata
+from ragfuse.kernels.relay import max_system_tiles
+
+from .attention import AttentionMetadata, RelayMetadata
 
 GRAPHS_ENV = "RAGFUSE_CUDA_GRAPHS"  # "0" turns decode graphs off
 EAGER_SIZES = (1, 2, 4, 8, 16, 32, 64)  # captured when the cache is allocated
 MAX_GRAPH_BATCH = 256  # larger decode batches run eagerly
+GRAPH_SYSTEMS = 4  # distinct system prompts (counting "none") a relay graph's tiles have room for
 
 
 def graphs_enabled() -> bool:
@@ -70,30 +77,45 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[int, _Captured] = {}
+        self.graphs: dict[int, _Captured] = {}  # by padded size
+        self.relay_graphs: dict[int, _Captured] = {}  # by padded size, for batches behind system prompts
+        self.relay: RelayMetadata | None = None  # static relay inputs, made at the first relay batch
         self.replays = 0  # steps served by a graph (for tests and metrics)
 
     def accepts(self, meta: AttentionMetadata) -> bool:
         """Whether this step can replay a graph: decode only, within the captured sizes."""
-        return (
+        fits = (
             not meta.is_prefill
             and meta.num_seqs <= MAX_GRAPH_BATCH
             and meta.block_tables.shape[1] <= self.max_blocks
         )
+        if not fits or meta.relay is None:
+            return fits
+        return meta.relay.tile_system.shape[0] <= self._tiles(padded_size(meta.num_seqs), meta.relay)
 
     def capture(self, sizes: tuple[int, ...] = EAGER_SIZES) -> None:
         """Capture the given batch sizes now (largest first, so smaller ones reuse its pool memory)."""
         for size in sorted(sizes, reverse=True):
             if size <= MAX_GRAPH_BATCH and size not in self.graphs:
-                self.graphs[size] = self._capture(size)
+                self.graphs[size] = self._capture(size, None)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [n, hidden] of a decode step of ``n`` sequences, by graph replay."""
         n = input_ids.shape[0]
         size = padded_size(n)
-        captured = self.graphs.get(size)
+        relay = meta.relay
+        graphs = self.graphs if relay is None else self.relay_graphs
+        captured = graphs.get(size)
         if captured is None:
-            captured = self.graphs[size] = self._capture(size)
+            captured = graphs[size] = self._capture(size, relay)
+        if relay is not None:
+            static = self.relay
+            assert static is not None
+            tiles = relay.tile_system.shape[0]
+            static.tile_system.fill_(-1)
+            static.tile_system[:tiles].copy_(relay.tile_system)
+            static.tile_tokens.fill_(-1)
+            static.tile_tokens[: relay.tile_tokens.shape[0]].copy_(relay.tile_tokens)
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
@@ -106,8 +128,37 @@ class DecodeGraphs:
         self.replays += 1
         return captured.hidden[:n]
 
+    def _tiles(self, size: int, relay: RelayMetadata) -> int:
+        """System tiles a relay graph of ``size`` rows holds."""
+        per_tile = relay.tile_tokens.shape[0] // max(1, relay.tile_system.shape[0])
+        return max_system_tiles(size, per_tile, GRAPH_SYSTEMS)
+
+    def _static_relay(self, size: int, relay: RelayMetadata) -> RelayMetadata:
+        """Views of the static relay inputs for a graph of ``size`` rows (created on first use)."""
+        from ragfuse.kernels.relay_triton import system_num_splits
+
+        per_tile = relay.tile_tokens.shape[0] // max(1, relay.tile_system.shape[0])
+        if self.relay is None:
+            most = max_system_tiles(MAX_GRAPH_BATCH, per_tile, GRAPH_SYSTEMS)
+            device = relay.sys_lens.device
+            self.relay = RelayMetadata(
+                token_system=[], tile_tokens=torch.full((most * per_tile,), -1, dtype=torch.int32, device=device),
+                tile_system=torch.full((most,), -1, dtype=torch.int32, device=device),
+                sys_tables=relay.sys_tables, sys_lens=relay.sys_lens, max_sys_len=self.max_model_len,
+            )
+        self.relay.tile_system.fill_(-1)  # the warm-up and capture runs read no system prompt
+        tiles = self._tiles(size, relay)
+        # splits sized for the tiles that hold tokens (the padding tiles only exit): a fixed host int
+        busy = -(-size // per_tile)
+        splits = system_num_splits(busy, self.kv_caches[0][0].shape[2], self.max_model_len, relay.sys_lens.device)
+        return RelayMetadata(
+            token_system=[], tile_tokens=self.relay.tile_tokens[: tiles * per_tile],
+            tile_system=self.relay.tile_system[:tiles], sys_tables=self.relay.sys_tables,
+            sys_lens=self.relay.sys_lens, max_sys_len=self.max_model_len, num_splits=splits,
+        )
+
     @torch.inference_mode()
-    def _capture(self, size: int) -> _Captured:
+    def _capture(self, size: int, relay: RelayMetadata | None) -> _Captured:
         meta = AttentionMetadata(
             is_prefill=False,
             slot_mapping=self.slot_mapping[:size],
@@ -117,6 +168,7 @@ class DecodeGraphs:
             max_query_len=1,
             max_seq_len=self.max_model_len,  # split counts must hold for any length a replay sees
             block_size=self.block_size,
+            relay=None if relay is None else self._static_relay(size, relay),
         )
         self.slot_mapping[:size].fill_(-1)  # the warm-up and capture runs touch no cache slot
         self.seq_lens[:size].zero_()

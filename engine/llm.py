@@ -38,10 +38,16 @@ class LLM:
         prompts: list[str | list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
         progress: bool = False,
+        system: int | None = None,
+        relay: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for all prompts together (they share batches); results in prompt order."""
+        """Generate for all prompts together (they share batches); results in prompt order.
+
+        With ``system`` (an id from ``engine.register_system``) every prompt continues that system
+        prompt, through relay attention unless ``relay`` is False (then the prompt's blocks are shared).
+        """
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        ids = [self.engine.add_request(p, sp, system=system, relay=relay) for p, sp in zip(prompts, plist)]
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not progress)
         try:
@@ -58,9 +64,11 @@ class LLM:
             bar.close()
         return [done[i] for i in ids]
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt: str | list[int], params: SamplingParams | None = None, system: int | None = None
+    ) -> Iterator[RequestOutput]:
         """Yield an output each time the request gets tokens; the last one has ``finished``."""
-        rid = self.engine.add_request(prompt, params)
+        rid = self.engine.add_request(prompt, params, system=system)
         try:
             while True:
                 for out in self.engine.step():
@@ -75,6 +83,19 @@ class LLM:
         if system is not None:
             messages = [{"role": "system", "content": system}, *[m for m in messages if m["role"] != "system"]]
         return self.engine.chat_token_ids(messages)
+
+    def relay_chat_ids(self, messages: list[dict[str, str]], system: str) -> tuple[int | None, list[int]]:
+        """(registered system prompt id, the chat's remaining token ids): the chat template renders
+        the system message as a prefix, which is registered once and served by relay attention.
+
+        Returns (None, all ids) where relay cannot apply: a model with a sliding window, or a
+        template whose rendering of the system message alone is not a token prefix of the chat.
+        """
+        full = self.chat_ids(messages, system)
+        head = self.engine.chat_token_ids([{"role": "system", "content": system}], add_generation_prompt=False)
+        if not self.engine.supports_relay or len(head) >= len(full) or full[: len(head)] != head:
+            return None, full
+        return self.engine.register_system(head), full[len(head) :]
 
     def chat(
         self, messages: list[dict[str, str]], params: SamplingParams | None = None, system: str | None = None

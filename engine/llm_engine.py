@@ -29,8 +29,10 @@ from .models import KVHook
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
+from .system_prompts import SystemPrompts
 
 log = logging.getLogger("ragfuse.engine")
+MAX_SYSTEM_PROMPTS = 16  # registered at once (applications hosted side by side)
 
 
 @dataclass
@@ -75,6 +77,8 @@ class LLMEngine:
         num_blocks = KVCache.blocks_for_budget(mc, self.config.block_size, self.dtype, self._kv_budget())
         self.runner.allocate_cache(num_blocks, self.config.block_size)
         self.blocks = BlockManager(num_blocks, self.config.block_size)
+        self.systems = SystemPrompts(MAX_SYSTEM_PROMPTS, self.max_model_len, self.config.block_size, self.device)
+        self.runner.systems = self.systems
         self.scheduler = Scheduler(
             self.blocks, self.config.max_num_seqs, max(self.config.max_num_batched_tokens, 1)
         )
@@ -126,23 +130,86 @@ class LLMEngine:
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        system: int | None = None,
+        relay: bool = True,
     ) -> str:
+        """Queue a request. With ``system`` (an id from ``register_system``) ``prompt`` continues
+        that system prompt: by relay attention (``relay``, where the model allows it) or, without
+        relay, as one sequence whose pages start with the system prompt's blocks, shared (their
+        full blocks; a partial last block is recomputed into the request's own page)."""
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
-        if len(ids) + params.max_tokens > self.max_model_len:
-            if len(ids) >= self.max_model_len:
-                raise RequestError(f"prompt of {len(ids)} tokens exceeds the context of {self.max_model_len}")
-            params = SamplingParams(**{**params.__dict__, "max_tokens": self.max_model_len - len(ids)})
+        offset, shared, head = 0, [], []
+        if system is not None:
+            sp = self.systems.get(system)
+            if relay and self.supports_relay:
+                offset = sp.num_tokens
+            else:
+                full = sp.num_tokens // self.blocks.block_size
+                shared = self.blocks.share(sp.block_table[:full])
+                head = sp.token_ids
+                system = None
+        total = offset + len(head) + len(ids)
+        if total + params.max_tokens > self.max_model_len:
+            if total >= self.max_model_len:
+                self.blocks.release(shared)
+                raise RequestError(f"prompt of {total} tokens exceeds the context of {self.max_model_len}")
+            params = SamplingParams(**{**params.__dict__, "max_tokens": self.max_model_len - total})
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._seqs:
+            self.blocks.release(shared)
             raise RequestError(f"request id {rid!r} is already in use")
-        seq = Sequence(rid, ids, params)
-        self.scheduler.add(seq)
+        seq = Sequence(rid, head + ids, params, block_table=shared, system=system, position_offset=offset,
+                       num_computed_tokens=len(shared) * self.blocks.block_size)
+        try:
+            self.scheduler.add(seq)
+        except RequestError:
+            self.blocks.release(seq.block_table)
+            raise
         self._seqs[rid] = seq
         if self.tokenizer is not None:
             self._detok[rid] = IncrementalDetokenizer(self.tokenizer, params.stop)
         return rid
+
+    # ---- system prompts (relay attention) ------------------------------------------------------
+
+    @property
+    def supports_relay(self) -> bool:
+        """Relay splits attention at the system prompt's end; a sliding window would cut across it."""
+        return self.model_config.sliding_window is None
+
+    def register_system(self, prompt: str | list[int]) -> int:
+        """Compute a system prompt's KV once into blocks of its own and return its id; registering
+        the same tokens again returns the same id. Requests pass the id to ``add_request``."""
+        ids = self.tokenize(prompt)
+        known = self.systems.find(ids)
+        if known is not None:
+            return known
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"system prompt of {len(ids)} tokens leaves no room in the context of "
+                               f"{self.max_model_len}")
+        slot = self.systems.free_slot()
+        table: list[int] = []
+        self.blocks.grow(table, len(ids))
+        try:
+            self.runner.forward_fresh([ids], [table])
+            self.systems.add(slot, ids, table)
+        except BaseException:
+            self.blocks.release(table)
+            raise
+        return slot
+
+    def release_system(self, system_id: int) -> None:
+        """Free a system prompt's blocks; refused while an unfinished request follows it."""
+        sp = self.systems.get(system_id)
+        if any(s.system == system_id for s in self._seqs.values() if not s.finished):
+            raise RequestError(f"system prompt {system_id} still has unfinished requests")
+        self.systems.remove(sp.slot)
+        self.blocks.release(sp.block_table)
 
     def abort(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata, set_attention_backend
+from ragfuse.kernels.relay import tile_tokens_for
+
+from .attention import AttentionMetadata, RelayMetadata, set_attention_backend
 from .checkpoint import Checkpoint
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, graphs_enabled
@@ -15,6 +17,7 @@ from .kv_cache import KVCache
 from .models import KVHook, LlamaForCausalLM, build_model
 from .sampling import sample
 from .scheduler import ScheduledBatch
+from .system_prompts import SystemPrompts
 from .weights import load_checkpoint_weights
 
 
@@ -37,6 +40,7 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None
         self.block_size = 0
         self.graphs: DecodeGraphs | None = None
+        self.systems: SystemPrompts | None = None  # set by the engine: the relay system prompts
 
     def allocate_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate the paged cache after the weights, so its size can use the memory left."""
@@ -55,15 +59,22 @@ class ModelRunner:
         positions: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
+        token_system: list[int] = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
+            positions.extend(range(seq.position_offset + start, seq.position_offset + start + n))
             query_lens.append(n)
-            seq_lens.append(start + n)
+            seq_lens.append(start + n)  # own tokens only: a system prompt's are not in the pages
+            token_system.extend([-1 if seq.system is None else seq.system] * n)
         meta = AttentionMetadata.build(
             query_lens, seq_lens, [s.block_table for s in batch.seqs], self.block_size, self.device
         )
+        if self.systems is not None and any(s.system is not None for s in batch.seqs):
+            meta.relay = RelayMetadata.build(
+                token_system, tile_tokens_for(self.config.num_heads // self.config.num_kv_heads),
+                self.systems.tables, self.systems.lens, self.systems.max_len, self.device,
+            )
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         assert self.kv_cache is not None, "allocate_cache first"

@@ -32,6 +32,8 @@ class Sequence:
     finish_time: float | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    system: int | None = None  # registered system prompt this request follows (relay attention)
+    position_offset: int = 0  # the system prompt's length: own token i sits at position offset + i
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and not self.params.greedy:

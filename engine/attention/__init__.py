@@ -1,6 +1,6 @@
 """The engine's one attention entry point (``Attention``) and the metadata that describes a batch."""
 
 from .layer import Attention, set_attention_backend, write_kv
-from .metadata import AttentionMetadata
+from .metadata import AttentionMetadata, RelayMetadata
 
-__all__ = ["Attention", "AttentionMetadata", "set_attention_backend", "write_kv"]
+__all__ = ["Attention", "AttentionMetadata", "RelayMetadata", "set_attention_backend", "write_kv"]

@@ -14,21 +14,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ragfuse.kernels.merge import merge_attention_ref
 from ragfuse.kernels.paged_attention import (
     paged_attention_at_positions_ref,
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
 )
+from ragfuse.kernels.relay import system_attention_ref
 
 from ..ops import HAVE_TRITON, resolve_backend
 from .metadata import AttentionMetadata
 
 if HAVE_TRITON:
+    from ragfuse.kernels.merge_triton import merge_attention_triton
     from ragfuse.kernels.paged_attention_triton import (
         paged_decode_attention_triton,
         paged_prefill_attention_triton,
         write_kv_triton,
     )
+    from ragfuse.kernels.relay_triton import relay_decode_attention_triton, system_attention_triton
 
 
 CUDNN_MIN_TOKENS = 2048  # measured: Triton wins at 512, cuDNN at 4K and 8K (crossover not pinned)
@@ -80,33 +84,58 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, D], k/v [T, KVH, D] for the step's new tokens -> (out [T, H, D], lse [T, H])."""
+        """q [T, H, D], k/v [T, KVH, D] for the step's new tokens -> (out [T, H, D], lse [T, H]).
+
+        With ``meta.relay`` the sequences' own tokens (in their pages) follow a registered system
+        prompt (in the registry's blocks): RelayAttention, the system part for all queries at once
+        and the context part per sequence, merged exactly by lse.
+        """
         k_cache, v_cache = kv_cache
+        relay = meta.relay
+        if relay is not None and self.sliding_window is not None:
+            raise ValueError("relay attention needs a model without a sliding window")
         backend = self.backend if self.backend != "auto" else resolve_backend("auto", q.device)
         if backend == "triton":
             write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
             if not meta.is_prefill:
+                if relay is not None:  # context and system partials reduced in one fused pass
+                    return relay_decode_attention_triton(
+                        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, relay.sys_tables, relay.sys_lens,
+                        relay.tile_tokens, relay.tile_system, self.scale, meta.max_seq_len, relay.max_sys_len,
+                        sys_splits=relay.num_splits,
+                    )
                 return paged_decode_attention_triton(
                     q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, self.sliding_window,
                     max_seq_len=meta.max_seq_len,
                 )
             if self._cudnn_fits(q, meta):
-                return cudnn_prefill(q, k, v, self.scale)
-            return paged_prefill_attention_triton(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale,
-                self.sliding_window, max_query_len=meta.max_query_len,
-            )
+                ctx = cudnn_prefill(q, k, v, self.scale)
+            else:
+                ctx = paged_prefill_attention_triton(
+                    q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale,
+                    self.sliding_window, max_query_len=meta.max_query_len,
+                )
+            if relay is None:
+                return ctx
+            sys = system_attention_triton(q, k_cache, v_cache, relay.sys_tables, relay.sys_lens, relay.tile_tokens,
+                                          relay.tile_system, self.scale, relay.max_sys_len, relay.num_splits)
+            return merge_attention_triton(*sys, *ctx)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         slots = meta.sequence_slots() if q.device.type == "cpu" else None
         if meta.is_prefill:
-            return paged_prefill_attention_ref(
+            ctx = paged_prefill_attention_ref(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
                 self.scale, self.sliding_window, slots,
             )
-        return paged_decode_attention_ref(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, self.sliding_window, slots
-        )
-
+        else:
+            ctx = paged_decode_attention_ref(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, self.sliding_window, slots
+            )
+        if relay is None:
+            return ctx
+        sys = system_attention_ref(q, k_cache, v_cache, relay.sys_tables, relay.sys_lens, relay.token_system,
+                                   self.scale)
+        return merge_attention_ref(*sys, *ctx)
 
     def attend(
         self,

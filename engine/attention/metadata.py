@@ -12,6 +12,41 @@ import torch
 
 
 @dataclass
+class RelayMetadata:
+    """The system-prompt part of a relay batch: which system prompt each new token sits behind.
+
+    The system K/V live once in the paged cache, in blocks owned by the engine's system-prompt
+    registry (``sys_tables``/``sys_lens`` are its device tensors, whose addresses never change, so
+    CUDA graphs can read them). The Triton kernel takes the tokens cut into tiles of one system each.
+    """
+
+    token_system: list[int]  # host: each new token's system prompt (-1: none), for the torch path
+    tile_tokens: torch.Tensor  # [tiles * tokens_per_tile] int32, -1 padded (see kernels.relay.system_tiles)
+    tile_system: torch.Tensor  # [tiles] int32
+    sys_tables: torch.Tensor  # [max_systems, max_blocks] int32
+    sys_lens: torch.Tensor  # [max_systems] int32
+    max_sys_len: int  # host bound on system lengths (sizes the split count only)
+    num_splits: int | None = None  # shares of the system keys; None: chosen from the tiles (graphs fix it)
+
+    @classmethod
+    def build(
+        cls, token_system: list[int], tokens_per_tile: int, sys_tables: torch.Tensor, sys_lens: torch.Tensor,
+        max_sys_len: int, device: torch.device,
+    ) -> RelayMetadata:
+        from ragfuse.kernels.relay import system_tiles
+
+        tokens, systems = system_tiles(token_system, tokens_per_tile)
+        return cls(
+            token_system=token_system,
+            tile_tokens=torch.tensor(tokens, dtype=torch.int32).to(device, non_blocking=True),
+            tile_system=torch.tensor(systems, dtype=torch.int32).to(device, non_blocking=True),
+            sys_tables=sys_tables,
+            sys_lens=sys_lens,
+            max_sys_len=max_sys_len,
+        )
+
+
+@dataclass
 class AttentionMetadata:
     is_prefill: bool
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot each new token's K/V is written to
@@ -22,6 +57,7 @@ class AttentionMetadata:
     max_seq_len: int
     block_size: int
     has_prefix: bool = True  # some sequence attends to tokens cached before this step
+    relay: RelayMetadata | None = None  # set when some sequence sits behind a registered system prompt
     _slots: list[torch.Tensor | slice] | None = field(default=None, repr=False)
 
     @property

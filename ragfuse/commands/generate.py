@@ -12,7 +12,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate an answer to PROMPT offline")
     p.add_argument("prompt", help="the user message")
     add_model_args(p)
-    p.add_argument("--system", help="system prompt")
+    p.add_argument("--system", help="system prompt (its KV computed once, served by relay attention)")
+    p.add_argument("--no-relay", action="store_true", help="run the system prompt as part of the prompt instead")
     p.add_argument("--max-tokens", type=positive_int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -49,9 +50,16 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
     load_s = time.perf_counter() - t0
-    prompt = args.prompt if args.raw else llm.chat_ids([{"role": "user", "content": args.prompt}], args.system)
+    messages = [{"role": "user", "content": args.prompt}]
+    system_id = None
+    if args.raw:
+        prompt = args.prompt
+    elif args.system and not args.no_relay:
+        system_id, prompt = llm.relay_chat_ids(messages, args.system)
+    else:
+        prompt = llm.chat_ids(messages, args.system)
     final = None
-    for out in llm.stream(prompt, params):
+    for out in llm.stream(prompt, params, system=system_id):
         if not args.json:
             sys.stdout.write(out.delta_text)
             sys.stdout.flush()
@@ -62,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
             "text": final.text, "token_ids": final.token_ids, "prompt_tokens": final.prompt_tokens,
             "completion_tokens": len(final.token_ids), "finish_reason": final.finish_reason,
             "ttft_s": final.ttft_s, "total_s": final.total_s, "load_s": load_s,
-            "model": llm.engine.model_name, "device": str(llm.engine.device),
+            "model": llm.engine.model_name, "device": str(llm.engine.device), "relay": system_id is not None,
         }))
     else:
         sys.stdout.write("\n")

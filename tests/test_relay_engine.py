@@ -1,0 +1,134 @@
+"""The engine behind registered system prompts: relay attention gives the tokens of plain prefill.
+
+The default model (CPU) on 10 questions behind a 1K-token system prompt, and a small random model
+with two system prompts in one batch (multi-application), chunked prefill, and the prefix-shared
+path without relay. On CUDA (``gpu``): the Triton kernels with decode graphs against the torch path.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ragfuse.engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams
+from ragfuse.engine.errors import RequestError
+
+QUESTIONS = [
+    "Who is mentioned first?", "Summarise the first passage.", "What year is given?", "Name one place.",
+    "What is the main topic?", "List two people.", "What happened last?", "Is there a river?",
+    "Which country is named?", "Give a title for this text.",
+]
+
+
+def knowledge(tokenizer, n_tokens: int) -> str:
+    """About ``n_tokens`` tokens of MuSiQue passages: a knowledge document as system prompt."""
+    cases = json.load(open("/work/shared/data/musique_dev.json"))
+    text = "Answer from these passages.\n" + "\n".join(c["text"] for case in cases[:3] for c in case["ctxs"])
+    return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:n_tokens])
+
+
+def test_greedy_tokens_identical_with_and_without_relay(llm) -> None:
+    """Relay against the engine without relay (the system prompt's blocks shared, read per request
+    by the paged kernel) on all 10 questions, and against plain full prefill on two of them (which
+    also checks that the registered KV equals what a full prefill computes)."""
+    system = knowledge(llm.tokenizer, 1000)
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    params = SamplingParams(max_tokens=6)
+    relayed = [llm.relay_chat_ids(c, system) for c in chats]
+    sid = relayed[0][0]
+    assert sid is not None and all(r[0] == sid for r in relayed)  # registered once, found again
+    sp = llm.engine.systems.get(sid)
+    system_blocks = len(sp.block_table)
+    assert 950 <= sp.num_tokens <= 1100
+    free = llm.engine.blocks.num_free
+    got = [o.token_ids for o in llm.generate([ids for _, ids in relayed], params, system=sid)]
+    assert llm.engine.blocks.num_free == free  # requests held only their own pages
+    shared = [o.token_ids for o in llm.generate([ids for _, ids in relayed], params, system=sid, relay=False)]
+    assert got == shared
+    assert llm.engine.blocks.num_free == free  # the shared blocks' extra references were dropped
+    plain = [o.token_ids for o in llm.generate([llm.chat_ids(c, system) for c in chats[:2]], params)]
+    assert got[:2] == plain
+    llm.engine.release_system(sid)
+    assert llm.engine.blocks.num_free == free + system_blocks
+
+
+SHAPE = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "eos_token_id": 0,
+}
+
+
+def small_engine(device: str = "cpu", **options) -> LLMEngine:
+    cfg = EngineConfig(device=device, dtype="float32", block_size=8, kv_cache_bytes=8 << 20, **options)
+    engine = LLMEngine(cfg, random_weights=ModelConfig.from_dict(SHAPE))
+    with torch.no_grad():
+        engine.runner.model.lm_head.weight.mul_(30.0)  # well separated top logits: no ties decide a token
+    return engine
+
+
+def run_all(engine: LLMEngine, requests: list[tuple[list[int], int | None, bool]], n: int) -> list[list[int]]:
+    ids = [engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True), system=s, relay=r)
+           for p, s, r in requests]
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    return [done[i] for i in ids]
+
+
+def workload() -> tuple[list[list[int]], list[tuple[list[int], int]]]:
+    """Two system prompts (one ending mid-block) and requests behind either one or neither."""
+    g = torch.Generator().manual_seed(3)
+    systems = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (45, 64)]
+    requests = [(torch.randint(1, 256, (n,), generator=g).tolist(), s) for n, s in
+                [(5, 0), (13, 1), (1, 0), (30, -1), (9, 1), (17, 0)]]
+    return systems, requests
+
+
+@pytest.mark.parametrize("chunk", [8192, 11])
+def test_relay_multi_application_batch_matches_full_prompts(chunk) -> None:
+    engine = small_engine(max_num_batched_tokens=chunk)
+    systems, requests = workload()
+    want = run_all(engine, [((systems[s] if s >= 0 else []) + p, None, True) for p, s in requests], 12)
+    sids = [engine.register_system(s) for s in systems]
+    assert engine.register_system(systems[1]) == sids[1]
+    for relay in (True, False):
+        got = run_all(engine, [(p, sids[s] if s >= 0 else None, relay) for p, s in requests], 12)
+        assert got == want, relay
+
+
+def test_relay_bad_input_is_refused() -> None:
+    engine = small_engine()
+    with pytest.raises(RequestError):
+        engine.add_request([1, 2], system=5)
+    sid = engine.register_system([1 + i % 200 for i in range(499)])
+    with pytest.raises(RequestError):
+        engine.add_request(list(range(1, 20)), system=sid)  # 499 + 19 > 512 tokens of context
+    with pytest.raises(RequestError):
+        engine.register_system([1 + i % 200 for i in range(600)])
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), system=sid)
+    with pytest.raises(RequestError):
+        engine.release_system(sid)  # a request still follows it
+    while engine.has_unfinished():
+        engine.step()
+    engine.release_system(sid)
+
+
+@pytest.mark.gpu
+def test_relay_triton_with_graphs_matches_torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    systems, requests = workload()
+    monkeypatch.setenv("RAGFUSE_KERNELS", "torch")
+    ref = small_engine("cuda")
+    want = run_all(ref, [((systems[s] if s >= 0 else []) + p, None, True) for p, s in requests], 30)
+    del ref
+    monkeypatch.setenv("RAGFUSE_KERNELS", "auto")
+    fast = small_engine("cuda")
+    assert fast.runner.attention_backend_name == "triton" and fast.runner.graphs is not None
+    sids = [fast.register_system(s) for s in systems]
+    got = run_all(fast, [(p, sids[s] if s >= 0 else None, True) for p, s in requests], 30)
+    assert got == want
+    assert fast.runner.graphs.relay_graphs and fast.runner.graphs.replays >= 29
