@@ -128,24 +128,41 @@ class DecodeGraphs:
         self.replays += 1
         return captured.hidden[:n]
 
+    def capture_relay(self, tokens_per_tile: int, sys_tables: torch.Tensor, sys_lens: torch.Tensor,
+                      sizes: tuple[int, ...] = EAGER_SIZES) -> None:
+        """Capture the relay graphs of these sizes now (the engine does at the first registered
+        system prompt, so no capture lands inside a serving step)."""
+        self._make_static_relay(tokens_per_tile, sys_tables, sys_lens)
+        for size in sorted(sizes, reverse=True):
+            if size <= MAX_GRAPH_BATCH and size not in self.relay_graphs:
+                self.relay_graphs[size] = self._capture(size, self.relay)
+
     def _tiles(self, size: int, relay: RelayMetadata) -> int:
         """System tiles a relay graph of ``size`` rows holds."""
-        per_tile = relay.tile_tokens.shape[0] // max(1, relay.tile_system.shape[0])
-        return max_system_tiles(size, per_tile, GRAPH_SYSTEMS)
+        return max_system_tiles(size, self._per_tile(relay), GRAPH_SYSTEMS)
+
+    @staticmethod
+    def _per_tile(relay: RelayMetadata) -> int:
+        return relay.tile_tokens.shape[0] // max(1, relay.tile_system.shape[0])
+
+    def _make_static_relay(self, tokens_per_tile: int, sys_tables: torch.Tensor, sys_lens: torch.Tensor) -> None:
+        if self.relay is not None:
+            return
+        most = max_system_tiles(MAX_GRAPH_BATCH, tokens_per_tile, GRAPH_SYSTEMS)
+        device = sys_lens.device
+        self.relay = RelayMetadata(
+            token_system=[], tile_tokens=torch.full((most * tokens_per_tile,), -1, dtype=torch.int32, device=device),
+            tile_system=torch.full((most,), -1, dtype=torch.int32, device=device),
+            sys_tables=sys_tables, sys_lens=sys_lens, max_sys_len=self.max_model_len,
+        )
 
     def _static_relay(self, size: int, relay: RelayMetadata) -> RelayMetadata:
         """Views of the static relay inputs for a graph of ``size`` rows (created on first use)."""
         from ragfuse.kernels.relay_triton import system_num_splits
 
-        per_tile = relay.tile_tokens.shape[0] // max(1, relay.tile_system.shape[0])
-        if self.relay is None:
-            most = max_system_tiles(MAX_GRAPH_BATCH, per_tile, GRAPH_SYSTEMS)
-            device = relay.sys_lens.device
-            self.relay = RelayMetadata(
-                token_system=[], tile_tokens=torch.full((most * per_tile,), -1, dtype=torch.int32, device=device),
-                tile_system=torch.full((most,), -1, dtype=torch.int32, device=device),
-                sys_tables=relay.sys_tables, sys_lens=relay.sys_lens, max_sys_len=self.max_model_len,
-            )
+        per_tile = self._per_tile(relay)
+        self._make_static_relay(per_tile, relay.sys_tables, relay.sys_lens)
+        assert self.relay is not None
         self.relay.tile_system.fill_(-1)  # the warm-up and capture runs read no system prompt
         tiles = self._tiles(size, relay)
         # splits sized for the tiles that hold tokens (the padding tiles only exit): a fixed host int

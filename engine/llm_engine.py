@@ -201,6 +201,7 @@ class LLMEngine:
         except BaseException:
             self.blocks.release(table)
             raise
+        self.runner.capture_relay_graphs()
         return slot
 
     def release_system(self, system_id: int) -> None:

@@ -51,6 +51,14 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, block_size, self.max_model_len, self.device)
             self.graphs.capture()
 
+    def _tokens_per_tile(self) -> int:
+        return tile_tokens_for(self.config.num_heads // self.config.num_kv_heads)
+
+    def capture_relay_graphs(self) -> None:
+        """Capture the decode graphs of relay batches (once, when the first system prompt arrives)."""
+        if self.graphs is not None and self.systems is not None and not self.graphs.relay_graphs:
+            self.graphs.capture_relay(self._tokens_per_tile(), self.systems.tables, self.systems.lens)
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, hook: KVHook | None = None) -> list[int | None]:
         """Forward the batch; returns a sampled token per sequence, or None where its prompt is
@@ -72,7 +80,7 @@ class ModelRunner:
         )
         if self.systems is not None and any(s.system is not None for s in batch.seqs):
             meta.relay = RelayMetadata.build(
-                token_system, tile_tokens_for(self.config.num_heads // self.config.num_kv_heads),
+                token_system, self._tokens_per_tile(),
                 self.systems.tables, self.systems.lens, self.systems.max_len, self.device,
             )
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)

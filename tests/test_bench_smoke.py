@@ -14,6 +14,8 @@ import pytest
      "--decode-steps", "3", "--repeats", "1"],
     ["fusion", "--shape", "tiny-llama", "--chunks", "3", "--chunk-tokens", "32", "--query-tokens", "4",
      "--repeats", "1", "--sweep", "0,0.5"],
+    ["relay", "--shapes", "tiny-llama", "--systems", "64", "--contexts", "16", "--batches", "2,4",
+     "--e2e-systems", "64", "--requests", "3", "--max-prompt", "8", "--max-output", "3"],
 ])
 def test_bench_writes_results_table_and_plot(args, tmp_path):
     out = tmp_path / args[0]
@@ -28,3 +30,7 @@ def test_bench_writes_results_table_and_plot(args, tmp_path):
         modes = {row["mode"] for row in results["rows"]}
         assert {"full", "prefix", "reuse", "fuse", "fuse@controller"} <= modes
         assert {row["tier"] for row in results["rows"]} == {"cpu", "disk"}
+    if args[0] == "relay":
+        assert {row["part"] for row in results["rows"]} == {"op", "e2e"}
+        assert all(row["rel_err"] < 1e-5 for row in results["rows"] if row["part"] == "op")
+        assert {row["mode"] for row in results["rows"] if row["part"] == "e2e"} >= {"none", "shared", "relay"}

@@ -24,7 +24,8 @@ QUESTIONS = [
 
 def knowledge(tokenizer, n_tokens: int) -> str:
     """About ``n_tokens`` tokens of MuSiQue passages: a knowledge document as system prompt."""
-    cases = json.load(open("/work/shared/data/musique_dev.json"))
+    with open("/work/shared/data/musique_dev.json") as f:
+        cases = json.load(f)
     text = "Answer from these passages.\n" + "\n".join(c["text"] for case in cases[:3] for c in case["ctxs"])
     return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:n_tokens])
 
