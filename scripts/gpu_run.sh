@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks on a CUDA machine (the image's python3: torch, triton, transformers).
-# Usage: bash scripts/gpu_run.sh PART [OUT]   PART: tests | engine | store | fusion | all
+# Usage: bash scripts/gpu_run.sh PART [OUT]   PART: tests | engine | store | fusion | all | relay
 # Results land in OUT (default $OUT, else gpu-results): one folder per benchmark, plus logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +19,11 @@ case "$part" in
     run python3 -m ragfuse.cli bench engine --device cuda --shape mistral-7b --out "$out/engine" | tail -12 ;;&
   store|all)
     run python3 -m ragfuse.cli bench store --device cuda --out "$out/store" | tail -12 ;;&
+  relay)  # relay attention alone: its GPU tests (and the kernels/graphs it builds on), then its benchmark
+    run timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_relay.py tests/test_relay_engine.py \
+      tests/test_cuda_graphs.py tests/test_kernels.py -k "relay or system or graph or decode or merge or layer" \
+      | tee "$out/gpu-tests.log" | tail -15
+    run python3 -m ragfuse.cli bench relay --device cuda --out "$out/relay" | tail -40 ;;
   fusion|all)
     run python3 -m ragfuse.cli bench fusion --device cuda --shape mistral-7b --shape "${FUSION_BIG_SHAPE:-yi-34b}" \
       --out "$out/fusion" | tail -30 ;;
