@@ -152,15 +152,33 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Program (sequence, kv head, split): the GROUP query heads of one KV head attend to one
-    contiguous share of the sequence's keys, so each K/V tile is read once for the whole group.
+    """Program (sequence, kv head, split): see ``decode_program``."""
+    decode_program(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2),
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tables_ptr, seq_lens_ptr, scale_log2, window,
+        num_splits, stride_qt, stride_qh, stride_ot, stride_os, stride_oh, stride_lt, stride_ls,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+        GROUP, BLOCK_G, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, SLIDING, PREC,
+    )
+
+
+@triton.jit
+def decode_program(
+    seq, kv_head, split,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
+    block_tables_ptr, seq_lens_ptr, scale_log2, window, num_splits,
+    stride_qt, stride_qh, stride_ot, stride_os, stride_oh, stride_lt, stride_ls,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, PREC: tl.constexpr,
+):
+    """One decode program: the GROUP query heads of KV head ``kv_head`` of sequence ``seq`` attend
+    to share ``split`` of its keys, so each K/V tile is read once for the whole group. (A function
+    of its own so relay decode can run these programs in the same launch as its system programs.)
 
     Writes normalised partial outputs and their lse to ``out``/``lse`` at [seq, split, head]; with
     one split those are the final results. An empty share writes out = 0, lse = -inf.
     """
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
     kv_len = tl.load(seq_lens_ptr + seq)
     lo = 0
     if SLIDING:

@@ -7,8 +7,8 @@ system's keys (split-K over the system prompt, so a batch of a few requests stil
 each system K/V tile is loaded once for all the rows of the tile, i.e. once per batch when a tile
 holds the whole batch.
 
-Relay decode writes the context's split-K partials (the paged decode kernel) and the system's
-partials into one buffer and reduces them all in a single kernel: the relay fusion
+Relay decode computes the context's split-K partials (the paged decode kernel's programs) and the
+system's partials in one launch, into one buffer, and reduces them all in a single kernel: the relay fusion
 o = a*o_sys + (1-a)*o_ctx, a = 1/(1 + exp(lse_ctx - lse_sys)) is that reduction's two-sided case, so
 it costs no pass of its own. Nothing reads device values on the host (CUDA-graph safe).
 """
@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .paged_attention_triton import (
+    _DECODE_BLOCK_N,
     _LOG2E,
     _MAX_SPLITS,
     _attend_tile,
@@ -29,7 +30,7 @@ from .paged_attention_triton import (
     _dot_precision,
     _sm_count,
     decode_num_splits,
-    decode_partials_triton,
+    decode_program,
     reduce_splits_triton,
     split_buffers,
 )
@@ -47,13 +48,71 @@ def _system_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, TILE_T: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Program (tile, kv head, split): the tile's rows (token slot r // BLOCK_G, query head
-    kv_head * GROUP + r % BLOCK_G) attend to one share of their system prompt's keys, all visible.
-    Writes normalised partials at split ``split_offset + split``; an empty share writes out 0,
-    lse -inf (a token behind no system prompt gets only empty shares)."""
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    """Program (tile, kv head, split): see ``_system_program``."""
+    _system_program(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2),
+        q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, tile_tokens_ptr, tile_system_ptr,
+        sys_tables_ptr, sys_lens_ptr, scale_log2, num_splits, split_offset,
+        stride_qt, stride_qh, stride_pt, stride_ps, stride_ph, stride_plt, stride_pls,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_st,
+        GROUP, BLOCK_G, TILE_T, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, PREC,
+    )
+
+
+@triton.jit
+def _relay_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr,
+    tile_tokens_ptr, tile_system_ptr, sys_tables_ptr, sys_lens_ptr, block_tables_ptr, seq_lens_ptr,
+    scale_log2, num_kv_heads, sys_splits, ctx_splits, sys_programs,
+    stride_qt, stride_qh, stride_pt, stride_ps, stride_ph, stride_plt, stride_pls,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_st, stride_bt,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, CTX_G: tl.constexpr, TILE_T: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    CTX_N: tl.constexpr, PREC: tl.constexpr,
+):
+    """System programs (the longer ones, first) and context programs in one launch, so the two
+    parts share the GPU instead of each leaving a tail; partials land at splits [0, ctx_splits)
+    (context) and [ctx_splits, ctx_splits + sys_splits) (system) for one reduction."""
+    pid = tl.program_id(0)
+    if pid < sys_programs:
+        per_tile = num_kv_heads * sys_splits
+        rem = pid % per_tile
+        _system_program(
+            pid // per_tile, rem // sys_splits, rem % sys_splits,
+            q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, tile_tokens_ptr, tile_system_ptr,
+            sys_tables_ptr, sys_lens_ptr, scale_log2, sys_splits, ctx_splits,
+            stride_qt, stride_qh, stride_pt, stride_ps, stride_ph, stride_plt, stride_pls,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_st,
+            GROUP, BLOCK_G, TILE_T, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, PREC,
+        )
+    else:
+        p = pid - sys_programs
+        per_seq = num_kv_heads * ctx_splits
+        rem = p % per_seq
+        decode_program(
+            p // per_seq, rem // ctx_splits, rem % ctx_splits,
+            q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, block_tables_ptr, seq_lens_ptr,
+            scale_log2, 0, ctx_splits, stride_qt, stride_qh, stride_pt, stride_ps, stride_ph, stride_plt, stride_pls,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+            GROUP, CTX_G, HEAD_DIM, BLOCK_D, PAGE, CTX_N, False, PREC,
+        )
+
+
+@triton.jit
+def _system_program(
+    tile, kv_head, split,
+    q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr,
+    tile_tokens_ptr, tile_system_ptr, sys_tables_ptr, sys_lens_ptr,
+    scale_log2, num_splits, split_offset,
+    stride_qt, stride_qh, stride_pt, stride_ps, stride_ph, stride_plt, stride_pls,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_st,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, TILE_T: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+):
+    """The tile's rows (token slot r // BLOCK_G, query head kv_head * GROUP + r % BLOCK_G) attend to
+    share ``split`` of their system prompt's keys, all visible. Writes normalised partials at split
+    ``split_offset + split``; an empty share writes out 0, lse -inf (a token behind no system prompt
+    gets only empty shares)."""
     system = tl.load(tile_system_ptr + tile)
     has_system = system >= 0
     system = tl.maximum(system, 0)
@@ -200,8 +259,8 @@ def relay_decode_attention_triton(
     """One decode token per sequence over its system prompt and its own paged context, exactly:
     equals ``merge_attention_ref(system_attention_ref(...), paged_decode_attention_ref(...))``.
 
-    ``seq_lens`` count each sequence's own tokens (its context, after the system prompt). Three
-    launches: context partials, system partials, one reduction of both (the relay fusion).
+    ``seq_lens`` count each sequence's own tokens (its context, after the system prompt). Two
+    launches: the context and system partials together, then one reduction of both (the relay fusion).
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -214,8 +273,21 @@ def relay_decode_attention_triton(
     if sys_splits is None:
         sys_splits = system_num_splits(tile_system.shape[0], num_kv_heads, max_sys_len, q.device)
     part_out, part_lse = split_buffers(num_seqs, num_splits + sys_splits, num_heads, head_dim, q.device)
-    decode_partials_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, None, part_out, part_lse, num_splits)
-    system_partials_triton(q, k_cache, v_cache, sys_tables, sys_lens, tile_tokens, tile_system, scale,
-                           part_out, part_lse, sys_splits, split_offset=num_splits)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    group = num_heads // num_kv_heads
+    num_tiles = tile_system.shape[0]
+    sys_programs = num_tiles * num_kv_heads * sys_splits
+    _relay_decode_kernel[(sys_programs + num_seqs * num_kv_heads * num_splits,)](
+        q, k_cache, v_cache, part_out, part_lse, tile_tokens, tile_system, sys_tables, sys_lens, block_tables,
+        seq_lens, scale * _LOG2E, num_kv_heads, sys_splits, num_splits, sys_programs,
+        q.stride(0), q.stride(1), part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        *_cache_strides(k_cache), *_cache_strides(v_cache), sys_tables.stride(0), block_tables.stride(0),
+        GROUP=group, BLOCK_G=triton.next_power_of_2(group), CTX_G=max(16, triton.next_power_of_2(group)),
+        TILE_T=tile_tokens.shape[0] // max(1, num_tiles), HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        PAGE=k_cache.shape[1], BLOCK_N=_SYSTEM_BLOCK_N if q.is_cuda else 16,
+        CTX_N=_DECODE_BLOCK_N if q.is_cuda else 16, PREC=_dot_precision(q.dtype), num_warps=4,
+    )
     reduce_splits_triton(part_out, part_lse, out, lse)
     return out, lse
