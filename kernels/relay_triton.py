@@ -38,7 +38,9 @@ from .paged_attention_triton import (
 _SYSTEM_BLOCK_N = 64
 
 
-@triton.jit
+# Counts that vary from batch to batch are not specialised on (Triton would compile a new variant
+# whenever one becomes divisible by 16, in the middle of serving).
+@triton.jit(do_not_specialize=["num_splits", "split_offset"])
 def _system_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr,
     tile_tokens_ptr, tile_system_ptr, sys_tables_ptr, sys_lens_ptr,
@@ -59,7 +61,7 @@ def _system_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sys_splits", "ctx_splits", "sys_programs"])
 def _relay_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr,
     tile_tokens_ptr, tile_system_ptr, sys_tables_ptr, sys_lens_ptr, block_tables_ptr, seq_lens_ptr,
