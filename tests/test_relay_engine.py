@@ -8,6 +8,8 @@ path without relay. On CUDA (``gpu``): the Triton kernels with decode graphs aga
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -53,6 +55,19 @@ def test_greedy_tokens_identical_with_and_without_relay(llm) -> None:
     assert got[:2] == plain
     llm.engine.release_system(sid)
     assert llm.engine.blocks.num_free == free + system_blocks
+
+
+def test_generate_command_uses_relay_unless_told_not_to() -> None:
+    def generate(*extra: str) -> dict:
+        r = subprocess.run([sys.executable, "-m", "ragfuse.cli", "generate", "Name a colour.", "--system",
+                            "You answer in one word.", "--max-tokens", "5", "--json", "--device", "cpu", *extra],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    relayed, plain = generate(), generate("--no-relay")
+    assert relayed["relay"] is True and plain["relay"] is False
+    assert relayed["token_ids"] == plain["token_ids"]
 
 
 SHAPE = {
