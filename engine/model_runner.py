@@ -11,7 +11,7 @@ from ragfuse.kernels.relay import tile_tokens_for
 from .attention import AttentionMetadata, RelayMetadata, set_attention_backend
 from .checkpoint import Checkpoint
 from .config import ModelConfig
-from .cuda_graphs import DecodeGraphs, graphs_enabled
+from .cuda_graphs import DecodeGraphs, PrefillGraphs, graphs_enabled
 from .fusion import FusionMode, FusionStats, Segment, SelectionPolicy, fuse_prefill
 from .kv_cache import KVCache
 from .models import KVHook, LlamaForCausalLM, build_model
@@ -40,16 +40,41 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None
         self.block_size = 0
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         self.systems: SystemPrompts | None = None  # set by the engine: the relay system prompts
 
     def allocate_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate the paged cache after the weights, so its size can use the memory left."""
         self.kv_cache = KVCache(self.config, num_blocks, block_size, self.dtype, self.device)
         self.block_size = block_size
-        # Decode graphs need a forward that never syncs with the host: the Triton backend's.
+        # Graphs need a forward that never syncs with the host: the Triton backend's.
         if self.device.type == "cuda" and self.attention_backend_name == "triton" and graphs_enabled():
             self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, block_size, self.max_model_len, self.device)
             self.graphs.capture()
+            self.prefill_graphs = PrefillGraphs(
+                self.model, self.kv_cache.layers, block_size, self.max_model_len, self.device, self.graphs.pool
+            )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        hook: KVHook | None = None,
+        keep: bool = False,
+    ) -> torch.Tensor:
+        """The model's forward over the paged cache, replayed from a CUDA graph where one fits.
+
+        A graph's output buffer is reused by the next replay, so a caller that holds the result past
+        the next forward passes ``keep`` and gets a copy.
+        """
+        assert self.kv_cache is not None, "allocate_cache first"
+        if hook is None:
+            for graphs in (self.graphs, self.prefill_graphs):
+                if graphs is not None and graphs.accepts(meta):
+                    hidden = graphs.run(input_ids, positions, meta)
+                    return hidden.clone() if keep else hidden
+        return self.model(input_ids, positions, self.kv_cache.layers, meta, hook)
 
     def _tokens_per_tile(self) -> int:
         return tile_tokens_for(self.config.num_heads // self.config.num_kv_heads)
@@ -85,11 +110,7 @@ class ModelRunner:
             )
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
-        assert self.kv_cache is not None, "allocate_cache first"
-        if self.graphs is not None and hook is None and self.graphs.accepts(meta):
-            hidden = self.graphs.run(input_ids, pos, meta)
-        else:
-            hidden = self.model(input_ids, pos, self.kv_cache.layers, meta, hook)
+        hidden = self.forward(input_ids, pos, meta, hook)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         wants = [i for i, s in enumerate(batch.seqs) if s.num_uncomputed == 0]
@@ -114,7 +135,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(lens, lens, block_tables, self.block_size, self.device)
         ids = torch.tensor([t for toks in token_lists for t in toks], dtype=torch.long, device=self.device)
         pos = torch.tensor([p for n in lens for p in range(n)], dtype=torch.long, device=self.device)
-        return self.model(ids, pos, self.kv_cache.layers, meta, hook)
+        return self.forward(ids, pos, meta, hook, keep=True)
 
     @torch.inference_mode()
     def forward_continuation(self, token_ids: list[int], start: int, block_table: list[int]) -> torch.Tensor:
@@ -125,7 +146,7 @@ class ModelRunner:
         meta = AttentionMetadata.build([n], [start + n], [block_table], self.block_size, self.device)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.arange(start, start + n, device=self.device)
-        return self.model(ids, pos, self.kv_cache.layers, meta)
+        return self.forward(ids, pos, meta, keep=True)
 
     def fused_prefill(
         self, block_table: list[int], segments: list[Segment], mode: FusionMode | str, policy: SelectionPolicy

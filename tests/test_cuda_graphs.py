@@ -120,3 +120,53 @@ def test_attention_layer_fresh_prefill_matches_reference(tokens: int) -> None:
     )
     assert float((out.float() - ref).norm() / ref.norm()) < 2e-2
     assert float((lse - ref_lse).abs().max()) < 1e-2
+
+
+@pytest.mark.gpu
+def test_prefill_graph_matches_eager_and_padding_writes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 100-token prefill, then a 70-token continuation of another sequence, both replayed from the
+    128-token bucket: hidden states equal the eager forward's, and the cache changes only at the real
+    slots (the continuation's padding rows hold the first prefill's slots until they are reset)."""
+    from ragfuse.engine.cuda_graphs import prefill_bucket
+
+    engine = cuda_engine("auto", monkeypatch)
+    runner, graphs = engine.runner, engine.runner.prefill_graphs
+    assert graphs is not None and runner.kv_cache is not None
+    bs = runner.block_size
+    runner.kv_cache.storage.normal_()
+    g = torch.Generator().manual_seed(2)
+    cases = [  # (query tokens, tokens cached before them, block table)
+        (100, 0, list(range(0, 7))),
+        (70, 30, list(range(10, 17))),
+    ]
+    for n, start, table in cases:
+        meta = AttentionMetadata.build([n], [start + n], [table], bs, runner.device)
+        ids = torch.randint(1, 512, (n,), generator=g).cuda()
+        pos = torch.arange(start, start + n, device="cuda")
+        before = runner.kv_cache.storage.clone()
+        with torch.inference_mode():
+            replayed = graphs.run(ids, pos, meta).clone()
+            after_graph = runner.kv_cache.storage.clone()
+            runner.kv_cache.storage.copy_(before)
+            eager = runner.model(ids, pos, runner.kv_cache.layers, meta)
+        assert prefill_bucket(n) == 128 and set(graphs.graphs) == {128}
+        assert (replayed - eager).abs().max().item() < 1e-4 * eager.abs().max().item()
+        changed = (after_graph != before).flatten(4).any(-1)  # [layers, k/v, blocks, block offsets]
+        expect = torch.zeros_like(changed)
+        for p in range(start, start + n):
+            expect[:, :, table[p // bs], p % bs] = True
+        assert torch.equal(changed, expect)
+    assert graphs.replays == 2
+
+
+@pytest.mark.gpu
+def test_engine_prefills_through_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts up to the largest bucket are prefilled by graph replay, and generation is unchanged."""
+    fast = cuda_engine("auto", monkeypatch)
+    graphs = fast.runner.prefill_graphs
+    assert graphs is not None
+    ps = prompts() + [torch.randint(1, 512, (1010,), generator=torch.Generator().manual_seed(3)).tolist()]
+    got = [generate(fast, [p], 8)[0] for p in ps]
+    assert graphs.replays == 4 and set(graphs.graphs) == {64, 128, 1024}
+    ref = cuda_engine("torch", monkeypatch)
+    assert got == [generate(ref, [p], 8)[0] for p in ps]
