@@ -26,6 +26,7 @@ from .fusion import FusionMode, FusionStats, Segment, SelectionPolicy
 from .kv_cache import KVCache
 from .model_runner import ModelRunner
 from .models import KVHook
+from .prefix_tree import PrefixTree
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
@@ -75,8 +76,9 @@ class LLMEngine:
         num_blocks = KVCache.blocks_for_budget(mc, self.config.block_size, self.dtype, self._kv_budget())
         self.runner.allocate_cache(num_blocks, self.config.block_size)
         self.blocks = BlockManager(num_blocks, self.config.block_size)
+        self.tree = PrefixTree(self.blocks) if self.config.prefix_tree else None
         self.scheduler = Scheduler(
-            self.blocks, self.config.max_num_seqs, max(self.config.max_num_batched_tokens, 1)
+            self.blocks, self.config.max_num_seqs, max(self.config.max_num_batched_tokens, 1), self.tree
         )
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[Sequence] = []  # fused requests whose first token is not reported yet
@@ -247,7 +249,8 @@ class LLMEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._seqs:
             raise RequestError(f"request id {rid!r} is already in use")
-        seq = Sequence(rid, ids, params)
+        # fused KV approximates the prompt's exact KV, so its blocks never join the prefix tree
+        seq = Sequence(rid, ids, params, cacheable=False, tree_open=False)
         self.blocks.grow(seq.block_table, len(ids))
         try:
             logits, stats = self.runner.fused_prefill(seq.block_table, segments, mode, policy or SelectionPolicy())
@@ -275,7 +278,10 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return outputs
-        tokens = self.runner.run(batch, hook)
+        plan = None
+        if self.tree is not None and not batch.is_prefill:
+            plan = self.tree.decode_plan(batch.seqs, self.model_config.num_kv_heads, self.device)
+        tokens = self.runner.run(batch, hook, plan)
         now = time.perf_counter()
         for seq, tok in zip(batch.seqs, tokens):
             if tok is None:
@@ -322,7 +328,7 @@ class LLMEngine:
             finish_reason=reason,
             ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
             total_s=end - seq.arrival_time,
-            metrics={"preemptions": seq.num_preemptions},
+            metrics={"preemptions": seq.num_preemptions, "cached_tokens": seq.num_cached_tokens},
         )
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ragfuse.kernels.two_phase import TwoPhasePlan
+
 from .attention import AttentionMetadata, set_attention_backend
 from .checkpoint import Checkpoint
 from .config import ModelConfig
@@ -48,9 +50,12 @@ class ModelRunner:
             self.graphs.capture()
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, hook: KVHook | None = None) -> list[int | None]:
+    def run(
+        self, batch: ScheduledBatch, hook: KVHook | None = None, two_phase: TwoPhasePlan | None = None
+    ) -> list[int | None]:
         """Forward the batch; returns a sampled token per sequence, or None where its prompt is
-        not yet fully computed (chunked prefill)."""
+        not yet fully computed (chunked prefill). ``two_phase``: the prefix tree's plan for a decode
+        batch whose sequences share cache blocks."""
         ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -64,6 +69,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             query_lens, seq_lens, [s.block_table for s in batch.seqs], self.block_size, self.device
         )
+        meta.two_phase = two_phase
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         assert self.kv_cache is not None, "allocate_cache first"

@@ -32,6 +32,13 @@ class Sequence:
     finish_time: float | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    # prefix tree (prefix_tree.py): the first ``tree_depth`` blocks of ``block_table`` are tree nodes;
+    # ``tree_open`` while later full blocks may still join the tree; fused prompts (approximate KV)
+    # are not ``cacheable``; ``num_cached_tokens`` of the prompt were reused instead of computed
+    tree_depth: int = 0
+    cacheable: bool = True
+    tree_open: bool = True
+    num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and not self.params.greedy:

@@ -19,6 +19,7 @@ from ragfuse.kernels.paged_attention import (
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
 )
+from ragfuse.kernels.two_phase import two_phase_decode_ref
 
 from ..ops import HAVE_TRITON, resolve_backend
 from .metadata import AttentionMetadata
@@ -29,6 +30,7 @@ if HAVE_TRITON:
         paged_prefill_attention_triton,
         write_kv_triton,
     )
+    from ragfuse.kernels.two_phase_triton import two_phase_decode_triton
 
 
 CUDNN_MIN_TOKENS = 2048  # measured: Triton wins at 512, cuDNN at 4K and 8K (crossover not pinned)
@@ -83,8 +85,14 @@ class Attention(nn.Module):
         """q [T, H, D], k/v [T, KVH, D] for the step's new tokens -> (out [T, H, D], lse [T, H])."""
         k_cache, v_cache = kv_cache
         backend = self.backend if self.backend != "auto" else resolve_backend("auto", q.device)
+        # decode over prefix-tree blocks shared by several sequences: read them once per batch
+        two_phase = meta.two_phase if not meta.is_prefill and self.sliding_window is None else None
         if backend == "triton":
             write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+            if two_phase is not None:
+                return two_phase_decode_triton(
+                    q, k_cache, v_cache, meta.block_tables, meta.seq_lens, two_phase, self.scale
+                )
             if not meta.is_prefill:
                 return paged_decode_attention_triton(
                     q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, self.sliding_window,
@@ -97,6 +105,8 @@ class Attention(nn.Module):
                 self.sliding_window, max_query_len=meta.max_query_len,
             )
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if two_phase is not None:
+            return two_phase_decode_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, two_phase, self.scale)
         slots = meta.sequence_slots() if q.device.type == "cpu" else None
         if meta.is_prefill:
             return paged_prefill_attention_ref(

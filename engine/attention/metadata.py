@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ragfuse.kernels.two_phase import TwoPhasePlan
+
 
 @dataclass
 class AttentionMetadata:
@@ -22,6 +24,7 @@ class AttentionMetadata:
     max_seq_len: int
     block_size: int
     has_prefix: bool = True  # some sequence attends to tokens cached before this step
+    two_phase: TwoPhasePlan | None = None  # decode over prefix-tree blocks shared by several sequences
     _slots: list[torch.Tensor | slice] | None = field(default=None, repr=False)
 
     @property
