@@ -14,6 +14,8 @@ import pytest
      "--decode-steps", "3", "--repeats", "1"],
     ["fusion", "--shape", "tiny-llama", "--chunks", "3", "--chunk-tokens", "32", "--query-tokens", "4",
      "--repeats", "1", "--sweep", "0,0.5"],
+    ["tree", "--shape", "tiny-llama", "--shared", "64", "--batches", "3", "--private", "5", "--repeats", "1", "--e2e",
+     "--e2e-prefix", "40", "--e2e-requests", "3", "--e2e-tokens", "3"],
 ])
 def test_bench_writes_results_table_and_plot(args, tmp_path):
     out = tmp_path / args[0]
