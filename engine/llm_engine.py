@@ -280,7 +280,8 @@ class LLMEngine:
             return outputs
         plan = None
         if self.tree is not None and not batch.is_prefill:
-            plan = self.tree.decode_plan(batch.seqs, self.model_config.num_kv_heads, self.device)
+            mc = self.model_config
+            plan = self.tree.decode_plan(batch.seqs, mc.num_heads, mc.num_kv_heads, mc.head_dim, self.device)
         tokens = self.runner.run(batch, hook, plan)
         now = time.perf_counter()
         for seq, tok in zip(batch.seqs, tokens):

@@ -162,12 +162,16 @@ class PrefixTree:
 
     # ---- decode attention plan --------------------------------------------------------------
 
-    def decode_plan(self, seqs: list[Sequence], num_kv_heads: int, device: torch.device) -> TwoPhasePlan | None:
+    def decode_plan(
+        self, seqs: list[Sequence], num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+    ) -> TwoPhasePlan | None:
         """The two-phase attention plan for a decode batch, or None when its sequences share no
         block. Cached: rebuilt only when the batch or the tree's sharing changed."""
         key = (self.version, tuple(id(s) for s in seqs))
         if key != self._plan_key:
             paths = [s.block_table[: s.tree_depth] for s in seqs]
-            self._plan = build_two_phase_plan(paths, self.block_size, num_kv_heads, device)
+            self._plan = build_two_phase_plan(
+                paths, self.block_size, num_kv_heads, device, group=num_heads // num_kv_heads, head_dim=head_dim
+            )
             self._plan_key = key
         return self._plan

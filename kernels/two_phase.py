@@ -66,12 +66,21 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_split_tokens(total_shared: int, num_kv_heads: int, device: torch.device) -> int | None:
-    """Keys per chunk-first item so the grid has about two programs per multiprocessor; None (no
-    split) off CUDA. Fewer, longer items would leave SMs idle; more would add partials to merge."""
+def chunk_first_tile(max_rows: int, head_dim: int) -> int:
+    """Query rows per chunk-first program: all of a group's rows when they fit, at most 64 for
+    head_dim 128 (128 rows x 128 dims of float32 accumulator would spill registers)."""
+    return max(16, min(1 << max(0, max_rows - 1).bit_length(), 64 if head_dim > 64 else 128))
+
+
+def default_split_tokens(
+    total_shared: int, num_kv_heads: int, query_tiles: int, device: torch.device
+) -> int | None:
+    """Keys per chunk-first item so the grid (items x KV heads x query tiles) has about two
+    programs per multiprocessor; None (no split) off CUDA. Fewer, longer items would leave SMs
+    idle; more add partials, which the sequence-first phase folds in one after another."""
     if device.type != "cuda" or total_shared == 0:
         return None
-    items = max(1, math.ceil(2 * _sm_count(device) / num_kv_heads))
+    items = max(1, math.ceil(2 * _sm_count(device) / (num_kv_heads * query_tiles)))
     split = math.ceil(total_shared / items)
     return max(2 * SPLIT_ALIGN, -(-split // SPLIT_ALIGN) * SPLIT_ALIGN)
 
@@ -82,6 +91,8 @@ def build_two_phase_plan(
     num_kv_heads: int,
     device: torch.device,
     split_tokens: int | None = None,
+    group: int = 1,
+    head_dim: int = 128,
 ) -> TwoPhasePlan | None:
     """The plan for sequences whose cache starts with the tree blocks ``paths[s]``; None if no two
     of them share a block.
@@ -89,7 +100,8 @@ def build_two_phase_plan(
     Sorting the paths makes the sequences under any tree node contiguous; a segment is the longest
     run of blocks that a contiguous group of at least two sequences all share (their paths' common
     prefix: that of the group's first and last path, once sorted), and the group then splits by the
-    next block. ``split_tokens`` cuts long segments into several items (default: by device).
+    next block. ``split_tokens`` cuts long segments into several items (default: by device, for
+    ``group`` query heads per KV head of ``head_dim``).
     """
     n = len(paths)
     order = sorted(range(n), key=lambda s: paths[s])
@@ -126,7 +138,9 @@ def build_two_phase_plan(
     if not segments:
         return None
     total = sum((e - d) * block_size for _, _, d, e in segments)
-    split = split_tokens or default_split_tokens(total, num_kv_heads, device)
+    rows = max(hi - lo for lo, hi, _, _ in segments) * group
+    tiles = -(-rows // chunk_first_tile(rows, head_dim))
+    split = split_tokens or default_split_tokens(total, num_kv_heads, tiles, device)
     parts = [0] * n  # partial slots used so far, by sorted position (segments come parent first)
     shared = [0] * n
     items: list[tuple[int, int, int, int, int]] = []

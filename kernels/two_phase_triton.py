@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .paged_attention_triton import _LOG2E, _attend_tile, _cache_strides, _dot_precision
-from .two_phase import TwoPhasePlan
+from .two_phase import TwoPhasePlan, chunk_first_tile
 
 _BLOCK_N = 64
 
@@ -134,12 +134,6 @@ def _seq_first_kernel(
              (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=io_mask)
     tl.store(lse_ptr + seq * stride_ot_lse + heads,
              tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453), mask=g_mask)
-
-
-def chunk_first_tile(max_rows: int, head_dim: int) -> int:
-    """Query rows per chunk-first program: all of a group's rows when they fit, at most 64 for
-    head_dim 128 (128 rows x 128 dims of float32 accumulator would spill registers)."""
-    return max(16, min(triton.next_power_of_2(max_rows), 64 if head_dim > 64 else 128))
 
 
 def two_phase_decode_triton(

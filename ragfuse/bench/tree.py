@@ -81,7 +81,7 @@ def op_rows(args: argparse.Namespace, device: torch.device, sync: Sync) -> list[
         k, v, tables, lens, paths = shared_cache(s, b, c, args.page, kvh, d, dtype, device)
         q = torch.randn(b, h, d, dtype=dtype, device=device)
         scale = d**-0.5
-        plan = build_two_phase_plan(paths, args.page, kvh, device)
+        plan = build_two_phase_plan(paths, args.page, kvh, device, group=h // kvh, head_dim=d)
         assert plan is not None
         args_ = (q, k, v, tables, lens)
         if cuda:
