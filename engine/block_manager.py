@@ -2,13 +2,28 @@
 
 Reference counts let several sequences point at one block (shared prefixes, forks); a block goes
 back to the free list when its last user lets go.
+
+A block cache (the prefix tree, ``prefix_tree.py``) may keep finished blocks for later requests: it
+holds one reference of its own on each block it caches. A cached block that only the cache holds is
+*reclaimable*: it counts as free for allocation, and ``grow`` asks the cache to evict such blocks
+when the free list runs short.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import Protocol
 
 from .errors import RequestError
+
+
+class BlockCache(Protocol):
+    """What the block manager needs from a cache of blocks: told when one of its blocks loses its
+    last outside user, and asked to give back ``n`` of those blocks."""
+
+    def on_unused(self, block: int) -> None: ...
+
+    def evict(self, n: int) -> None: ...
 
 
 class BlockManager:
@@ -19,10 +34,14 @@ class BlockManager:
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
         self.free_ids: deque[int] = deque(range(num_blocks))
+        self.cached = [False] * num_blocks  # held by the cache (one of its references is the cache's)
+        self.num_reclaimable = 0  # cached blocks that only the cache holds
+        self.cache: BlockCache | None = None
 
     @property
     def num_free(self) -> int:
-        return len(self.free_ids)
+        """Blocks a ``grow`` can take now: the free list plus cached blocks nobody uses."""
+        return len(self.free_ids) + self.num_reclaimable
 
     def blocks_needed(self, block_table: list[int], num_tokens: int) -> int:
         """New blocks a table needs to hold ``num_tokens`` tokens."""
@@ -36,6 +55,9 @@ class BlockManager:
         need = self.blocks_needed(block_table, num_tokens)
         if need > self.num_free:
             raise RequestError(f"KV cache full: need {need} blocks, {self.num_free} free")
+        if need > len(self.free_ids):
+            assert self.cache is not None  # reclaimable blocks exist only with a cache
+            self.cache.evict(need - len(self.free_ids))
         for _ in range(need):
             block = self.free_ids.popleft()
             self.ref_counts[block] = 1
@@ -46,6 +68,8 @@ class BlockManager:
         for b in block_ids:
             if self.ref_counts[b] <= 0:
                 raise ValueError(f"block {b} is free and cannot be shared")
+            if self.cached[b] and self.ref_counts[b] == 1:
+                self.num_reclaimable -= 1
             self.ref_counts[b] += 1
         return list(block_ids)
 
@@ -57,4 +81,24 @@ class BlockManager:
                 self.free_ids.append(b)
             elif self.ref_counts[b] < 0:
                 raise ValueError(f"block {b} released more often than taken")
+            elif self.ref_counts[b] == 1 and self.cached[b]:
+                self.num_reclaimable += 1
+                assert self.cache is not None
+                self.cache.on_unused(b)
         block_table.clear()
+
+    def cache_block(self, block: int) -> None:
+        """The cache takes its own reference on a block a sequence holds."""
+        if self.ref_counts[block] <= 0 or self.cached[block]:
+            raise ValueError(f"block {block} is free or already cached")
+        self.cached[block] = True
+        self.ref_counts[block] += 1
+
+    def uncache_block(self, block: int) -> None:
+        """The cache drops a block nobody else uses: it returns to the free list."""
+        if not self.cached[block] or self.ref_counts[block] != 1:
+            raise ValueError(f"block {block} is not an unused cached block")
+        self.cached[block] = False
+        self.num_reclaimable -= 1
+        self.ref_counts[block] = 0
+        self.free_ids.append(block)

@@ -140,6 +140,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"
     seed: int = 0
+    prefix_tree: bool = True  # share the KV blocks of common prompt prefixes (prefix_tree.py)
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -108,9 +108,11 @@ class DecodeGraphs:
         self.replays = 0  # steps served by a graph (for tests and metrics)
 
     def accepts(self, meta: AttentionMetadata) -> bool:
-        """Whether this step can replay a graph: decode only, within the captured sizes."""
+        """Whether this step can replay a graph: plain decode only (two-phase decode over shared
+        blocks runs eagerly: its launch grid follows the tree), within the captured sizes."""
         fits = (
             not meta.is_prefill
+            and meta.two_phase is None
             and meta.num_seqs <= MAX_GRAPH_BATCH
             and meta.block_tables.shape[1] <= self.max_blocks
         )

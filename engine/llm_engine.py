@@ -26,6 +26,7 @@ from .fusion import FusionMode, FusionStats, Segment, SelectionPolicy
 from .kv_cache import KVCache
 from .model_runner import ModelRunner
 from .models import KVHook
+from .prefix_tree import PrefixTree
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
@@ -79,8 +80,9 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, self.config.block_size)
         self.systems = SystemPrompts(MAX_SYSTEM_PROMPTS, self.max_model_len, self.config.block_size, self.device)
         self.runner.systems = self.systems
+        self.tree = PrefixTree(self.blocks) if self.config.prefix_tree else None
         self.scheduler = Scheduler(
-            self.blocks, self.config.max_num_seqs, max(self.config.max_num_batched_tokens, 1)
+            self.blocks, self.config.max_num_seqs, max(self.config.max_num_batched_tokens, 1), self.tree
         )
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[Sequence] = []  # fused requests whose first token is not reported yet
@@ -211,6 +213,8 @@ class LLMEngine:
             raise RequestError(f"system prompt {system_id} still has unfinished requests")
         self.systems.remove(sp.slot)
         self.blocks.release(sp.block_table)
+        if self.tree is not None:
+            self.tree.drop_system(sp.slot)
 
     def abort(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)
@@ -315,7 +319,8 @@ class LLMEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._seqs:
             raise RequestError(f"request id {rid!r} is already in use")
-        seq = Sequence(rid, ids, params)
+        # fused KV approximates the prompt's exact KV, so its blocks never join the prefix tree
+        seq = Sequence(rid, ids, params, cacheable=False, tree_open=False)
         self.blocks.grow(seq.block_table, len(ids))
         try:
             logits, stats = self.runner.fused_prefill(seq.block_table, segments, mode, policy or SelectionPolicy())
@@ -343,7 +348,11 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return outputs
-        tokens = self.runner.run(batch, hook)
+        plan = None
+        if self.tree is not None and not batch.is_prefill:
+            mc = self.model_config
+            plan = self.tree.decode_plan(batch.seqs, mc.num_heads, mc.num_kv_heads, mc.head_dim, self.device)
+        tokens = self.runner.run(batch, hook, plan)
         now = time.perf_counter()
         for seq, tok in zip(batch.seqs, tokens):
             if tok is None:
@@ -390,7 +399,7 @@ class LLMEngine:
             finish_reason=reason,
             ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
             total_s=end - seq.arrival_time,
-            metrics={"preemptions": seq.num_preemptions},
+            metrics={"preemptions": seq.num_preemptions, "cached_tokens": seq.num_cached_tokens},
         )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ragfuse.kernels.relay import tile_tokens_for
+from ragfuse.kernels.two_phase import TwoPhasePlan
 
 from .attention import AttentionMetadata, RelayMetadata, set_attention_backend
 from .checkpoint import Checkpoint
@@ -85,9 +86,12 @@ class ModelRunner:
             self.graphs.capture_relay(self._tokens_per_tile(), self.systems.tables, self.systems.lens)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, hook: KVHook | None = None) -> list[int | None]:
+    def run(
+        self, batch: ScheduledBatch, hook: KVHook | None = None, two_phase: TwoPhasePlan | None = None
+    ) -> list[int | None]:
         """Forward the batch; returns a sampled token per sequence, or None where its prompt is
-        not yet fully computed (chunked prefill)."""
+        not yet fully computed (chunked prefill). ``two_phase``: the prefix tree's plan for a decode
+        batch whose sequences share cache blocks."""
         ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -108,6 +112,7 @@ class ModelRunner:
                 token_system, self._tokens_per_tile(),
                 self.systems.tables, self.systems.lens, self.systems.max_len, self.device,
             )
+        meta.two_phase = two_phase
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         hidden = self.forward(input_ids, pos, meta, hook)

@@ -5,6 +5,9 @@ in all, so a long prompt does not need one huge activation) or a decode step (on
 running sequence). New requests join as soon as blocks are free; finished ones leave at once. When
 the cache runs out during decode, the newest sequence is preempted: its blocks are freed and it
 goes back to the front of the queue, to be recomputed later.
+
+With a prefix tree, a request about to start takes the cached blocks of its longest known prefix
+and prefills only the rest, and every block a step fills joins the tree as it is scheduled.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 
 from .block_manager import BlockManager
 from .errors import RequestError
+from .prefix_tree import PrefixTree
 from .sequence import Sequence, Status
 
 
@@ -28,8 +32,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, tree: PrefixTree | None = None
+    ) -> None:
         self.blocks = blocks
+        self.tree = tree
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -64,17 +71,22 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             if not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n):
                 continue
-            self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
+            self._grow(seq, seq.num_computed_tokens + n)
             seqs.append(seq)
             counts.append(n)
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            matched = self.tree is not None and seq.tree_open and not seq.block_table
+            if matched:
+                self.tree.match(seq)
             n = min(seq.num_uncomputed, budget)
             if not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n):
+                if matched:
+                    self.tree.unmatch(seq)
                 break
             self.waiting.popleft()
-            self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
+            self._grow(seq, seq.num_computed_tokens + n)
             seq.status = Status.RUNNING
             self.running.append(seq)
             seqs.append(seq)
@@ -93,13 +105,25 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is Status.RUNNING:
-                self.blocks.grow(seq.block_table, seq.num_tokens)
+                self._grow(seq, seq.num_tokens)
                 scheduled.append(seq)
         return ScheduledBatch(scheduled, [1] * len(scheduled), False) if scheduled else None
 
+    def _grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Blocks for the sequence's first ``num_tokens`` tokens, which this step computes; the full
+        ones join the prefix tree."""
+        self.blocks.grow(seq.block_table, num_tokens)
+        if self.tree is not None:
+            self.tree.insert(seq, num_tokens)
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.release(seq.block_table)
+        if self.tree is not None:
+            self.tree.forget(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.blocks.release(seq.block_table)
+        self._release(seq)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
@@ -111,6 +135,6 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.release(seq.block_table)
+        self._release(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason

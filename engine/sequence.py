@@ -34,6 +34,13 @@ class Sequence:
     num_preemptions: int = 0
     system: int | None = None  # registered system prompt this request follows (relay attention)
     position_offset: int = 0  # the system prompt's length: own token i sits at position offset + i
+    # prefix tree (prefix_tree.py): the first ``tree_depth`` blocks of ``block_table`` are tree nodes;
+    # ``tree_open`` while later full blocks may still join the tree; fused prompts (approximate KV)
+    # are not ``cacheable``; ``num_cached_tokens`` of the prompt were reused instead of computed
+    tree_depth: int = 0
+    cacheable: bool = True
+    tree_open: bool = True
+    num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and not self.params.greedy:

@@ -16,6 +16,8 @@ import pytest
      "--repeats", "1", "--sweep", "0,0.5"],
     ["relay", "--shapes", "tiny-llama", "--systems", "64", "--contexts", "16", "--batches", "2,4",
      "--e2e-systems", "64", "--requests", "3", "--max-prompt", "8", "--max-output", "3"],
+    ["tree", "--shape", "tiny-llama", "--shared", "64", "--batches", "3", "--private", "5", "--repeats", "1", "--e2e",
+     "--e2e-prefix", "40", "--e2e-requests", "3", "--e2e-tokens", "3"],
 ])
 def test_bench_writes_results_table_and_plot(args, tmp_path):
     out = tmp_path / args[0]

@@ -21,6 +21,7 @@ from ragfuse.kernels.paged_attention import (
     paged_prefill_attention_ref,
 )
 from ragfuse.kernels.relay import system_attention_ref
+from ragfuse.kernels.two_phase import two_phase_decode_ref
 
 from ..ops import HAVE_TRITON, resolve_backend
 from .metadata import AttentionMetadata
@@ -33,6 +34,7 @@ if HAVE_TRITON:
         write_kv_triton,
     )
     from ragfuse.kernels.relay_triton import relay_decode_attention_triton, system_attention_triton
+    from ragfuse.kernels.two_phase_triton import two_phase_decode_triton
 
 
 CUDNN_MIN_TOKENS = 2048  # measured: Triton wins at 512, cuDNN at 4K and 8K (crossover not pinned)
@@ -95,9 +97,15 @@ class Attention(nn.Module):
         if relay is not None and self.sliding_window is not None:
             raise ValueError("relay attention needs a model without a sliding window")
         backend = self.backend if self.backend != "auto" else resolve_backend("auto", q.device)
+        # decode over prefix-tree blocks shared by several sequences: read them once per batch
+        two_phase = meta.two_phase if not meta.is_prefill and self.sliding_window is None else None
         if backend == "triton":
             write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
-            if not meta.is_prefill:
+            if two_phase is not None:  # the context part; a relay system part is merged below
+                ctx = two_phase_decode_triton(
+                    q, k_cache, v_cache, meta.block_tables, meta.seq_lens, two_phase, self.scale
+                )
+            elif not meta.is_prefill:
                 if relay is not None:  # context and system partials reduced in one fused pass
                     return relay_decode_attention_triton(
                         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, relay.sys_tables, relay.sys_lens,
@@ -108,7 +116,7 @@ class Attention(nn.Module):
                     q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, self.sliding_window,
                     max_seq_len=meta.max_seq_len,
                 )
-            if self._cudnn_fits(q, meta):
+            elif self._cudnn_fits(q, meta):
                 ctx = cudnn_prefill(q, k, v, self.scale)
             else:
                 ctx = paged_prefill_attention_triton(
@@ -122,7 +130,9 @@ class Attention(nn.Module):
             return merge_attention_triton(*sys, *ctx)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         slots = meta.sequence_slots() if q.device.type == "cpu" else None
-        if meta.is_prefill:
+        if two_phase is not None:
+            ctx = two_phase_decode_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, two_phase, self.scale)
+        elif meta.is_prefill:
             ctx = paged_prefill_attention_ref(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
                 self.scale, self.sliding_window, slots,

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ragfuse.kernels.two_phase import TwoPhasePlan
+
 
 @dataclass
 class RelayMetadata:
@@ -58,6 +60,7 @@ class AttentionMetadata:
     block_size: int
     has_prefix: bool = True  # some sequence attends to tokens cached before this step
     relay: RelayMetadata | None = None  # set when some sequence sits behind a registered system prompt
+    two_phase: TwoPhasePlan | None = None  # decode over prefix-tree blocks shared by several sequences
     _slots: list[torch.Tensor | slice] | None = field(default=None, repr=False)
 
     @property

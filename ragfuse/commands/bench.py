@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHES = ["engine", "store", "fusion", "vllm", "relay"]
+BENCHES = ["engine", "store", "fusion", "vllm", "relay", "tree"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
