@@ -41,7 +41,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for all prompts together (they share batches); results in prompt order."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        return self._collect([self.engine.add_request(p, sp) for p, sp in zip(prompts, plist)], progress)
+
+    def _collect(self, ids: list[str], progress: bool = False) -> list[RequestOutput]:
+        """Step the engine until every request in ``ids`` has finished; results in ``ids`` order."""
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not progress)
         try:
@@ -72,11 +75,56 @@ class LLM:
             self.engine.abort(rid)  # a consumer that stops early frees the request's blocks
 
     def chat_ids(self, messages: list[dict[str, str]], system: str | None = None) -> list[int]:
-        if system is not None:
-            messages = [{"role": "system", "content": system}, *[m for m in messages if m["role"] != "system"]]
-        return self.engine.chat_token_ids(messages)
+        return self._render(messages, system, generation_prompt=True)
 
     def chat(
-        self, messages: list[dict[str, str]], params: SamplingParams | None = None, system: str | None = None
+        self, messages: list[dict[str, str]], params: SamplingParams | None = None, system: str | None = None,
+        session_id: str | None = None,
     ) -> RequestOutput:
-        return self.generate([self.chat_ids(messages, system)], params)[0]
+        """Answer the conversation ``messages``. With ``session_id`` the conversation's KV is kept
+        between calls (``enable_sessions``): send the whole conversation each turn, as with any
+        chat API; only what is new since the stored KV is prefilled. ``metrics`` says how much was
+        reused, from where, and how much of the loading was hidden."""
+        ids = self.chat_ids(messages, system)
+        if session_id is None:
+            return self.generate([ids], params)[0]
+        if self.engine.sessions is None:
+            self.enable_sessions()
+        return self._collect([self.engine.add_session_request(
+            session_id, ids, params, new_tokens=self._last_message_tokens(messages, system, ids),
+            keep_first=self._system_tokens(messages, system),
+        )])[0]
+
+    def enable_sessions(
+        self, root: str | None = None, cpu_bytes: int = 4 << 30, disk_bytes: int = 32 << 30,
+        policy: str = "scheduler", ttl_s: float | None = None,
+    ) -> None:
+        """Keep sessions in host memory (and on disk under ``root``, if given)."""
+        from .sessions import SessionStore
+
+        e = self.engine
+        e.enable_sessions(SessionStore(root, e.fingerprint, e.dtype, cpu_bytes, disk_bytes, policy, ttl_s))
+
+    def _last_message_tokens(self, messages: list[dict[str, str]], system: str | None, ids: list[int]) -> int:
+        """Tokens of the last message (and the generation prompt): this turn's, never cut."""
+        from .sessions.history import common_prefix
+
+        if len([m for m in messages if m["role"] != "system"]) < 2:
+            return len(ids)
+        before = self._render(messages[:-1], system, generation_prompt=False)
+        return len(ids) - common_prefix(ids, before)
+
+    def _system_tokens(self, messages: list[dict[str, str]], system: str | None) -> int:
+        """Tokens before the first user message's text (system prompt and template header): the
+        part an overflowing conversation always keeps."""
+        from .sessions.history import common_prefix
+
+        sys_msgs = [m for m in messages if m["role"] == "system"][:1]
+        a = self._render([*sys_msgs, {"role": "user", "content": "a"}], system, generation_prompt=False)
+        b = self._render([*sys_msgs, {"role": "user", "content": "b"}], system, generation_prompt=False)
+        return max(common_prefix(a, b), 1)
+
+    def _render(self, messages: list[dict[str, str]], system: str | None, generation_prompt: bool) -> list[int]:
+        if system is not None:
+            messages = [{"role": "system", "content": system}, *[m for m in messages if m["role"] != "system"]]
+        return self.engine.chat_token_ids(messages, add_generation_prompt=generation_prompt)
