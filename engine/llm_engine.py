@@ -87,6 +87,7 @@ class LLMEngine:
         self.sessions: SessionStore | None = None
         self._session_turns: dict[str, SessionTurn] = {}
         self._snapshot_stream: torch.cuda.Stream | None = None
+        self._load_stream: torch.cuda.Stream | None = None
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -276,8 +277,9 @@ class LLMEngine:
     def enable_sessions(self, store: SessionStore) -> None:
         """Keep each session's KV across turns in ``store`` (see ``engine.sessions``)."""
         self.sessions = store
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # saving and loading copy beside the compute stream
             self._snapshot_stream = torch.cuda.Stream(self.device)
+            self._load_stream = torch.cuda.Stream(self.device)
 
     def begin_session_turn(
         self, session_id: str, conversation: list[int], reserve: int, new_tokens: int | None = None,
@@ -310,6 +312,8 @@ class LLMEngine:
         chunks, after the history). A session whose KV fails its checksum is dropped and the turn
         recomputed (with a note)."""
         segments = turn.segments(tail)
+        if turn.source is not None and self._snapshot_stream is not None:
+            turn.source.stage(self.device, self._load_stream)
         try:
             if any(s.kv is not None for s in segments):
                 rid, turn.fusion = self.add_fused_request(segments, params, mode, policy, request_id)

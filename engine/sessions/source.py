@@ -32,8 +32,8 @@ class SessionSource:
     """``rows``: which stored rows are fed (None: the first ``num_tokens`` rows)."""
 
     def __init__(
-        self, tier: str, read: Callable[[int], torch.Tensor], num_tokens: int, rows: list[int] | None,
-        session_id: str, close: Callable[[], None] | None = None,
+        self, tier: str, read: Callable[[int], torch.Tensor], num_layers: int, num_tokens: int,
+        rows: list[int] | None, session_id: str, close: Callable[[], None] | None = None,
     ) -> None:
         self.tier = tier
         self.session_id = session_id
@@ -41,8 +41,41 @@ class SessionSource:
         self._read = read
         self._rows = None if rows is None else torch.tensor(rows, dtype=torch.long)
         self._close = close
+        self.num_layers = num_layers
+        self._staged: list[tuple[torch.Tensor, torch.cuda.Event]] | None = None
+
+    def stage(self, device: torch.device, stream: torch.cuda.Stream) -> None:
+        """Start copying every layer of a host-memory session to ``device`` now, all on ``stream``
+        with an event per layer, so the copy engine streams the whole history back to back while
+        the new tokens are computed layer by layer (the loader then only waits for each layer's
+        event). Called when the turn is scheduled, or earlier (a read buffer filled while the
+        previous job runs). Disk sessions are read layer by layer instead."""
+        if self.tier != "cpu" or device.type != "cuda" or self._staged is not None:
+            return
+        staged: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for i in range(self.num_layers):
+                t = self._read(i)
+                if self._rows is not None:  # rows are picked on the device
+                    g = t.to(device, non_blocking=True)
+                else:
+                    g = torch.empty((2, self.num_tokens, *t.shape[2:]), dtype=t.dtype, device=device)
+                    g[0].copy_(t[0, : self.num_tokens], non_blocking=True)
+                    g[1].copy_(t[1, : self.num_tokens], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                staged.append((g, ev))
+        self._staged = staged
 
     def load_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._staged is not None:
+            t, ev = self._staged[layer]
+            ev.synchronize()
+            if self._rows is None:
+                return t[0], t[1]
+            rows = self._rows.to(t.device)
+            return t[0].index_select(0, rows), t[1].index_select(0, rows)
         try:
             t = self._read(layer)
         except CorruptEntryError as exc:
@@ -52,6 +85,7 @@ class SessionSource:
         return t[0].index_select(0, self._rows), t[1].index_select(0, self._rows)
 
     def finish(self) -> None:
+        self._staged = None
         if self._close is not None:
             self._close()
             self._close = None
@@ -60,7 +94,7 @@ class SessionSource:
 def memory_source(
     layers: list[torch.Tensor], num_tokens: int, rows: list[int] | None, session_id: str
 ) -> SessionSource:
-    return SessionSource("cpu", lambda i: layers[i], num_tokens, rows, session_id)
+    return SessionSource("cpu", lambda i: layers[i], len(layers), num_tokens, rows, session_id)
 
 
 def disk_source(reader: DiskEntryReader, num_tokens: int, rows: list[int] | None, session_id: str) -> SessionSource:
@@ -74,4 +108,4 @@ def disk_source(reader: DiskEntryReader, num_tokens: int, rows: list[int] | None
         with lock:
             return reader.read_layer(i, ring[i % len(ring)])
 
-    return SessionSource("disk", read, num_tokens, rows, session_id, reader.close)
+    return SessionSource("disk", read, meta.num_layers, num_tokens, rows, session_id, reader.close)
