@@ -315,7 +315,7 @@ class LLMEngine:
         if turn.source is not None and self._snapshot_stream is not None:
             turn.source.stage(self.device, self._load_stream)
         try:
-            if any(s.kv is not None for s in segments):
+            if tail is not None or any(s.kv is not None for s in segments):
                 rid, turn.fusion = self.add_fused_request(segments, params, mode, policy, request_id)
             else:
                 rid = self.add_request([t for s in segments for t in s.token_ids], params, request_id)

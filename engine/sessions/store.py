@@ -265,6 +265,18 @@ class SessionStore:
             raise SessionCorruptError(rec.session_id, "was not readable on disk")
         return disk_source(reader, num_tokens, rows, rec.session_id)
 
+    def conversation(self, session_id: str) -> list[int]:
+        """The session's logical tokens so far (empty for a new or lost session), for a caller that
+        appends its next turn to them."""
+        check_session_id(session_id)
+        with self._lock:
+            saving = self._saving.get(session_id)
+        if saving is not None:
+            saving.result()
+        with self._lock:
+            rec = self._records.get(session_id)
+            return list(rec.tokens) if rec is not None else []
+
     def hint(self, queue: Sequence[str]) -> None:
         """The engine's waiting sessions (head first): prefetch the look-ahead window."""
         with self._lock:
