@@ -307,6 +307,7 @@ def simulate(
     fetched_at: dict[str, float] = {}
     hits = {"cpu": 0, "disk": 0, "miss": 0}
     ttfts: list[float] = []
+    queued: list[int] = []
     first_turn = 0
     while events:
         now, _, kind, ci = heapq.heappop(events)
@@ -327,6 +328,7 @@ def simulate(
                 io_free = max(io_free, now) + nbytes / bw.get("disk", 2e9)
                 fetched_at[move.session_id] = io_free
         while queue and busy < servers:
+            queued.append(len(queue))
             ci = queue.pop(0)
             sid = f"c{ci}"
             user, answer = convs[ci][turn_of[ci]]
@@ -355,6 +357,7 @@ def simulate(
         "cpu_hit_share": hits["cpu"] / max(hits["cpu"] + hits["disk"], 1),
         "hits_cpu": hits["cpu"], "hits_disk": hits["disk"], "misses": hits["miss"], "first_turns": first_turn,
         "mean_ttft_ms": 1e3 * statistics.fmean(ttfts) if ttfts else 0.0,
+        "mean_queue": statistics.fmean(queued) if queued else 0.0,
     }
 
 
