@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +31,7 @@ from .scheduler import Scheduler
 from .sequence import Sequence, Status
 from .sessions import SessionCorruptError, SessionStore, SessionTurn, begin_turn, take_snapshot
 from .sessions.history import extend
+from .sessions.prefix import HistoryWriter
 
 log = logging.getLogger("ragfuse.engine")
 
@@ -254,10 +255,21 @@ class LLMEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._seqs:
             raise RequestError(f"request id {rid!r} is already in use")
+        policy = policy or SelectionPolicy()
+        return self._add_prefilled(
+            ids, params, rid, lambda table: self.runner.fused_prefill(table, segments, mode, policy)
+        )
+
+    def _add_prefilled(
+        self, ids: list[int], params: SamplingParams, rid: str,
+        prefill: Callable[[list[int]], tuple[torch.Tensor, FusionStats]],
+    ) -> tuple[str, FusionStats]:
+        """Register a request whose whole prompt ``prefill`` puts in its cache pages now (returning
+        the last token's logits): its first token is sampled here and reported by the next step."""
         seq = Sequence(rid, ids, params)
         self.blocks.grow(seq.block_table, len(ids))
         try:
-            logits, stats = self.runner.fused_prefill(seq.block_table, segments, mode, policy or SelectionPolicy())
+            logits, stats = prefill(seq.block_table)
         except BaseException:
             self.blocks.release(seq.block_table)
             raise
@@ -315,7 +327,9 @@ class LLMEngine:
         if turn.source is not None and self._snapshot_stream is not None:
             turn.source.stage(self.device, self._load_stream)
         try:
-            if tail is not None or any(s.kv is not None for s in segments):
+            if tail is None and turn.source is not None and turn.source.staged:
+                rid, turn.fusion = self._add_after_history(turn, params, request_id)
+            elif tail is not None or any(s.kv is not None for s in segments):
                 rid, turn.fusion = self.add_fused_request(segments, params, mode, policy, request_id)
             else:
                 rid = self.add_request([t for s in segments for t in s.token_ids], params, request_id)
@@ -331,6 +345,40 @@ class LLMEngine:
             turn.close()
         self._session_turns[rid] = turn
         return rid
+
+    def _add_after_history(
+        self, turn: SessionTurn, params: SamplingParams, request_id: str | None
+    ) -> tuple[str, FusionStats]:
+        """A turn whose staged history is a cached prefix: written into the cache layer by layer
+        (``HistoryWriter``) while only the new tokens run through the model."""
+        ids = self.tokenize(turn.plan.token_ids)
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"prompt of {len(ids)} tokens exceeds the context of {self.max_model_len}")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            params = SamplingParams(**{**params.__dict__, "max_tokens": self.max_model_len - len(ids)})
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._seqs:
+            raise RequestError(f"request id {rid!r} is already in use")
+        assert turn.source is not None and self.runner.kv_cache is not None
+        n_hist = turn.reused
+
+        def prefill(table: list[int]) -> tuple[torch.Tensor, FusionStats]:
+            t = time.perf_counter()
+            writer = HistoryWriter(turn.source, self.runner.kv_cache.layers, table, self.config.block_size,
+                                   self.runner.model.model.rotary)
+            with torch.inference_mode():
+                hidden = self.runner.forward_continuation(ids[n_hist:], n_hist, table, writer)
+                logits = self.runner.model.compute_logits(hidden[-1:])[0]
+            torch.cuda.synchronize(self.device)
+            total = time.perf_counter() - t
+            load_s, stall_s = writer.timings()
+            return logits, FusionStats(
+                mode=FusionMode.REUSE.value, recompute_ratio=0.0, prompt_tokens=len(ids), stored_tokens=n_hist,
+                reused_tokens=n_hist, recomputed_tokens=0, computed_tokens=len(ids) - n_hist, load_s=load_s,
+                load_wait_s=stall_s, compute_s=total - stall_s, total_s=total, tiers=[turn.source.tier],
+            )
+
+        return self._add_prefilled(ids, params, rid, prefill)
 
     def _save_session(self, seq: Sequence, turn: SessionTurn) -> None:
         """Snapshot the finished turn's KV (history plus answer) and hand it to the session store."""

@@ -98,15 +98,18 @@ class ModelRunner:
         return self.model(ids, pos, self.kv_cache.layers, meta, hook)
 
     @torch.inference_mode()
-    def forward_continuation(self, token_ids: list[int], start: int, block_table: list[int]) -> torch.Tensor:
+    def forward_continuation(
+        self, token_ids: list[int], start: int, block_table: list[int], hook: KVHook | None = None
+    ) -> torch.Tensor:
         """Run ``token_ids`` at positions ``start...`` of a sequence whose first ``start`` tokens are
-        cached in ``block_table``; returns their final hidden states."""
+        cached in ``block_table`` (or written there by ``hook``, layer by layer); returns their final
+        hidden states."""
         assert self.kv_cache is not None, "allocate_cache first"
         n = len(token_ids)
         meta = AttentionMetadata.build([n], [start + n], [block_table], self.block_size, self.device)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.arange(start, start + n, device=self.device)
-        return self.model(ids, pos, self.kv_cache.layers, meta)
+        return self.model(ids, pos, self.kv_cache.layers, meta, hook)
 
     def fused_prefill(
         self, block_table: list[int], segments: list[Segment], mode: FusionMode | str, policy: SelectionPolicy

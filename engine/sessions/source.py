@@ -43,6 +43,7 @@ class SessionSource:
         self._close = close
         self.num_layers = num_layers
         self._staged: list[tuple[torch.Tensor, torch.cuda.Event]] | None = None
+        self.stage_start: torch.cuda.Event | None = None
 
     def stage(self, device: torch.device, stream: torch.cuda.Stream) -> None:
         """Start copying every layer of a host-memory session to ``device`` now, all on ``stream``
@@ -55,6 +56,8 @@ class SessionSource:
         staged: list[tuple[torch.Tensor, torch.cuda.Event]] = []
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
+            self.stage_start = torch.cuda.Event(enable_timing=True)
+            self.stage_start.record(stream)
             for i in range(self.num_layers):
                 t = self._read(i)
                 if self._rows is not None:  # rows are picked on the device
@@ -63,10 +66,25 @@ class SessionSource:
                     g = torch.empty((2, self.num_tokens, *t.shape[2:]), dtype=t.dtype, device=device)
                     g[0].copy_(t[0, : self.num_tokens], non_blocking=True)
                     g[1].copy_(t[1, : self.num_tokens], non_blocking=True)
-                ev = torch.cuda.Event()
+                ev = torch.cuda.Event(enable_timing=True)
                 ev.record(stream)
                 staged.append((g, ev))
         self._staged = staged
+
+    @property
+    def staged(self) -> bool:
+        return self._staged is not None
+
+    def layer_on_device(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
+        """A staged layer's (K without position, V) for the current stream, which waits on the
+        device for its copy (the host never blocks), and the copy's event."""
+        assert self._staged is not None, "stage first"
+        t, ev = self._staged[layer]
+        torch.cuda.current_stream(t.device).wait_event(ev)
+        if self._rows is None:
+            return t[0], t[1], ev
+        rows = self._rows.to(t.device, non_blocking=True)
+        return t[0].index_select(0, rows), t[1].index_select(0, rows), ev
 
     def load_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._staged is not None:

@@ -215,7 +215,7 @@ def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
                     "part": "ttft", "shape": shape, "history": hist, "new_tokens": len(new), "tier": tier,
                     "ttft_recompute_ms": re_s * 1e3, "ttft_session_ms": ttft * 1e3,
                     "ttft_reduction": 1 - ttft / re_s, "plan_ms": med["plan"] * 1e3, "load_ms": load_s * 1e3,
-                    "load_hidden": hidden,
+                    "load_hidden": hidden, "load_hidden_events": med["hidden"],
                     "ttft_read_buffer_ms": med["pre"] * 1e3 if staged else None,
                     "reduction_read_buffer": 1 - med["pre"] / re_s if staged else None,
                     "kv_gb": hist * kv_per_token / 1e9,
