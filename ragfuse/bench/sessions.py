@@ -56,11 +56,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", default=SHAREGPT)
     p.add_argument("--conversations", type=int, default=600, help="replay: conversations replayed")
     p.add_argument("--replay-shape", default="mistral-7b", help="replay: model shape for KV sizes")
-    p.add_argument("--settings", default="tight:0.05:0.5,medium:0.15:1.0,roomy:0.3:2.0",
+    p.add_argument("--settings", default="tight:0.05:0.15,medium:0.1:0.5,roomy:0.3:2.0",
                    help="replay: NAME:CPU:DISK, capacities as fractions of the working set")
     p.add_argument("--arrival-rate", type=float, default=2.0, help="replay: new conversations per second")
     p.add_argument("--think-s", type=float, default=30.0, help="replay: mean pause between a reply and the next turn")
-    p.add_argument("--servers", type=int, default=4, help="replay: jobs served at once")
+    p.add_argument("--servers", type=int, default=32, help="replay: jobs served at once")
     p.add_argument("--decode-s", type=float, default=0.02, help="replay: seconds per answer token")
     p.add_argument("--rates", default=None, help="replay: results.json of an earlier ttft run to take rates from")
     p.add_argument("--model", default="smollm2-135m-instruct", help="truncation: real weights")
