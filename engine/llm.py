@@ -95,6 +95,20 @@ class LLM:
             keep_first=self._system_tokens(messages, system),
         )])[0]
 
+    def chat_sessions(
+        self, turns: list[tuple[str, list[dict[str, str]]]], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Serve turns of several sessions in order, as a job queue: while one runs, the sessions of
+        the turns queued behind it are prefetched from disk into memory (the scheduler-aware
+        look-ahead window; ``SessionStore.hint``)."""
+        if self.engine.sessions is None:
+            self.enable_sessions()
+        outs = []
+        for i, (session_id, messages) in enumerate(turns):
+            self.engine.sessions.hint([sid for sid, _ in turns[i + 1 :]])
+            outs.append(self.chat(messages, params, session_id=session_id))
+        return outs
+
     def enable_sessions(
         self, root: str | None = None, cpu_bytes: int = 4 << 30, disk_bytes: int = 32 << 30,
         policy: str = "scheduler", ttl_s: float | None = None,
