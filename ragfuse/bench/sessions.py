@@ -466,9 +466,11 @@ def _notes(results: dict[str, Any]) -> str:
 
 
 def _plot(fig: Any, results: dict[str, Any]) -> None:
-    axes = fig.subplots(1, 3)
+    parts = [p for p in ("ttft", "replay", "truncation") if p in results]
+    made = fig.subplots(1, len(parts), squeeze=False)[0]
+    axes = dict(zip(parts, made, strict=True))
     if "ttft" in results:
-        ax = axes[0]
+        ax = axes["ttft"]
         rows = results["ttft"]["rows"]
         for tier in sorted({r["tier"] for r in rows}):
             rr = [r for r in rows if r["tier"] == tier]
@@ -481,7 +483,7 @@ def _plot(fig: Any, results: dict[str, Any]) -> None:
         ax.legend()
         ax.set_title("TTFT per turn")
     if "replay" in results:
-        ax = axes[1]
+        ax = axes["replay"]
         rows = results["replay"]["rows"]
         names = list(dict.fromkeys(r["setting"] for r in rows))
         for j, pol in enumerate(("scheduler", "lru", "fifo")):
@@ -493,7 +495,7 @@ def _plot(fig: Any, results: dict[str, Any]) -> None:
         ax.legend()
         ax.set_title("replay")
     if "truncation" in results:
-        ax = axes[2]
+        ax = axes["truncation"]
         ppl = results["truncation"]["perplexity"]
         ax.bar(list(ppl), list(ppl.values()))
         ax.set_yscale("log")
