@@ -48,6 +48,10 @@ class LLM:
         """
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         ids = [self.engine.add_request(p, sp, system=system, relay=relay) for p, sp in zip(prompts, plist)]
+        return self._collect(ids, progress)
+
+    def _collect(self, ids: list[str], progress: bool = False) -> list[RequestOutput]:
+        """Step the engine until every request in ``ids`` has finished; results in ``ids`` order."""
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not progress)
         try:
@@ -80,9 +84,7 @@ class LLM:
             self.engine.abort(rid)  # a consumer that stops early frees the request's blocks
 
     def chat_ids(self, messages: list[dict[str, str]], system: str | None = None) -> list[int]:
-        if system is not None:
-            messages = [{"role": "system", "content": system}, *[m for m in messages if m["role"] != "system"]]
-        return self.engine.chat_token_ids(messages)
+        return self._render(messages, system, generation_prompt=True)
 
     def relay_chat_ids(self, messages: list[dict[str, str]], system: str) -> tuple[int | None, list[int]]:
         """(registered system prompt id, the chat's remaining token ids): the chat template renders
@@ -98,6 +100,67 @@ class LLM:
         return self.engine.register_system(head), full[len(head) :]
 
     def chat(
-        self, messages: list[dict[str, str]], params: SamplingParams | None = None, system: str | None = None
+        self, messages: list[dict[str, str]], params: SamplingParams | None = None, system: str | None = None,
+        session_id: str | None = None,
     ) -> RequestOutput:
-        return self.generate([self.chat_ids(messages, system)], params)[0]
+        """Answer the conversation ``messages``. With ``session_id`` the conversation's KV is kept
+        between calls (``enable_sessions``): send the whole conversation each turn, as with any
+        chat API; only what is new since the stored KV is prefilled. ``metrics`` says how much was
+        reused, from where, and how much of the loading was hidden."""
+        ids = self.chat_ids(messages, system)
+        if session_id is None:
+            return self.generate([ids], params)[0]
+        if self.engine.sessions is None:
+            self.enable_sessions()
+        return self._collect([self.engine.add_session_request(
+            session_id, ids, params, new_tokens=self._last_message_tokens(messages, system, ids),
+            keep_first=self._system_tokens(messages, system),
+        )])[0]
+
+    def chat_sessions(
+        self, turns: list[tuple[str, list[dict[str, str]]]], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Serve turns of several sessions in order, as a job queue: while one runs, the sessions of
+        the turns queued behind it are prefetched from disk into memory (the scheduler-aware
+        look-ahead window; ``SessionStore.hint``)."""
+        if self.engine.sessions is None:
+            self.enable_sessions()
+        outs = []
+        for i, (session_id, messages) in enumerate(turns):
+            self.engine.sessions.hint([sid for sid, _ in turns[i + 1 :]])
+            outs.append(self.chat(messages, params, session_id=session_id))
+        return outs
+
+    def enable_sessions(
+        self, root: str | None = None, cpu_bytes: int = 4 << 30, disk_bytes: int = 32 << 30,
+        policy: str = "scheduler", ttl_s: float | None = None,
+    ) -> None:
+        """Keep sessions in host memory (and on disk under ``root``, if given)."""
+        from .sessions import SessionStore
+
+        e = self.engine
+        e.enable_sessions(SessionStore(root, e.fingerprint, e.dtype, cpu_bytes, disk_bytes, policy, ttl_s))
+
+    def _last_message_tokens(self, messages: list[dict[str, str]], system: str | None, ids: list[int]) -> int:
+        """Tokens of the last message (and the generation prompt): this turn's, never cut."""
+        from .sessions.history import common_prefix
+
+        if len([m for m in messages if m["role"] != "system"]) < 2:
+            return len(ids)
+        before = self._render(messages[:-1], system, generation_prompt=False)
+        return len(ids) - common_prefix(ids, before)
+
+    def _system_tokens(self, messages: list[dict[str, str]], system: str | None) -> int:
+        """Tokens before the first user message's text (system prompt and template header): the
+        part an overflowing conversation always keeps."""
+        from .sessions.history import common_prefix
+
+        sys_msgs = [m for m in messages if m["role"] == "system"][:1]
+        a = self._render([*sys_msgs, {"role": "user", "content": "a"}], system, generation_prompt=False)
+        b = self._render([*sys_msgs, {"role": "user", "content": "b"}], system, generation_prompt=False)
+        return max(common_prefix(a, b), 1)
+
+    def _render(self, messages: list[dict[str, str]], system: str | None, generation_prompt: bool) -> list[int]:
+        if system is not None:
+            messages = [{"role": "system", "content": system}, *[m for m in messages if m["role"] != "system"]]
+        return self.engine.chat_token_ids(messages, add_generation_prompt=generation_prompt)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +30,9 @@ from .prefix_tree import PrefixTree
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
+from .sessions import SessionCorruptError, SessionStore, SessionTurn, begin_turn, take_snapshot
+from .sessions.history import extend
+from .sessions.prefix import HistoryWriter
 from .system_prompts import SystemPrompts
 
 log = logging.getLogger("ragfuse.engine")
@@ -88,6 +91,10 @@ class LLMEngine:
         self._pending: list[Sequence] = []  # fused requests whose first token is not reported yet
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        self.sessions: SessionStore | None = None
+        self._session_turns: dict[str, SessionTurn] = {}
+        self._snapshot_stream: torch.cuda.Stream | None = None
+        self._load_stream: torch.cuda.Stream | None = None
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -217,6 +224,7 @@ class LLMEngine:
             self.tree.drop_system(sp.slot)
 
     def abort(self, request_id: str) -> None:
+        self._session_turns.pop(request_id, None)  # an unfinished turn is not saved
         seq = self._seqs.pop(request_id, None)
         self._detok.pop(request_id, None)
         if seq is not None and not seq.finished:
@@ -319,11 +327,22 @@ class LLMEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._seqs:
             raise RequestError(f"request id {rid!r} is already in use")
-        # fused KV approximates the prompt's exact KV, so its blocks never join the prefix tree
+        policy = policy or SelectionPolicy()
+        return self._add_prefilled(
+            ids, params, rid, lambda table: self.runner.fused_prefill(table, segments, mode, policy)
+        )
+
+    def _add_prefilled(
+        self, ids: list[int], params: SamplingParams, rid: str,
+        prefill: Callable[[list[int]], tuple[torch.Tensor, FusionStats]],
+    ) -> tuple[str, FusionStats]:
+        """Register a request whose whole prompt ``prefill`` puts in its cache pages now (returning
+        the last token's logits): its first token is sampled here and reported by the next step."""
+        # fused or session KV is not the exact KV of these tokens, so its blocks never join the prefix tree
         seq = Sequence(rid, ids, params, cacheable=False, tree_open=False)
         self.blocks.grow(seq.block_table, len(ids))
         try:
-            logits, stats = self.runner.fused_prefill(seq.block_table, segments, mode, policy or SelectionPolicy())
+            logits, stats = prefill(seq.block_table)
         except BaseException:
             self.blocks.release(seq.block_table)
             raise
@@ -337,6 +356,113 @@ class LLMEngine:
             self._detok[rid] = IncrementalDetokenizer(self.tokenizer, params.stop)
         self._pending.append(seq)
         return rid, stats
+
+    # ---- sessions -------------------------------------------------------------------------
+
+    def enable_sessions(self, store: SessionStore) -> None:
+        """Keep each session's KV across turns in ``store`` (see ``engine.sessions``)."""
+        self.sessions = store
+        if self.device.type == "cuda":  # saving and loading copy beside the compute stream
+            self._snapshot_stream = torch.cuda.Stream(self.device)
+            self._load_stream = torch.cuda.Stream(self.device)
+
+    def begin_session_turn(
+        self, session_id: str, conversation: list[int], reserve: int, new_tokens: int | None = None,
+        keep_first: int = 4,
+    ) -> SessionTurn:
+        """Plan a turn of ``session_id`` whose logical tokens are ``conversation`` (the whole
+        conversation; its last ``new_tokens`` are this turn's and are never cut on overflow)."""
+        if self.sessions is None:
+            raise RequestError("sessions are not enabled on this engine (enable_sessions)")
+        self.tokenize(conversation)
+        return begin_turn(self.sessions, session_id, conversation, self.max_model_len, reserve,
+                          len(conversation) if new_tokens is None else new_tokens, keep_first)
+
+    def add_session_request(
+        self, session_id: str, conversation: list[int], params: SamplingParams | None = None,
+        new_tokens: int | None = None, keep_first: int = 4, request_id: str | None = None,
+    ) -> str:
+        """A request that reuses the session's stored KV (only the new tokens are prefilled, while
+        the history loads layer by layer) and saves the session's KV when it finishes."""
+        params = params or SamplingParams()
+        turn = self.begin_session_turn(session_id, conversation, params.max_tokens, new_tokens, keep_first)
+        return self.start_session_turn(turn, params, request_id=request_id)
+
+    def start_session_turn(
+        self, turn: SessionTurn, params: SamplingParams, tail: list[Segment] | None = None,
+        mode: FusionMode | str = FusionMode.REUSE, policy: SelectionPolicy | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Run a planned turn (``tail``: the prompt's own segments, e.g. a RAG prompt with stored
+        chunks, after the history). A session whose KV fails its checksum is dropped and the turn
+        recomputed (with a note)."""
+        segments = turn.segments(tail)
+        if turn.source is not None and self._snapshot_stream is not None:
+            turn.source.stage(self.device, self._load_stream)
+        try:
+            if tail is None and turn.source is not None and turn.source.staged:
+                rid, turn.fusion = self._add_after_history(turn, params, request_id)
+            elif tail is not None or any(s.kv is not None for s in segments):
+                rid, turn.fusion = self.add_fused_request(segments, params, mode, policy, request_id)
+            else:
+                rid = self.add_request([t for s in segments for t in s.token_ids], params, request_id)
+        except SessionCorruptError as exc:
+            turn.close()
+            assert self.sessions is not None
+            self.sessions.drop(turn.session_id, exc.why)
+            retry = begin_turn(self.sessions, turn.session_id, turn.plan.conversation, self.max_model_len,
+                               params.max_tokens, turn.new_tokens, turn.keep_first, use_stored=False)
+            retry.notes = [*turn.notes, f"{exc}: history recomputed"]
+            return self.start_session_turn(retry, params, tail, mode, policy, request_id)
+        finally:
+            turn.close()
+        self._session_turns[rid] = turn
+        return rid
+
+    def _add_after_history(
+        self, turn: SessionTurn, params: SamplingParams, request_id: str | None
+    ) -> tuple[str, FusionStats]:
+        """A turn whose staged history is a cached prefix: written into the cache layer by layer
+        (``HistoryWriter``) while only the new tokens run through the model."""
+        ids = self.tokenize(turn.plan.token_ids)
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"prompt of {len(ids)} tokens exceeds the context of {self.max_model_len}")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            params = SamplingParams(**{**params.__dict__, "max_tokens": self.max_model_len - len(ids)})
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._seqs:
+            raise RequestError(f"request id {rid!r} is already in use")
+        assert turn.source is not None and self.runner.kv_cache is not None
+        n_hist = turn.reused
+
+        def prefill(table: list[int]) -> tuple[torch.Tensor, FusionStats]:
+            t = time.perf_counter()
+            writer = HistoryWriter(turn.source, self.runner.kv_cache.layers, table, self.config.block_size,
+                                   self.runner.model.model.rotary)
+            with torch.inference_mode():
+                hidden = self.runner.forward_continuation(ids[n_hist:], n_hist, table, writer)
+                logits = self.runner.model.compute_logits(hidden[-1:])[0]
+            torch.cuda.synchronize(self.device)
+            total = time.perf_counter() - t
+            load_s, stall_s = writer.timings()
+            return logits, FusionStats(
+                mode=FusionMode.REUSE.value, recompute_ratio=0.0, prompt_tokens=len(ids), stored_tokens=n_hist,
+                reused_tokens=n_hist, recomputed_tokens=0, computed_tokens=len(ids) - n_hist, load_s=load_s,
+                load_wait_s=stall_s, compute_s=total - stall_s, total_s=total, tiers=[turn.source.tier],
+            )
+
+        return self._add_prefilled(ids, params, rid, prefill)
+
+    def _save_session(self, seq: Sequence, turn: SessionTurn) -> None:
+        """Snapshot the finished turn's KV (history plus answer) and hand it to the session store."""
+        assert self.sessions is not None and self.runner.kv_cache is not None
+        n = seq.num_computed_tokens
+        conversation = turn.plan.conversation + seq.output_token_ids
+        ranges = extend(turn.plan.ranges, len(turn.plan.conversation) + n - len(seq.prompt_token_ids))
+        snap = take_snapshot(self.runner.kv_cache, seq.block_table, n, self.runner.model.model.rotary,
+                             self._snapshot_stream)
+        queue = [t.session_id for rid, t in self._session_turns.items() if rid != seq.request_id]
+        self.sessions.save(turn.session_id, conversation, ranges, snap, queue)
 
     # ---- stepping -------------------------------------------------------------------------
 
@@ -382,8 +508,12 @@ class LLMEngine:
             delta = detok.update(shown, final=reason is not None)
             if detok.stopped and reason is None:
                 reason = "stop"
+        turn = self._session_turns.get(seq.request_id)
         if reason is not None:
             seq.finish_time = time.perf_counter()
+            if turn is not None:
+                del self._session_turns[seq.request_id]
+                self._save_session(seq, turn)
             self.scheduler.finish(seq, reason)
             self._seqs.pop(seq.request_id, None)
             self._detok.pop(seq.request_id, None)
@@ -399,7 +529,8 @@ class LLMEngine:
             finish_reason=reason,
             ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
             total_s=end - seq.arrival_time,
-            metrics={"preemptions": seq.num_preemptions, "cached_tokens": seq.num_cached_tokens},
+            metrics={"preemptions": seq.num_preemptions, "cached_tokens": seq.num_cached_tokens,
+                     **(turn.stats(len(seq.prompt_token_ids)) if turn is not None else {})},
         )
 
 

@@ -143,15 +143,18 @@ class ModelRunner:
         return self.forward(ids, pos, meta, hook, keep=True)
 
     @torch.inference_mode()
-    def forward_continuation(self, token_ids: list[int], start: int, block_table: list[int]) -> torch.Tensor:
+    def forward_continuation(
+        self, token_ids: list[int], start: int, block_table: list[int], hook: KVHook | None = None
+    ) -> torch.Tensor:
         """Run ``token_ids`` at positions ``start...`` of a sequence whose first ``start`` tokens are
-        cached in ``block_table``; returns their final hidden states."""
+        cached in ``block_table`` (or written there by ``hook``, layer by layer); returns their final
+        hidden states."""
         assert self.kv_cache is not None, "allocate_cache first"
         n = len(token_ids)
         meta = AttentionMetadata.build([n], [start + n], [block_table], self.block_size, self.device)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.arange(start, start + n, device=self.device)
-        return self.forward(ids, pos, meta, keep=True)
+        return self.forward(ids, pos, meta, hook, keep=True)
 
     def fused_prefill(
         self, block_table: list[int], segments: list[Segment], mode: FusionMode | str, policy: SelectionPolicy

@@ -46,6 +46,8 @@ class AskResult:
     finish_reason: str | None
     decision: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    session: dict[str, Any] | None = None  # with a session id: its reuse stats (RequestOutput.metrics)
+    session_tokens_reused: int = 0  # history tokens whose KV came from the session, apart from chunk reuse
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -147,13 +149,15 @@ class RagPipeline:
 
     def stream(
         self, question: str, mode: str = "fuse", ratio: float | None = None, top_k: int = 5,
-        params: SamplingParams | None = None,
+        params: SamplingParams | None = None, session_id: str | None = None,
     ) -> Iterator[RequestOutput | AskResult]:
-        """Yield the answer's outputs as they come, then the ``AskResult``."""
+        """Yield the answer's outputs as they come, then the ``AskResult``. With ``session_id``
+        the turn follows the session's history (its KV reused, not recomputed) and the fused prompt
+        and answer become part of that history for the next turn."""
         t0 = time.perf_counter()
         prep, retrieve_s = self.prepare(question, top_k, mode, ratio)
         params = params or SamplingParams(max_tokens=64)
-        rid, stats = self._fuse(prep, mode, params)
+        rid, stats = self._fuse(prep, mode, params, session_id)
         ttft = time.perf_counter() - t0 - retrieve_s  # the first token was sampled by the fused prefill
         last: RequestOutput | None = None
         try:
@@ -174,13 +178,17 @@ class RagPipeline:
         assert isinstance(result, AskResult)
         return result
 
-    def _fuse(self, prep: Prepared, mode: str, params: SamplingParams) -> tuple[str, FusionStats]:
+    def _fuse(
+        self, prep: Prepared, mode: str, params: SamplingParams, session_id: str | None = None
+    ) -> tuple[str, FusionStats]:
         """Run the fused prefill; an entry that fails its checksum is dropped, recomputed, retried."""
         for attempt in range(len(prep.sources) + 1):
             try:
-                rid, stats = self.engine.add_fused_request(
-                    prep.segments, params, mode, self.policy.with_ratio(prep.ratio)
-                )
+                policy = self.policy.with_ratio(prep.ratio)
+                if session_id is None:
+                    rid, stats = self.engine.add_fused_request(prep.segments, params, mode, policy)
+                else:
+                    rid, stats = self._session_turn(session_id, prep, mode, params, policy)
                 break
             except CorruptEntryError as exc:
                 bad = getattr(exc, "key", None)
@@ -190,6 +198,25 @@ class RagPipeline:
         for src in prep.sources:
             src.finish()
         return rid, stats
+
+    def _session_turn(
+        self, session_id: str, prep: Prepared, mode: str, params: SamplingParams, policy: SelectionPolicy
+    ) -> tuple[str, FusionStats]:
+        """The RAG prompt as the session's next turn: the stored history first (reused), then the
+        fused prompt, which is saved with the answer as history for the turn after."""
+        if self.engine.sessions is None:
+            raise RagfuseError("sessions are not enabled on this engine")
+        prompt = [t for seg in prep.segments for t in seg.token_ids]
+        turn = self.engine.begin_session_turn(
+            session_id, self.engine.sessions.conversation(session_id) + prompt, params.max_tokens,
+            new_tokens=len(prompt), keep_first=len(self.builder.prefix),
+        )
+        if mode == FusionMode.FULL.value and turn.reused:
+            mode = FusionMode.PREFIX.value  # the history is a cached prefix; the RAG prompt fully computed
+        rid = self.engine.start_session_turn(turn, params, tail=prep.segments, mode=mode, policy=policy)
+        prep.notes.extend(turn.notes)
+        assert turn.fusion is not None
+        return rid, turn.fusion
 
     def _replace_corrupt(self, prep: Prepared, key: str) -> None:
         for seg in prep.segments:
@@ -224,4 +251,7 @@ class RagPipeline:
             finish_reason=last.finish_reason,
             decision=prep.decision,
             notes=prep.notes,
+            session={k: v for k, v in last.metrics.items() if k.startswith("session") or k == "prefilled_tokens"}
+            or None,
+            session_tokens_reused=int(last.metrics.get("session_tokens_reused", 0)),
         )

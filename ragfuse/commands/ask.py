@@ -23,6 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis", metavar="URL", help="also read KV from this Redis tier")
     p.add_argument("--compare", action="store_true",
                    help="also answer with full prefill and print both TTFTs (with --json: under 'compare')")
+    p.add_argument("--session", metavar="ID",
+                   help="continue conversation ID: its history's KV is reused, and this turn joins it")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -33,11 +35,21 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.question.strip():
         raise _usage("QUESTION is empty")
+    if args.session is not None:
+        from ragfuse.engine.sessions import check_session_id
+
+        check_session_id(args.session)
     pipe = open_pipeline(args.store, args.model, args.device, args.dtype, redis_url=args.redis)
+    if args.session is not None:
+        from ragfuse.engine.sessions import SessionStore
+        from ragfuse.store_dir import resolve_store_dir
+
+        eng = pipe.engine
+        eng.enable_sessions(SessionStore(resolve_store_dir(args.store) / "sessions", eng.fingerprint, eng.dtype))
     params = SamplingParams(max_tokens=args.max_tokens)
     result = None
     for item in pipe.stream(args.question, mode=args.mode, ratio=args.recompute_ratio, top_k=args.top_k,
-                            params=params):
+                            params=params, session_id=args.session):
         if hasattr(item, "delta_text"):
             if not args.json:
                 sys.stdout.write(item.delta_text)
@@ -45,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             result = item
     assert result is not None
+    if pipe.engine.sessions is not None:
+        pipe.engine.sessions.close()  # the turn's KV reaches disk before the process ends
     baseline = None
     if args.compare and args.mode != "full":
         baseline = pipe.ask(args.question, mode="full", top_k=args.top_k, params=params)
@@ -64,6 +78,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"full prefill: TTFT {baseline.ttft_s * 1e3:.0f} ms -> {args.mode} is "
               f"{baseline.ttft_s / result.ttft_s:.1f}x faster to the first token "
               f"(answers {'match' if baseline.answer == result.answer else 'differ'})")
+    if result.session is not None:
+        s = result.session
+        print(f"session {args.session}: {s['session_tokens_reused']} history tokens reused from "
+              f"{s['session_tier'] or 'nowhere (new or recomputed)'}, {s['prefilled_tokens']} prefilled")
     for note in result.notes:
         print(f"note: {note}")
     return 0

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,6 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="no chat template: PROMPT is the whole prompt")
+    p.add_argument("--session", metavar="ID", help="continue conversation ID (its KV is kept between calls)")
+    p.add_argument("--session-dir", default=None,
+                   help="where sessions live (default $RAGFUSE_SESSIONS, else the per-user data directory)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.set_defaults(func=run)
 
@@ -47,23 +51,32 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop,
     )
+    if args.session is not None:
+        from ragfuse.engine.sessions import check_session_id
+
+        if args.raw:
+            raise SystemExit(_usage_error("--session needs the chat template (drop --raw)"))
+        check_session_id(args.session)
     t0 = time.perf_counter()
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
     load_s = time.perf_counter() - t0
-    messages = [{"role": "user", "content": args.prompt}]
     system_id = None
-    if args.raw:
-        prompt = args.prompt
-    elif args.system and not args.no_relay:
-        system_id, prompt = llm.relay_chat_ids(messages, args.system)
+    if args.session is not None:
+        final = _session_turn(llm, args, params)
     else:
-        prompt = llm.chat_ids(messages, args.system)
-    final = None
-    for out in llm.stream(prompt, params, system=system_id):
-        if not args.json:
-            sys.stdout.write(out.delta_text)
-            sys.stdout.flush()
-        final = out
+        messages = [{"role": "user", "content": args.prompt}]
+        if args.raw:
+            prompt = args.prompt
+        elif args.system and not args.no_relay:
+            system_id, prompt = llm.relay_chat_ids(messages, args.system)
+        else:
+            prompt = llm.chat_ids(messages, args.system)
+        final = None
+        for out in llm.stream(prompt, params, system=system_id):
+            if not args.json:
+                sys.stdout.write(out.delta_text)
+                sys.stdout.flush()
+            final = out
     assert final is not None
     if args.json:
         print(json.dumps({
@@ -71,10 +84,35 @@ def run(args: argparse.Namespace) -> int:
             "completion_tokens": len(final.token_ids), "finish_reason": final.finish_reason,
             "ttft_s": final.ttft_s, "total_s": final.total_s, "load_s": load_s,
             "model": llm.engine.model_name, "device": str(llm.engine.device), "relay": system_id is not None,
+            **{k: v for k, v in final.metrics.items() if k.startswith("session") or k == "prefilled_tokens"},
         }))
     else:
         sys.stdout.write("\n")
     return 0
+
+
+def _session_turn(llm: Any, args: argparse.Namespace, params: Any) -> Any:
+    """One turn of a stored conversation: its messages (text, for the chat template) live beside
+    the session's KV; the engine reuses the KV of everything already said."""
+    import os
+    from pathlib import Path
+
+    import platformdirs
+
+    root = Path(args.session_dir or os.environ.get("RAGFUSE_SESSIONS")
+                or Path(platformdirs.user_data_dir("ragfuse")) / "sessions").expanduser()
+    chats = root / "chats"
+    chats.mkdir(parents=True, exist_ok=True)
+    path = chats / f"{args.session}.json"
+    messages = json.loads(path.read_text()) if path.exists() else []
+    messages.append({"role": "user", "content": args.prompt})
+    llm.enable_sessions(str(root))
+    out = llm.chat(messages, params, args.system, session_id=args.session)
+    llm.engine.sessions.close()  # the KV reaches disk before the process ends
+    if not args.json:
+        sys.stdout.write(out.text)
+    path.write_text(json.dumps([*messages, {"role": "assistant", "content": out.text}]))
+    return out
 
 
 def _usage_error(msg: str) -> int:

@@ -1,0 +1,88 @@
+"""Session placement policies and turn planning: pure logic, no model."""
+
+from __future__ import annotations
+
+import pytest
+
+from ragfuse.engine.errors import RequestError
+from ragfuse.engine.sessions import FIFOPolicy, LRUPolicy, SchedulerAwarePolicy, SessionInfo, SessionPlacement
+from ragfuse.engine.sessions.history import plan_turn
+
+
+def infos() -> list[SessionInfo]:
+    # created order a, b, c, d; last access order d, b, a, c (c the most recent)
+    return [SessionInfo("a", 10, 0.0, 3.0), SessionInfo("b", 10, 1.0, 2.0), SessionInfo("c", 10, 2.0, 4.0),
+            SessionInfo("d", 10, 3.0, 1.0)]
+
+
+def ids(order: list[SessionInfo]) -> list[str]:
+    return [s.session_id for s in order]
+
+
+def test_lru_and_fifo_orders_ignore_the_queue() -> None:
+    assert ids(LRUPolicy().order(infos(), ["d"], 4)) == ["d", "b", "a", "c"]
+    assert ids(FIFOPolicy().order(infos(), ["a"], 4)) == ["a", "b", "c", "d"]
+
+
+def test_scheduler_aware_evicts_outside_the_window_first_then_from_its_tail() -> None:
+    order = SchedulerAwarePolicy().order(infos(), ["c", "d", "a", "b"], window=3)
+    # b is queued beyond the window: evicted first; then the window from its tail: a, d, c
+    assert ids(order) == ["b", "a", "d", "c"]
+
+
+def placement(policy, cpu: int = 20, disk: int = 1000) -> SessionPlacement:
+    p = SessionPlacement(cpu, disk, policy)
+    for t, sid in enumerate(["a", "b"]):
+        p.admit(sid, 10, float(t))
+    return p
+
+
+def test_admission_keeps_the_queued_session_in_memory_where_lru_would_drop_it() -> None:
+    lru, aware = placement(LRUPolicy()), placement(SchedulerAwarePolicy())
+    for p in (lru, aware):
+        moves = p.admit("c", 10, 5.0, queue=["a"])
+        assert p.tier_of("c") == "cpu"
+        assert ("persist", "c") in [(m.action, m.session_id) for m in moves]
+    assert lru.tier_of("a") == "disk" and lru.tier_of("b") == "cpu"  # a was least recently used
+    assert aware.tier_of("a") == "cpu" and aware.tier_of("b") == "disk"  # a is about to run
+
+
+def test_prefetch_window_fetches_queued_disk_sessions_and_counts_hits_by_tier() -> None:
+    p = placement(SchedulerAwarePolicy(), cpu=20)
+    p.admit("c", 10, 5.0)  # memory holds b, c; a is on disk only
+    assert p.tier_of("a") == "disk"
+    assert p.prefetch_window() == 2  # 20 bytes of memory / 10 bytes a session
+    moves = p.prefetch(["a", "c"], 6.0)
+    assert [(m.action, m.session_id) for m in moves] == [("uncache", "b"), ("fetch", "a")]
+    assert p.access("a", 7.0) == "cpu" and p.access("zz", 7.0) is None
+    assert (p.stats.hits_cpu, p.stats.misses) == (1, 1)
+    assert LRUPolicy().prefetches is False and placement(LRUPolicy()).prefetch(["a"], 6.0) == []
+
+
+def test_disk_eviction_forgets_whole_sessions_and_ttl_expires_idle_ones() -> None:
+    p = SessionPlacement(0, 25, LRUPolicy(), ttl_s=10.0)
+    p.admit("a", 10, 0.0)
+    p.admit("b", 10, 1.0)
+    moves = p.admit("c", 10, 2.0)
+    assert ("forget", "a") in [(m.action, m.session_id) for m in moves] and p.tier_of("a") is None
+    assert [m.session_id for m in p.expire(11.5)] == ["b"]
+    assert p.tier_of("c") == "disk" and p.stats.expired == 1
+
+
+def test_plan_reuses_the_common_prefix_and_feeds_the_rest() -> None:
+    stored = list(range(10, 30))  # 20 logical tokens, rows for the first 19
+    plan = plan_turn(list(range(10, 30)) + [7, 8, 9], stored, [(0, 19)], 100, 8, 3, 2)
+    assert plan.reused == 19 and plan.ranges == [(0, 23)] and plan.rows is None
+    diverged = plan_turn(list(range(10, 20)) + [1, 2, 3], stored, [(0, 19)], 100, 8, 3, 2)
+    assert diverged.reused == 10 and diverged.token_ids == list(range(10, 20)) + [1, 2, 3]
+
+
+def test_plan_cuts_the_oldest_history_on_overflow_keeping_first_and_new_tokens() -> None:
+    conv = list(range(100, 160))  # 60 tokens, the last 10 new; rows stored for the first 50
+    plan = plan_turn(conv, conv[:50], [(0, 50)], max_len=48, reserve=8, new_tokens=10, keep_first=4)
+    # body = 60 - 10 - 4 = 46; need 60 + 8 - 48 = 20; cut max(20, 23) = 23 after the first 4
+    assert plan.ranges == [(0, 4), (27, 60)] and plan.truncated == 23
+    assert plan.rows == list(range(4)) + list(range(27, 50)) and plan.reused == 27
+    assert plan.token_ids == conv[:4] + conv[27:]
+    with pytest.raises(RequestError, match="does not fit"):
+        plan_turn(conv, None, None, max_len=20, reserve=8, new_tokens=30, keep_first=4)

@@ -1,0 +1,43 @@
+"""The session store without a model: background saves, checksummed disk copies, look-ahead prefetch."""
+
+from __future__ import annotations
+
+import torch
+
+from ragfuse.engine.sessions import SessionStore, Snapshot
+
+LAYERS, HEADS, DIM = 2, 2, 8
+
+
+def snapshot(tokens: int, seed: int) -> Snapshot:
+    g = torch.Generator().manual_seed(seed)
+    return Snapshot(torch.randn(LAYERS, 2, tokens, HEADS, DIM, generator=g), None)
+
+
+def test_queued_session_is_prefetched_from_disk_into_memory(tmp_path) -> None:
+    one = LAYERS * 2 * 10 * HEADS * DIM * 4  # bytes of a 10-token session
+    store = SessionStore(tmp_path, "fp", torch.float32, cpu_bytes=one, disk_bytes=10 * one)
+    for i, sid in enumerate(["a", "b"]):
+        store.save(sid, list(range(11)), [(0, 10)], snapshot(10, i))
+        store.flush()
+    assert store.tier_of("a") == "disk" and store.tier_of("b") == "cpu"  # memory holds one session
+    store.hint(["a"])
+    store.flush()
+    assert store.tier_of("a") == "cpu" and store.tier_of("b") == "disk"
+    look = store.lookup("a")
+    assert look.tier == "cpu" and look.record.tokens == list(range(11))
+    k, v = look.open_source(10, None).load_layer(1)
+    assert torch.equal(k, snapshot(10, 0).layers[1, 0]) and torch.equal(v, snapshot(10, 0).layers[1, 1])
+    assert store.stats()["prefetches"] == 1
+    store.close()
+
+
+def test_ttl_expires_idle_sessions(tmp_path) -> None:
+    now = [0.0]
+    store = SessionStore(tmp_path, "fp", torch.float32, ttl_s=60, clock=lambda: now[0])
+    store.save("old", [1, 2, 3], [(0, 2)], snapshot(2, 0))
+    store.flush()
+    now[0] = 61.0
+    look = store.lookup("old")
+    assert look.record is None and "expired" in look.reason
+    store.close()
