@@ -112,6 +112,10 @@ class DocStore:
         return {r[0]: StoredChunk(r[0], r[1], r[2], r[3], r[4], tuple(np.frombuffer(r[5], dtype=np.int32).tolist()),
                                   r[6]) for r in rows}
 
+    def chunk_heads(self, n: int) -> list[tuple[int, str]]:
+        """(id, first ``n`` characters) of every chunk at least ``n`` characters long."""
+        return self.db.execute("SELECT id, substr(text, 1, ?) FROM chunks WHERE length(text) >= ?", (n, n)).fetchall()
+
     def all_embeddings(self, dim: int) -> tuple[np.ndarray, np.ndarray]:
         rows = self.db.execute("SELECT id, embedding FROM chunks ORDER BY id").fetchall()
         ids = np.array([r[0] for r in rows], dtype=np.int64)
