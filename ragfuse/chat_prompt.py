@@ -12,8 +12,8 @@ import re
 from typing import Any
 
 from ragfuse.engine.errors import RequestError
+from ragfuse.passage import Passage
 from ragfuse.passage_finder import PassageFinder
-from ragfuse.pipeline import Passage
 
 _MARK = "\x00ragfuse-passage-{}\x00"
 _MARK_RE = re.compile("\x00ragfuse-passage-(\\d+)\x00")

@@ -9,7 +9,7 @@ so same tokens and same KV key); anything else stays plain text and is prefilled
 
 from __future__ import annotations
 
-from ragfuse.pipeline import Passage
+from ragfuse.passage import Passage
 from ragfuse.rag_store import RagStore
 
 HEAD = 32  # chunks shorter than this are never matched: too short to be told from ordinary text

@@ -20,6 +20,8 @@ from ragfuse.engine import LLMEngine, RequestOutput, SamplingParams
 from ragfuse.engine.errors import RagfuseError, RequestError
 from ragfuse.engine.fusion import FusionMode, FusionStats, Segment, SelectionPolicy
 from ragfuse.engine.kvstore import CorruptEntryError, EntrySource, LayerwiseSource, StoredKV, kv_key, open_source
+from ragfuse.passage import Passage
+from ragfuse.passage_finder import PassageFinder
 from ragfuse.prompt import RagPromptBuilder
 from ragfuse.rag_store import RagStore
 from ragfuse.retrieval import Retriever
@@ -55,21 +57,9 @@ class AskResult:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-
-@dataclass(frozen=True)
-class Passage:
-    """A passage a caller brings (a framework's retrieved document): a stored chunk's id, its text, or both.
-
-    Its identity is its content: the KV store is keyed by the passage's tokens, so text that was
-    ingested brings its stored KV whichever retriever found it, and text that was not is prefilled.
-    """
-
-    text: str = ""
-    id: int | None = None
-    source: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def stats(self) -> dict[str, Any]:
+        """Everything but the answer itself: sources, fusion and timing (a framework's response metadata)."""
+        return {k: v for k, v in self.as_dict().items() if k not in ("answer", "token_ids")}
 
 
 @dataclass
@@ -97,12 +87,21 @@ class RagPipeline:
         self.engine = engine
         self.store = store  # None: no stored KV, every prompt is prefilled (a plain chat model)
         self._retriever = retriever
+        self._finder: PassageFinder | None = None
         self.policy = policy or SelectionPolicy.default()
         self.r_star = r_star if r_star is not None else self.policy.ratio
         self.controller = controller
         self.builder = RagPromptBuilder(engine.tokenizer)
         with _LOCKS_LOCK:  # callers on several threads (a framework's batch) take turns on the engine
             self.lock = _ENGINE_LOCKS.setdefault(engine, threading.Lock())
+
+    @property
+    def finder(self) -> PassageFinder:
+        """Finds stored chunks in given text (made on first use; it indexes the docstore)."""
+        assert self.store is not None
+        if self._finder is None:
+            self._finder = PassageFinder(self.store)
+        return self._finder
 
     @property
     def retriever(self) -> Retriever:
@@ -184,6 +183,10 @@ class RagPipeline:
                 chunk = None  # the id names other text now (re-ingested): go by the text
         if chunk is None and not passage.text.strip():
             raise RequestError(f"passage {passage.id} is neither in the store nor given as text")
+        if chunk is None and self.store is not None:  # text that is exactly a stored chunk is that chunk
+            found = self.finder.split(passage.text.strip())
+            if len(found) == 1 and isinstance(found[0], Passage):
+                chunk = self.store.docs.chunks([found[0].id]).get(found[0].id)  # type: ignore[list-item]
         if chunk is not None:
             toks = list(chunk.token_ids)
             src = self._source(chunk.kv_key or self._key(toks), toks, notes) if use_kv else None

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
+import shutil
+import tempfile
 from pathlib import Path
 
 DEMO = Path(__file__).resolve().parents[1] / "demo" / "docs"
@@ -21,3 +25,15 @@ def ingest_demo(root: Path, engine) -> Path:
     assert report.kv_computed >= 3
     rag.close()
     return root
+
+
+@functools.cache
+def connector_store() -> str:
+    """The demo store ingested with the engine the connectors share on CPU (so the same KV keys), made once
+    per test process in a temporary directory."""
+    from ragfuse.app import shared_pipeline
+
+    engine = shared_pipeline(None, device="cpu").engine
+    root = Path(tempfile.mkdtemp(prefix="ragfuse-connectors-"))
+    atexit.register(shutil.rmtree, root, True)
+    return str(ingest_demo(root, engine))
