@@ -166,7 +166,8 @@ class RagPipeline:
             raise RequestError("empty prompt")
         sources = [seg.kv for seg in segments if seg.kv is not None]
         chosen, decision = self._ratio(mode, ratio, sources)
-        return Prepared(segments, sources, _described(passages, passage_segments), chosen, decision, notes)  # type: ignore[arg-type]
+        described = _described(passages, passage_segments)
+        return Prepared(segments, sources, described, chosen, decision, notes)  # type: ignore[arg-type]
 
     def passage_segment(self, passage: Passage, mode: str, notes: list[str]) -> Segment:
         """A passage's tokens, with its stored KV when there is any.
