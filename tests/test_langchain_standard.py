@@ -12,7 +12,7 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 from ragfuse.connectors.langchain import ChatRagfuse, RagfuseRetriever
 from tests.store_helpers import connector_store
 
-PARAMS = {"device": "cpu", "max_tokens": 16}  # short answers keep the CPU run short
+PARAMS = {"device": "cpu"}
 
 
 class _Capabilities:
@@ -23,6 +23,10 @@ class _Capabilities:
     @property
     def chat_model_params(self) -> dict:
         return dict(PARAMS)
+
+    @property
+    def standard_chat_model_params(self) -> dict:
+        return {**super().standard_chat_model_params, "max_tokens": 16}  # short answers keep the CPU run short
 
     @property
     def has_tool_calling(self) -> bool:
@@ -50,7 +54,7 @@ class TestChatRagfuseIntegration(_Capabilities, ChatModelIntegrationTests):
         """A question with the store's documents: their stored KV is read, not computed."""
         store = connector_store()
         docs = RagfuseRetriever(store=store, k=2).invoke("Hollowpoint lighthouse")
-        model = ChatRagfuse(store=store, recompute_ratio=0.2, **PARAMS)
+        model = ChatRagfuse(store=store, recompute_ratio=0.2, max_tokens=16, **PARAMS)
         question = "When was the Hollowpoint lighthouse electrified?"
         if not stream:
             return model.invoke(question, documents=docs)
