@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+CHUNK_ID = "chunk_id"  # the metadata key under which a framework's document or node names its stored chunk
+
 
 @dataclass(frozen=True)
 class Passage:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from langchain_core.documents import Document
 
-from ragfuse.pipeline import Passage
+from ragfuse.passage import CHUNK_ID, Passage
 from ragfuse.retrieval import SearchResult
-
-CHUNK_ID = "chunk_id"  # metadata key of a stored chunk's id
 
 
 def chunk_document(hit: SearchResult) -> Document:

@@ -6,9 +6,8 @@ from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from ragfuse.app import shared_retriever
+from ragfuse.passage import CHUNK_ID
 from ragfuse.retrieval import SearchResult
-
-CHUNK_ID = "chunk_id"  # node metadata key of a stored chunk's id
 
 
 def chunk_node(hit: SearchResult) -> NodeWithScore:
