@@ -4,6 +4,8 @@ loading controller and accuracy gate, from a store directory and a model name.""
 from __future__ import annotations
 
 import logging
+import threading
+from pathlib import Path
 
 import torch
 
@@ -13,6 +15,7 @@ from ragfuse.engine.kvstore import DelayProfile, LoadingController, MemoryTier, 
 from ragfuse.engine.kvstore.entry import dtype_name
 from ragfuse.pipeline import RagPipeline
 from ragfuse.rag_store import RagStore
+from ragfuse.retrieval import Retriever
 from ragfuse.store_dir import StoreConfig, resolve_store_dir
 
 log = logging.getLogger("ragfuse.app")
@@ -57,3 +60,48 @@ def open_pipeline(
 
         r_star = calibrated_r_star(engine)
     return RagPipeline(engine, rag, r_star=r_star, controller=controller)
+
+
+_SHARED: dict[tuple, object] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_pipeline(store: str | None, model: str | None = None, device: str = "auto", gate: bool = True,
+                    ) -> RagPipeline:
+    """The pipeline for ``store`` (None: no store, every prompt prefilled) in this process, made once.
+
+    Framework objects (a LangChain chat model, a LlamaIndex LLM) are created often, per chain or per
+    test case, and are cheap to create: they share one engine per model and device, loaded on first use,
+    and one pipeline per store."""
+    with _SHARED_LOCK:
+        if store is not None:
+            store = str(resolve_store_dir(store))
+            config = StoreConfig.load(Path(store))
+            if config is None:
+                raise RagfuseError(f"no ragfuse store at {store} (run `ragfuse ingest` first)")
+            model = model or config.model
+        model = model or DEFAULT_MODEL
+        ekey = ("engine", model, device)
+        if ekey not in _SHARED:
+            _SHARED[ekey] = LLMEngine(EngineConfig(model=model, device=device))
+        engine = _SHARED[ekey]
+        assert isinstance(engine, LLMEngine)
+        pkey = ("pipeline", store, model, device, gate and store is not None)
+        if pkey not in _SHARED:  # without a store nothing is fused: no r* to calibrate
+            _SHARED[pkey] = (open_pipeline(store, model, engine=engine, gate=gate) if store
+                             else RagPipeline(engine, None))
+        pipe = _SHARED[pkey]
+        assert isinstance(pipe, RagPipeline)
+        return pipe
+
+
+def shared_retriever(store: str | None) -> Retriever:
+    """A retriever over ``store`` made once per process (no model loaded: retrieval needs only embeddings)."""
+    root = resolve_store_dir(store)
+    with _SHARED_LOCK:
+        key = ("retriever", str(root))
+        if key not in _SHARED:
+            _SHARED[key] = Retriever(RagStore.open_existing(root))
+        found = _SHARED[key]
+        assert isinstance(found, Retriever)
+        return found

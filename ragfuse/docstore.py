@@ -37,7 +37,9 @@ class NewChunk:
 
 class DocStore:
     def __init__(self, path: Path) -> None:
-        self.db = sqlite3.connect(path, timeout=60, isolation_level=None)
+        # framework connectors read it from worker threads (a batch, an async stream); SQLite is built
+        # serialized (sqlite3.threadsafety 3), and writes (ingest) come from one thread at a time
+        self.db = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.executescript(
             """
@@ -111,6 +113,10 @@ class DocStore:
         ).fetchall()
         return {r[0]: StoredChunk(r[0], r[1], r[2], r[3], r[4], tuple(np.frombuffer(r[5], dtype=np.int32).tolist()),
                                   r[6]) for r in rows}
+
+    def chunk_heads(self, n: int) -> list[tuple[int, str]]:
+        """(id, first ``n`` characters) of every chunk at least ``n`` characters long."""
+        return self.db.execute("SELECT id, substr(text, 1, ?) FROM chunks WHERE length(text) >= ?", (n, n)).fetchall()
 
     def all_embeddings(self, dim: int) -> tuple[np.ndarray, np.ndarray]:
         rows = self.db.execute("SELECT id, embedding FROM chunks ORDER BY id").fetchall()

@@ -9,8 +9,10 @@ goes below the accuracy gate's calibrated r* for this model, unless the caller s
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -18,12 +20,17 @@ from ragfuse.engine import LLMEngine, RequestOutput, SamplingParams
 from ragfuse.engine.errors import RagfuseError, RequestError
 from ragfuse.engine.fusion import FusionMode, FusionStats, Segment, SelectionPolicy
 from ragfuse.engine.kvstore import CorruptEntryError, EntrySource, LayerwiseSource, StoredKV, kv_key, open_source
+from ragfuse.passage import Passage
+from ragfuse.passage_finder import PassageFinder
 from ragfuse.prompt import RagPromptBuilder
 from ragfuse.rag_store import RagStore
-from ragfuse.retrieval import Retriever, SearchResult
+from ragfuse.retrieval import Retriever
 
 log = logging.getLogger("ragfuse.pipeline")
 MODES = tuple(m.value for m in FusionMode)
+# the engine is single-threaded: every pipeline over one engine takes this engine's lock per request
+_ENGINE_LOCKS: weakref.WeakKeyDictionary[LLMEngine, threading.Lock] = weakref.WeakKeyDictionary()
+_LOCKS_LOCK = threading.Lock()
 
 
 @dataclass
@@ -52,12 +59,16 @@ class AskResult:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def stats(self) -> dict[str, Any]:
+        """Everything but the answer itself: sources, fusion and timing (a framework's response metadata)."""
+        return {k: v for k, v in self.as_dict().items() if k not in ("answer", "token_ids")}
+
 
 @dataclass
 class Prepared:
     segments: list[Segment]
     sources: list[EntrySource | LayerwiseSource]
-    hits: list[SearchResult]
+    hits: list[dict[str, Any]]  # the answer's sources: retrieved chunks, or given passages and whether stored
     ratio: float
     decision: dict[str, Any] | None
     notes: list[str]
@@ -67,7 +78,7 @@ class RagPipeline:
     def __init__(
         self,
         engine: LLMEngine,
-        store: RagStore,
+        store: RagStore | None,
         retriever: Retriever | None = None,
         policy: SelectionPolicy | None = None,
         r_star: float | None = None,
@@ -76,49 +87,147 @@ class RagPipeline:
         if engine.tokenizer is None:
             raise RagfuseError("the RAG pipeline needs a model with a tokenizer")
         self.engine = engine
-        self.store = store
-        self.retriever = retriever or Retriever(store)
+        self.store = store  # None: no stored KV, every prompt is prefilled (a plain chat model)
+        self._retriever = retriever
+        self._finder: PassageFinder | None = None
         self.policy = policy or SelectionPolicy.default()
         self.r_star = r_star if r_star is not None else self.policy.ratio
         self.controller = controller
         self.builder = RagPromptBuilder(engine.tokenizer)
+        with _LOCKS_LOCK:  # callers on several threads (a framework's batch) take turns on the engine
+            self.lock = _ENGINE_LOCKS.setdefault(engine, threading.Lock())
+
+    @property
+    def finder(self) -> PassageFinder:
+        """Finds stored chunks in given text (made on first use; it indexes the docstore)."""
+        assert self.store is not None
+        if self._finder is None:
+            self._finder = PassageFinder(self.store)
+        return self._finder
+
+    @property
+    def retriever(self) -> Retriever:
+        """Made on first use: answering from given passages needs no embedding model."""
+        if self._retriever is None:
+            if self.store is None:
+                raise RagfuseError("retrieval needs a ragfuse store")
+            self._retriever = Retriever(self.store)
+        return self._retriever
 
     # ---- preparing a prompt ------------------------------------------------------------------
 
     def prepare(self, question: str, top_k: int, mode: str, ratio: float | None) -> tuple[Prepared, float]:
         """Retrieve and assemble the segments; returns them and the retrieval time."""
-        if mode not in MODES:
-            raise RequestError(f"unknown mode {mode!r} ({', '.join(MODES)})")
-        if ratio is not None and not 0.0 <= ratio <= 1.0:
-            raise RequestError(f"recompute ratio must be in [0, 1], got {ratio}")
+        self._check(mode, ratio)
         t = time.perf_counter()
         hits = self.retriever.search(question, top_k)
         retrieve_s = time.perf_counter() - t
         if not hits:
             raise RagfuseError("the store has no documents: run `ragfuse ingest` first")
+        assert self.store is not None
         chunks = self.store.docs.chunks([h.id for h in hits])
         passages = [list(chunks[h.id].token_ids) for h in hits]
         keys = [h.kv_key or self._key(p) for h, p in zip(hits, passages, strict=True)]
         notes: list[str] = []
-        sources: list[EntrySource | LayerwiseSource] = []
+        use_kv = mode not in (FusionMode.FULL.value, FusionMode.PREFIX.value)
+        segments = [
+            Segment(toks, self._source(key, toks, notes) if use_kv else None, f"chunk {hit.id}")
+            for hit, toks, key in zip(hits, passages, keys, strict=True)
+        ]
+        return self._assemble(segments, [h.as_dict() for h in hits], question, mode, ratio, notes), retrieve_s
+
+    def prepare_passages(
+        self, question: str, passages: list[Passage], mode: str = "fuse", ratio: float | None = None
+    ) -> Prepared:
+        """The RAG prompt over passages the caller retrieved, in the caller's order (no retrieval)."""
+        self._check(mode, ratio)
+        if not question.strip():
+            raise RequestError("the question is empty")
+        if not passages:
+            raise RequestError("no passages given")
+        notes: list[str] = []
+        segments = [self.passage_segment(p, mode, notes) for p in passages]
+        return self._assemble(segments, _described(passages, segments), question, mode, ratio, notes)
+
+    def prepare_parts(self, parts: list[str | Passage], mode: str = "fuse", ratio: float | None = None) -> Prepared:
+        """A prompt the caller laid out (a chat rendered with its template): text parts are prefilled,
+        passages bring their stored KV. For framework chat models, whose prompt is theirs to shape."""
+        self._check(mode, ratio)
+        notes: list[str] = []
         segments: list[Segment] = []
-        use_kv = mode != FusionMode.FULL.value
+        passages: list[Passage] = []
+        passage_segments: list[Segment] = []
+        for part in parts:
+            if isinstance(part, Passage):
+                segments.append(self.passage_segment(part, mode, notes))
+                passages.append(part)
+                passage_segments.append(segments[-1])
+            elif part:
+                segments.append(Segment(self.engine.tokenizer.encode(part, add_special_tokens=False), None, "text"))
+        if not segments:
+            raise RequestError("empty prompt")
+        sources = [seg.kv for seg in segments if seg.kv is not None]
+        chosen, decision = self._ratio(mode, ratio, sources)
+        described = _described(passages, passage_segments)
+        return Prepared(segments, sources, described, chosen, decision, notes)  # type: ignore[arg-type]
+
+    def passage_segment(self, passage: Passage, mode: str, notes: list[str]) -> Segment:
+        """A passage's tokens, with its stored KV when there is any.
+
+        A stored chunk named by id (with its text, if given, unchanged) brings its stored tokens, and
+        its KV is computed and stored if missing, as for retrieved chunks. Other text is tokenized as
+        ingest tokenizes a chunk; its KV is used when stored and otherwise it is simply prefilled:
+        the caller's text is not the store's to keep."""
+        use_kv = self.store is not None and mode not in (FusionMode.FULL.value, FusionMode.PREFIX.value)
+        chunk = None
+        if passage.id is not None and self.store is not None:
+            chunk = self.store.docs.chunks([passage.id]).get(passage.id)
+            if chunk is not None and passage.text and passage.text.strip() != chunk.text.strip():
+                chunk = None  # the id names other text now (re-ingested): go by the text
+        if chunk is None and not passage.text.strip():
+            raise RequestError(f"passage {passage.id} is neither in the store nor given as text")
+        if chunk is None and self.store is not None:  # text that is exactly a stored chunk is that chunk
+            found = self.finder.split(passage.text.strip())
+            if len(found) == 1 and isinstance(found[0], Passage):
+                chunk = self.store.docs.chunks([found[0].id]).get(found[0].id)  # type: ignore[list-item]
+        if chunk is not None:
+            toks = list(chunk.token_ids)
+            src = self._source(chunk.kv_key or self._key(toks), toks, notes) if use_kv else None
+            return Segment(toks, src, f"chunk {chunk.id}")
+        toks = self.builder.passage_tokens(passage.text)
+        src = open_source(self.store.kv, self._key(toks)) if use_kv else None  # type: ignore[union-attr]
+        if src is not None and src.num_tokens != len(toks):
+            src = None
+        return Segment(toks, src, "stored passage" if src is not None else "passage")
+
+    def _check(self, mode: str, ratio: float | None) -> None:
+        if mode not in MODES:
+            raise RequestError(f"unknown mode {mode!r} ({', '.join(MODES)})")
+        if ratio is not None and not 0.0 <= ratio <= 1.0:
+            raise RequestError(f"recompute ratio must be in [0, 1], got {ratio}")
+
+    def _assemble(
+        self, passages: list[Segment], hits: list[dict[str, Any]], question: str, mode: str,
+        ratio: float | None, notes: list[str],
+    ) -> Prepared:
+        """Instruction prefix (its KV stored once), the passages between separators, the question."""
+        use_kv = self.store is not None and mode != FusionMode.FULL.value
         prefix_src = self._source(self._key(self.builder.prefix), self.builder.prefix, notes) if use_kv else None
-        segments.append(Segment(self.builder.prefix, prefix_src, "instruction"))
-        for i, (hit, toks, key) in enumerate(zip(hits, passages, keys, strict=True)):
+        segments = [Segment(self.builder.prefix, prefix_src, "instruction")]
+        for i, seg in enumerate(passages):
             if i:
                 segments.append(Segment(self.builder.separator, None, "separator"))
-            src = self._source(key, toks, notes) if use_kv and mode != FusionMode.PREFIX.value else None
-            segments.append(Segment(toks, src, f"chunk {hit.id}"))
+            segments.append(seg)
         segments.append(Segment(self.builder.tail(question), None, "question"))
-        sources = [s.kv for s in segments if s.kv is not None]  # type: ignore[misc]
+        sources = [s.kv for s in segments if s.kv is not None]
         chosen, decision = self._ratio(mode, ratio, sources)
-        return Prepared(segments, sources, hits, chosen, decision, notes), retrieve_s
+        return Prepared(segments, sources, hits, chosen, decision, notes)  # type: ignore[arg-type]
 
     def _key(self, token_ids: list[int]) -> str:
         return kv_key(self.engine.fingerprint, self.engine.dtype, token_ids)
 
     def _source(self, key: str, token_ids: list[int], notes: list[str]) -> EntrySource | LayerwiseSource:
+        assert self.store is not None
         src = open_source(self.store.kv, key)
         if src is not None and src.num_tokens == len(token_ids):
             return src
@@ -154,8 +263,37 @@ class RagPipeline:
         """Yield the answer's outputs as they come, then the ``AskResult``. With ``session_id``
         the turn follows the session's history (its KV reused, not recomputed) and the fused prompt
         and answer become part of that history for the next turn."""
-        t0 = time.perf_counter()
-        prep, retrieve_s = self.prepare(question, top_k, mode, ratio)
+        with self.lock:
+            t0 = time.perf_counter()
+            prep, retrieve_s = self.prepare(question, top_k, mode, ratio)
+            yield from self._answer(prep, mode, params, t0, retrieve_s, session_id)
+
+    def stream_passages(
+        self, question: str, passages: list[Passage], mode: str = "fuse", ratio: float | None = None,
+        params: SamplingParams | None = None,
+    ) -> Iterator[RequestOutput | AskResult]:
+        """``stream`` over passages the caller retrieved (a framework's retriever) instead of ours."""
+        return self._stream_prepared(lambda: self.prepare_passages(question, passages, mode, ratio), mode, params)
+
+    def stream_parts(
+        self, parts: list[str | Passage], mode: str = "fuse", ratio: float | None = None,
+        params: SamplingParams | None = None,
+    ) -> Iterator[RequestOutput | AskResult]:
+        """``stream`` over a prompt the caller laid out (see ``prepare_parts``)."""
+        return self._stream_prepared(lambda: self.prepare_parts(parts, mode, ratio), mode, params)
+
+    def _stream_prepared(
+        self, prepare: Callable[[], Prepared], mode: str, params: SamplingParams | None
+    ) -> Iterator[RequestOutput | AskResult]:
+        # preparing may open stored KV or compute missing KV on the engine: only once this request has it
+        with self.lock:
+            t0 = time.perf_counter()
+            yield from self._answer(prepare(), mode, params, t0, 0.0)
+
+    def _answer(
+        self, prep: Prepared, mode: str, params: SamplingParams | None, t0: float, retrieve_s: float,
+        session_id: str | None = None,
+    ) -> Iterator[RequestOutput | AskResult]:
         params = params or SamplingParams(max_tokens=64)
         rid, stats = self._fuse(prep, mode, params, session_id)
         ttft = time.perf_counter() - t0 - retrieve_s  # the first token was sampled by the fused prefill
@@ -172,11 +310,7 @@ class RagPipeline:
         yield self._result(prep, stats, last, mode, t0, ttft, retrieve_s)
 
     def ask(self, question: str, **kwargs: Any) -> AskResult:
-        result = None
-        for item in self.stream(question, **kwargs):
-            result = item
-        assert isinstance(result, AskResult)
-        return result
+        return final(self.stream(question, **kwargs))
 
     def _fuse(
         self, prep: Prepared, mode: str, params: SamplingParams, session_id: str | None = None
@@ -234,7 +368,7 @@ class RagPipeline:
     ) -> AskResult:
         return AskResult(
             answer=last.text.strip(),
-            sources=[h.as_dict() for h in prep.hits],
+            sources=prep.hits,
             mode=mode,
             recompute_ratio=stats.recompute_ratio,
             ttft_s=ttft,
@@ -255,3 +389,17 @@ class RagPipeline:
             or None,
             session_tokens_reused=int(last.metrics.get("session_tokens_reused", 0)),
         )
+
+
+def final(items: Iterator[RequestOutput | AskResult]) -> AskResult:
+    """Run a ``stream`` to its end and return its ``AskResult``."""
+    result = None
+    for item in items:
+        result = item
+    assert isinstance(result, AskResult)
+    return result
+
+
+def _described(passages: list[Passage], segments: list[Segment]) -> list[dict[str, Any]]:
+    """Given passages as the answer's sources, each saying whether its KV came from the store."""
+    return [{**p.as_dict(), "stored": seg.kv is not None} for p, seg in zip(passages, segments, strict=True)]

@@ -5,33 +5,19 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from ragfuse.engine.kvstore import DiskTier
+from tests.store_helpers import ingest_demo
 
-DEMO = Path(__file__).resolve().parents[1] / "demo" / "docs"
 QUESTION = "When was the Hollowpoint lighthouse electrified?"
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, engine):
     """The demo documents ingested (chunks, embeddings, per-chunk KV) with the shared engine."""
-    from ragfuse.embeddings import Embedder
-    from ragfuse.ingest import Ingestor
-    from ragfuse.rag_store import RagStore
-    from ragfuse.store_dir import StoreConfig
-
-    root = tmp_path_factory.mktemp("store")
-    embedder = Embedder()
-    cfg = StoreConfig(model="smollm2-135m-instruct", embedding_model=embedder.name, embedding_dim=embedder.dim,
-                      index_kind="flat", chunk_tokens=512, chunk_overlap=0)
-    rag = RagStore(root, cfg)
-    report = Ingestor(rag, engine, embedder).ingest([DEMO])
-    assert report.kv_computed >= 3
-    rag.close()
-    return root
+    return ingest_demo(tmp_path_factory.mktemp("store"), engine)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,181 @@
+"""``ChatRagfuse``: a LangChain chat model served by the ragfuse engine, fusing stored chunks' KV.
+
+Documents reach it as separate parts of the call, never as one anonymous string:
+- ``documents=[...]`` (LangChain ``Document``s, e.g. from ``RagfuseRetriever``, or strings) on
+  ``invoke``/``stream``: they open the last user message, one passage each;
+- ``text-plain`` content blocks in a message: one passage each;
+- with a store, chunks that a chain already flattened into a message's text (the standard
+  "stuff documents" chain formats its documents into the prompt) are found again by exact match
+  against the docstore, so the standard retrieval chain keeps its chunk identity too.
+
+A passage whose KV is in the store is fused; any other text is prefilled. Usage
+(``usage_metadata``, with ``input_token_details.cache_read`` = reused stored tokens) and the fusion
+statistics (``response_metadata["ragfuse"]``) come with the last chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.documents import Document
+from langchain_core.language_models.chat_models import BaseChatModel, agenerate_from_stream, generate_from_stream
+from langchain_core.messages import AIMessageChunk, BaseMessage, ChatMessage
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
+from pydantic import Field
+
+from ragfuse.app import DEFAULT_MODEL, shared_pipeline
+from ragfuse.chat_prompt import chat_parts
+from ragfuse.engine import SamplingParams
+from ragfuse.pipeline import MODES, AskResult, Passage, RagPipeline
+
+from ..async_iter import iterate_in_thread
+from .documents import document_passage
+
+_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "tool"}
+_CALL_OPTIONS = ("temperature", "max_tokens", "top_p", "seed", "mode", "recompute_ratio")
+
+
+class ChatRagfuse(BaseChatModel):
+    """A chat model over the ragfuse engine; with ``store``, stored chunks in its prompts are fused."""
+
+    model: str = DEFAULT_MODEL
+    store: str | None = None  # a store directory; None: no stored KV, every prompt is prefilled
+    device: str = "auto"
+    temperature: float = Field(default=0.0, ge=0.0)
+    max_tokens: int = Field(default=256, ge=1)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: list[str] | None = None
+    mode: str = "fuse"  # fuse | reuse | prefix | full: how stored KV is used (full: not at all)
+    recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)  # None: the gate's r* for the model
+    find_stored_chunks: bool = True  # look for stored chunks in flattened message text
+    streaming: bool = False
+
+    @property
+    def _llm_type(self) -> str:
+        return "ragfuse"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model": self.model, "store": self.store, "mode": self.mode, "recompute_ratio": self.recompute_ratio}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> Any:
+        params = super()._get_ls_params(stop=stop or self.stop, **kwargs)
+        params["ls_provider"] = "ragfuse"
+        return params
+
+    # ---- building the request ---------------------------------------------------------------
+
+    def _pipeline(self) -> RagPipeline:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r} ({', '.join(MODES)})")
+        return shared_pipeline(self.store, self.model, self.device, gate=self.recompute_ratio is None)
+
+    def _request(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> tuple[RagPipeline, list[str | Passage], SamplingParams, str, float | None]:
+        model = kwargs.pop("model", self.model)
+        if model != self.model:
+            raise ValueError(f"this ChatRagfuse serves {self.model!r}; make another for {model!r}")
+        documents: Sequence[Document | str | Passage] = kwargs.pop("documents", None) or ()
+        unknown = set(kwargs) - set(_CALL_OPTIONS)
+        if unknown:
+            raise ValueError(f"ChatRagfuse does not take {', '.join(sorted(unknown))}")
+        opts = {k: kwargs.get(k, getattr(self, k)) for k in _CALL_OPTIONS}
+        pipe = self._pipeline()
+        turns = [(_role(m), _message_parts(m)) for m in messages]
+        if documents:
+            _add_documents(turns, [document_passage(d) for d in documents])
+        finder = pipe.finder if pipe.store is not None and self.find_stored_chunks else None
+        parts = chat_parts(pipe.engine.tokenizer, turns, finder)
+        params = SamplingParams(max_tokens=opts["max_tokens"], temperature=opts["temperature"], top_p=opts["top_p"],
+                                seed=opts["seed"], stop=list(stop if stop is not None else self.stop or []))
+        return pipe, parts, params, opts["mode"], opts["recompute_ratio"]
+
+    # ---- generating -------------------------------------------------------------------------
+
+    def _stream(
+        self, messages: list[BaseMessage], stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        pipe, parts, params, mode, ratio = self._request(messages, stop, kwargs)
+        for item in pipe.stream_parts(parts, mode, ratio, params):
+            if isinstance(item, AskResult):
+                yield self._last_chunk(item)
+            elif item.delta_text:
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=item.delta_text))
+                if run_manager is not None:
+                    run_manager.on_llm_new_token(item.delta_text, chunk=chunk)
+                yield chunk
+
+    async def _astream(
+        self, messages: list[BaseMessage], stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        async for chunk in iterate_in_thread(lambda: self._stream(messages, stop, None, **kwargs)):
+            if run_manager is not None and chunk.text:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+    def _generate(
+        self, messages: list[BaseMessage], stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any,
+    ) -> ChatResult:
+        return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
+
+    async def _agenerate(
+        self, messages: list[BaseMessage], stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any,
+    ) -> ChatResult:
+        return await agenerate_from_stream(self._astream(messages, stop, run_manager, **kwargs))
+
+    def _last_chunk(self, result: AskResult) -> ChatGenerationChunk:
+        out = len(result.token_ids)
+        usage = UsageMetadata(input_tokens=result.prompt_tokens, output_tokens=out,
+                              total_tokens=result.prompt_tokens + out,
+                              input_token_details={"cache_read": result.reused_tokens})
+        message = AIMessageChunk(
+            content="", usage_metadata=usage, chunk_position="last",
+            response_metadata={"model_name": self.model, "model_provider": "ragfuse",
+                               "finish_reason": result.finish_reason, "ragfuse": result.stats()},
+        )
+        return ChatGenerationChunk(message=message, generation_info={"finish_reason": result.finish_reason})
+
+
+def _role(message: BaseMessage) -> str:
+    if isinstance(message, ChatMessage):
+        return message.role
+    if message.type not in _ROLES:
+        raise ValueError(f"ChatRagfuse cannot take a {message.type!r} message")
+    return _ROLES[message.type]
+
+
+def _message_parts(message: BaseMessage) -> list[str | Passage]:
+    """A message's text, with its ``text-plain`` blocks as passages (their ``extras`` may name a chunk)."""
+    if isinstance(message.content, str):
+        return [message.content]
+    parts: list[str | Passage] = []
+    for block in message.content:
+        if isinstance(block, str):
+            parts.append(block)
+        elif block.get("type") == "text":
+            parts.append(block["text"])
+        elif block.get("type") == "text-plain":
+            extras = block.get("extras") or {}
+            parts.append(document_passage(Document(page_content=block.get("text", ""),
+                                                   metadata={"source": block.get("title", ""), **extras})))
+        else:
+            raise ValueError(f"ChatRagfuse takes text only, not {block.get('type')!r} content")
+    return parts
+
+
+def _add_documents(turns: list[tuple[str, list[str | Passage]]], passages: list[Passage]) -> None:
+    """Documents open the last user message (before its question), as RAG prompts put them."""
+    for role, parts in reversed(turns):
+        if role == "user":
+            parts[:0] = passages
+            return
+    turns.append(("user", list(passages)))

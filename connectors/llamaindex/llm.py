@@ -1,0 +1,170 @@
+"""``RagfuseLLM``: a LlamaIndex LLM served by the ragfuse engine.
+
+Chat messages are rendered with the model's own chat template; a plain ``complete`` prompt is one user
+turn (``formatted=True``: the caller rendered it). With a store, the stored chunks a synthesizer
+formatted into the prompt are found again by exact match, so their KV is fused; the rest is
+prefilled. The fusion statistics ride in each response's ``additional_kwargs["ragfuse"]`` (on the
+last one when streaming).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+)
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+from pydantic import Field
+
+from ragfuse.app import DEFAULT_MODEL, shared_pipeline
+from ragfuse.chat_prompt import chat_parts
+from ragfuse.engine import RequestOutput, SamplingParams
+from ragfuse.passage import Passage
+from ragfuse.pipeline import MODES, AskResult, RagPipeline
+
+from ..async_iter import iterate_in_thread
+
+
+class RagfuseLLM(CustomLLM):
+    """An LLM over the ragfuse engine; with ``store``, stored chunks in its prompts are fused."""
+
+    model: str = Field(default=DEFAULT_MODEL, description="model alias or path")
+    store: str | None = Field(default=None, description="ragfuse store directory; None: no stored KV")
+    device: str = "auto"
+    max_tokens: int = Field(default=256, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    mode: str = "fuse"  # fuse | reuse | prefix | full: how stored KV is used (full: not at all)
+    recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)  # None: the gate's r* for the model
+    find_stored_chunks: bool = True  # look for stored chunks in prompt text
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "RagfuseLLM"
+
+    def pipeline(self) -> RagPipeline:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r} ({', '.join(MODES)})")
+        return shared_pipeline(self.store, self.model, self.device, gate=self.recompute_ratio is None)
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(context_window=self.pipeline().engine.max_model_len, num_output=self.max_tokens,
+                           is_chat_model=True, model_name=self.model)
+
+    # ---- one request --------------------------------------------------------------------------
+
+    def _stream(self, turns: list[tuple[str, list[str | Passage]]] | None, text: str | None,
+                kwargs: dict[str, Any]) -> Iterator[tuple[str, AskResult | None]]:
+        """(text delta, None) as tokens come, then ("", result)."""
+        pipe = self.pipeline()
+        finder = pipe.finder if pipe.store is not None and self.find_stored_chunks else None
+        if turns is not None:
+            parts = chat_parts(pipe.engine.tokenizer, turns, finder)
+        else:
+            parts = finder.split(text or "") if finder is not None else [text or ""]
+        yield from _deltas(pipe.stream_parts(parts, self.mode, self.recompute_ratio, self._params(kwargs)))
+
+    def answer_passages(self, question: str, passages: list[Passage], **kwargs: Any
+                        ) -> Iterator[tuple[str, AskResult | None]]:
+        """ragfuse's RAG prompt over the caller's passages (what ``RagfuseSynthesizer`` asks): as ``_stream``."""
+        pipe = self.pipeline()
+        yield from _deltas(pipe.stream_passages(question, passages, self.mode, self.recompute_ratio,
+                                                self._params(kwargs)))
+
+    def _params(self, kwargs: dict[str, Any]) -> SamplingParams:
+        opts = {k: kwargs.get(k, getattr(self, k)) for k in ("max_tokens", "temperature", "top_p", "seed")}
+        return SamplingParams(**opts, stop=list(kwargs.get("stop", [])))
+
+    def _completions(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponseGen:
+        turns = None if formatted else [("user", [prompt])]
+        text = ""
+        for delta, result in self._stream(turns, prompt if formatted else None, kwargs):
+            text += delta
+            yield _completion(text, delta, result)
+
+    def _chats(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
+        turns: list[tuple[str, list[str | Passage]]] = [(m.role.value, [m.content or ""]) for m in messages]
+        text = ""
+        for delta, result in self._stream(turns, None, kwargs):
+            text += delta
+            c = _completion(text, delta, result)
+            yield ChatResponse(message=ChatMessage(role="assistant", content=text), delta=delta,
+                               additional_kwargs=c.additional_kwargs)
+
+    # ---- LlamaIndex's API ---------------------------------------------------------------------
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return _last(self._completions(prompt, formatted, kwargs))
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        return self._completions(prompt, formatted, kwargs)
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return _last(self._chats(messages, kwargs))
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        return self._chats(messages, kwargs)
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return await _alast(iterate_in_thread(lambda: self._completions(prompt, formatted, kwargs)))
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False,
+                               **kwargs: Any) -> CompletionResponseAsyncGen:
+        return iterate_in_thread(lambda: self._completions(prompt, formatted, kwargs))
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return await _alast(iterate_in_thread(lambda: self._chats(messages, kwargs)))
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        return iterate_in_thread(lambda: self._chats(messages, kwargs))
+
+
+def _deltas(items: Iterator[RequestOutput | AskResult]) -> Iterator[tuple[str, AskResult | None]]:
+    for item in items:
+        if isinstance(item, AskResult):
+            yield "", item
+        elif item.delta_text:
+            yield item.delta_text, None
+
+
+def _completion(text: str, delta: str, result: AskResult | None) -> CompletionResponse:
+    extra = {} if result is None else {"ragfuse": result.stats(), "prompt_tokens": result.prompt_tokens,
+                                       "completion_tokens": len(result.token_ids)}
+    return CompletionResponse(text=text, delta=delta, additional_kwargs=extra)
+
+
+def _last(responses: Iterator[Any]) -> Any:
+    """The last of the streamed responses: it holds the whole text and the statistics."""
+    last = None
+    for item in responses:
+        last = item
+    assert last is not None
+    return last
+
+
+async def _alast(responses: AsyncIterator[Any]) -> Any:
+    last = None
+    async for item in responses:
+        last = item
+    assert last is not None
+    return last

@@ -1,0 +1,121 @@
+"""A response synthesizer that answers from the retrieved nodes with their stored KV fused.
+
+LlamaIndex's own synthesizers format the nodes into a prompt string; this one hands each node to
+the pipeline as a separate passage of ragfuse's RAG prompt instead, so a node whose text is a stored
+chunk (from ``RagfuseRetriever``, or from any index over the same text) brings its KV and the rest is
+prefilled. The fusion statistics land in ``response.metadata["ragfuse"]`` (for a streaming response,
+once its stream has been read to the end).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import AsyncGenerator, Generator, Sequence
+from typing import Any
+
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.query_engine import RetrieverQueryEngine
+from llama_index.core.response_synthesizers import BaseSynthesizer
+from llama_index.core.schema import NodeWithScore
+
+from ragfuse.passage import Passage
+from ragfuse.pipeline import AskResult
+
+from ..async_iter import iterate_in_thread
+from .llm import RagfuseLLM
+from .retriever import RagfuseRetriever
+
+
+class _Answer(str):
+    """The answer text, carrying its statistics to ``_prepare_response_output``."""
+
+    stats: dict[str, Any]
+
+
+# a streaming answer's statistics, filled in when its stream ends (generators take weak references)
+_STREAM_STATS: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+class RagfuseSynthesizer(BaseSynthesizer):
+    def __init__(self, llm: RagfuseLLM | None = None, streaming: bool = False, **kwargs: Any) -> None:
+        self._ragfuse = llm or RagfuseLLM()
+        super().__init__(llm=self._ragfuse, streaming=streaming, **kwargs)
+
+    def _get_prompts(self) -> dict[str, Any]:
+        return {}  # the prompt is ragfuse's RAG prompt: its instruction prefix is stored KV too
+
+    def _update_prompts(self, prompts: dict[str, Any]) -> None:
+        if prompts:
+            raise ValueError("RagfuseSynthesizer uses ragfuse's RAG prompt; it has no prompts to update")
+
+    def _answers(self, query_str: str, text_chunks: Sequence[str], kwargs: dict[str, Any]):
+        return self._ragfuse.answer_passages(query_str, [Passage(t) for t in text_chunks], **kwargs)
+
+    def get_response(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any) -> Any:
+        if self._streaming:
+            stats: dict[str, Any] = {}
+            gen = _text_stream(self._answers(query_str, text_chunks, kwargs), stats)
+            _STREAM_STATS[gen] = stats
+            return gen
+        return _collect(self._answers(query_str, text_chunks, kwargs))
+
+    async def aget_response(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any) -> Any:
+        items = iterate_in_thread(lambda: self._answers(query_str, text_chunks, kwargs))
+        if self._streaming:
+            stats: dict[str, Any] = {}
+            agen = _atext_stream(items, stats)
+            _STREAM_STATS[agen] = stats
+            return agen
+        text, result = "", None
+        async for delta, res in items:
+            text += delta
+            result = res or result
+        return _answer(text, result)
+
+    def _prepare_response_output(self, response_str: Any, source_nodes: list[NodeWithScore]) -> Any:
+        response = super()._prepare_response_output(response_str, source_nodes)
+        stats = response_str.stats if isinstance(response_str, _Answer) else _STREAM_STATS.get(response_str)
+        if stats is not None:
+            response.metadata = {**(response.metadata or {}), "ragfuse": stats}
+        return response
+
+
+def _answer(text: str, result: AskResult | None) -> _Answer:
+    assert result is not None
+    out = _Answer(text)
+    out.stats = result.stats()
+    return out
+
+
+def _collect(items: Any) -> _Answer:
+    text, result = "", None
+    for delta, res in items:
+        text += delta
+        result = res or result
+    return _answer(text, result)
+
+
+def _text_stream(items: Any, stats: dict[str, Any]) -> Generator[str, None, None]:
+    for delta, result in items:
+        if result is not None:
+            stats.update(result.stats())  # the response's metadata holds this very dict
+        elif delta:
+            yield delta
+
+
+async def _atext_stream(items: Any, stats: dict[str, Any]) -> AsyncGenerator[str, None]:
+    async for delta, result in items:
+        if result is not None:
+            stats.update(result.stats())
+        elif delta:
+            yield delta
+
+
+def ragfuse_query_engine(
+    store: str | None = None, retriever: BaseRetriever | None = None, llm: RagfuseLLM | None = None,
+    similarity_top_k: int = 4, streaming: bool = False,
+) -> RetrieverQueryEngine:
+    """A ``RetrieverQueryEngine`` that fuses: over ``store`` (ragfuse's retriever) or any ``retriever``
+    (e.g. ``index.as_retriever()``); ``llm`` defaults to one over the same store."""
+    retriever = retriever or RagfuseRetriever(store, similarity_top_k)
+    return RetrieverQueryEngine(retriever, RagfuseSynthesizer(llm or RagfuseLLM(store=store), streaming=streaming))
