@@ -37,7 +37,8 @@ class NewChunk:
 
 class DocStore:
     def __init__(self, path: Path) -> None:
-        self.db = sqlite3.connect(path, timeout=60, isolation_level=None)
+        # opened by one thread, used by another in the server (its engine thread); calls are never concurrent
+        self.db = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.executescript(
             """

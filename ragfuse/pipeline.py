@@ -61,6 +61,20 @@ class Prepared:
     notes: list[str]
 
 
+@dataclass
+class Started:
+    """A RAG request whose fused prefill has run; its answer decodes with ``engine.step``, here or in
+    a shared engine loop (the server's), and ``result`` reports it."""
+
+    request_id: str
+    prep: Prepared
+    stats: FusionStats
+    mode: str
+    t0: float
+    retrieve_s: float
+    ttft_s: float
+
+
 class RagPipeline:
     def __init__(
         self,
@@ -145,16 +159,23 @@ class RagPipeline:
 
     # ---- answering ---------------------------------------------------------------------------
 
+    def start(
+        self, question: str, mode: str = "fuse", ratio: float | None = None, top_k: int = 5,
+        params: SamplingParams | None = None, request_id: str | None = None,
+    ) -> Started:
+        """Retrieve, assemble and run the fused prefill (which samples the first token)."""
+        t0 = time.perf_counter()
+        prep, retrieve_s = self.prepare(question, top_k, mode, ratio)
+        rid, stats = self._fuse(prep, mode, params or SamplingParams(max_tokens=64), request_id)
+        return Started(rid, prep, stats, mode, t0, retrieve_s, time.perf_counter() - t0 - retrieve_s)
+
     def stream(
         self, question: str, mode: str = "fuse", ratio: float | None = None, top_k: int = 5,
         params: SamplingParams | None = None,
     ) -> Iterator[RequestOutput | AskResult]:
         """Yield the answer's outputs as they come, then the ``AskResult``."""
-        t0 = time.perf_counter()
-        prep, retrieve_s = self.prepare(question, top_k, mode, ratio)
-        params = params or SamplingParams(max_tokens=64)
-        rid, stats = self._fuse(prep, mode, params)
-        ttft = time.perf_counter() - t0 - retrieve_s  # the first token was sampled by the fused prefill
+        started = self.start(question, mode, ratio, top_k, params)
+        rid = started.request_id
         last: RequestOutput | None = None
         try:
             while last is None or not last.finished:
@@ -165,7 +186,7 @@ class RagPipeline:
         finally:
             if last is None or not last.finished:
                 self.engine.abort(rid)
-        yield self._result(prep, stats, last, mode, t0, ttft, retrieve_s)
+        yield self.result(started, last)
 
     def ask(self, question: str, **kwargs: Any) -> AskResult:
         result = None
@@ -174,12 +195,14 @@ class RagPipeline:
         assert isinstance(result, AskResult)
         return result
 
-    def _fuse(self, prep: Prepared, mode: str, params: SamplingParams) -> tuple[str, FusionStats]:
+    def _fuse(
+        self, prep: Prepared, mode: str, params: SamplingParams, request_id: str | None = None
+    ) -> tuple[str, FusionStats]:
         """Run the fused prefill; an entry that fails its checksum is dropped, recomputed, retried."""
         for attempt in range(len(prep.sources) + 1):
             try:
                 rid, stats = self.engine.add_fused_request(
-                    prep.segments, params, mode, self.policy.with_ratio(prep.ratio)
+                    prep.segments, params, mode, self.policy.with_ratio(prep.ratio), request_id
                 )
                 break
             except CorruptEntryError as exc:
@@ -201,10 +224,10 @@ class RagPipeline:
                 seg.kv = self._source(key, seg.token_ids, prep.notes)
         prep.sources = [s.kv for s in prep.segments if s.kv is not None]  # type: ignore[misc]
 
-    def _result(
-        self, prep: Prepared, stats: FusionStats, last: RequestOutput, mode: str, t0: float, ttft: float,
-        retrieve_s: float,
-    ) -> AskResult:
+    def result(self, started: Started, last: RequestOutput) -> AskResult:
+        """The report of a started request once its last output is in."""
+        prep, stats, mode, t0 = started.prep, started.stats, started.mode, started.t0
+        ttft, retrieve_s = started.ttft_s, started.retrieve_s
         return AskResult(
             answer=last.text.strip(),
             sources=[h.as_dict() for h in prep.hits],
