@@ -14,6 +14,7 @@ import pytest
      "--decode-steps", "3", "--repeats", "1"],
     ["fusion", "--shape", "tiny-llama", "--chunks", "3", "--chunk-tokens", "32", "--query-tokens", "4",
      "--repeats", "1", "--sweep", "0,0.5"],
+    ["server", "--clients", "2", "--seconds", "3", "--max-tokens", "4"],  # the real default model, served
 ])
 def test_bench_writes_results_table_and_plot(args, tmp_path):
     out = tmp_path / args[0]
@@ -24,6 +25,9 @@ def test_bench_writes_results_table_and_plot(args, tmp_path):
     assert results["rows"]
     assert (out / "results.md").read_text().count("|") > 10
     assert (out / "results.png").stat().st_size > 1000
+    if args[0] == "server":
+        (row,) = results["rows"]
+        assert row["errors"] == 0 and row["requests"] >= 2 and row["rss_end_mib"] > 100
     if args[0] == "fusion":
         modes = {row["mode"] for row in results["rows"]}
         assert {"full", "prefix", "reuse", "fuse", "fuse@controller"} <= modes

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHES = ["engine", "store", "fusion", "vllm"]
+BENCHES = ["engine", "store", "fusion", "vllm", "server"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
