@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from pathlib import Path
 from typing import Any
 
 from ragfuse.engine import AsyncEngine, LLMEngine, RequestOutput, SamplingParams
@@ -15,11 +16,9 @@ from .backend import ChatPrompt, Delta, RagAnswer, RagOptions, Sampling, TextPro
 from .library import DocumentLibrary
 
 
-def open_store_pipeline(store: str | None, model: str, device: str = "auto", dtype: str | None = None,
-                        engine: LLMEngine | None = None, gate: bool = True) -> RagPipeline:
-    """The pipeline over ``store``, created empty (default embedding, 512-token chunks) when there
-    is none yet: a fresh server fills it through ``POST /v1/documents``."""
-    from ragfuse.app import open_pipeline
+def ensure_store(store: str | None, model: str) -> Path:
+    """The store directory, created empty (default embedding, 512-token chunks) when there is none
+    yet: a fresh server fills it through ``POST /v1/documents``."""
     from ragfuse.embeddings import Embedder
     from ragfuse.rag_store import RagStore
     from ragfuse.store_dir import StoreConfig, resolve_store_dir
@@ -30,7 +29,15 @@ def open_store_pipeline(store: str | None, model: str, device: str = "auto", dty
         config = StoreConfig(model=model, embedding_model=embedder.name, embedding_dim=embedder.dim,
                              index_kind="flat", chunk_tokens=512, chunk_overlap=0)
         RagStore(root, config).close()
-    return open_pipeline(str(root), model, device, dtype, engine=engine, gate=gate)
+    return root
+
+
+def open_store_pipeline(store: str | None, model: str, device: str = "auto", dtype: str | None = None,
+                        engine: LLMEngine | None = None, gate: bool = True) -> RagPipeline:
+    """The pipeline over ``store`` (created if missing) with ragfuse's engine on ``model``."""
+    from ragfuse.app import open_pipeline
+
+    return open_pipeline(str(ensure_store(store, model)), model, device, dtype, engine=engine, gate=gate)
 
 
 def engine_params(s: Sampling) -> SamplingParams:

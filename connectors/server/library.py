@@ -78,6 +78,13 @@ class DocumentLibrary:
                 return True
         return False
 
+    def chunk_tokens(self, doc_ids: list[str]) -> list[list[int]]:
+        """Token ids of every chunk of the documents ``doc_ids`` (for a backend that stores their KV itself)."""
+        wanted = set(doc_ids)
+        ids = [i for path, _ in self.store.docs.files() if document_id(path) in wanted
+               for i in self.store.docs.chunk_ids(path)]
+        return [list(c.token_ids) for c in self.store.docs.chunks(ids).values()]
+
     def _write(self, name: str, data: bytes) -> Path:
         """Write atomically (temp file, then rename), so a failed upload never leaves half a file."""
         target = self.uploads / name
