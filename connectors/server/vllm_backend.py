@@ -91,6 +91,7 @@ class VLLMServeBackend(PromptBuilder):
                       request_id: str) -> AsyncIterator[tuple[Delta, Any]]:
         """Deltas of one vLLM request (and its raw output, for the connector's report)."""
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
         if not prompt.token_ids:
@@ -100,7 +101,7 @@ class VLLMServeBackend(PromptBuilder):
                 max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                 seed=sampling.seed, stop=list(sampling.stop) or None, output_kind=RequestOutputKind.DELTA,
                 extra_args={"kv_transfer_params": {"ragfuse": transfer}} if transfer else None)
-        except ValueError as exc:
+        except (ValueError, VLLMClientError) as exc:
             raise RequestError(str(exc)) from None
         generated = 0
         self._waiting.add(request_id)
@@ -112,7 +113,7 @@ class VLLMServeBackend(PromptBuilder):
                 generated += len(comp.token_ids)
                 yield Delta(comp.text, out.finished, comp.finish_reason if out.finished else None,
                             len(out.prompt_token_ids or prompt.token_ids), generated), out
-        except ValueError as exc:  # vLLM's input validation (prompt too long, token ids out of range)
+        except (ValueError, VLLMClientError) as exc:  # vLLM's input validation (prompt too long, bad ids)
             raise RequestError(str(exc)) from None
         finally:
             self._waiting.discard(request_id)

@@ -48,8 +48,7 @@ def kv_transfer_config(settings: ConnectorSettings) -> dict[str, Any]:
 
 def openai_server_command(model: str = DEFAULT_MODEL, store_dir: str | Path | None = None, port: int = 8000,
                           max_model_len: int = 2048) -> list[str]:
-    """argv of vLLM's OpenAI server with the connector (``ragfuse serve --backend vllm``
-    can exec it). Clients mark RAG chunks per request with the body field
+    """argv of vLLM's own OpenAI server with the connector. Clients mark RAG chunks per request with the body field
     ``"kv_transfer_params": {"ragfuse": {"chunks": [[start, end], ...]}}`` over ``prompt`` token ids."""
     checkpoint = resolve(model)
     settings = ConnectorSettings.for_model(checkpoint.path, store_dir)
