@@ -149,6 +149,15 @@ def test_client_disconnect_cancels_its_request(served):
     assert served.engine.blocks.num_free == served.engine.blocks.num_blocks
 
 
+def test_client_disconnect_cancels_a_non_streaming_request(served):
+    before = metric(served, "ragfuse_requests_total", endpoint="completions", outcome="cancelled")
+    body = {"model": MODEL, "max_tokens": 64, "temperature": 0, "prompt": "Once upon a time, in a long story,"}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up while the answer is generated
+        httpx.post(f"{served.url}/v1/completions", json=body, headers=AUTH, timeout=httpx.Timeout(10, read=0.3))
+    wait_idle(served)
+    assert metric(served, "ragfuse_requests_total", endpoint="completions", outcome="cancelled") == before + 1
+
+
 # ---- security and malformed requests -----------------------------------------------------------
 
 
