@@ -37,7 +37,8 @@ class NewChunk:
 
 class DocStore:
     def __init__(self, path: Path) -> None:
-        # opened by one thread, used by another in the server (its engine thread); calls are never concurrent
+        # framework connectors read it from worker threads (a batch, an async stream); SQLite is built
+        # serialized (sqlite3.threadsafety 3), and writes (ingest) come from one thread at a time
         self.db = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.executescript(

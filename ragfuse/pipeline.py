@@ -159,23 +159,16 @@ class RagPipeline:
 
     # ---- answering ---------------------------------------------------------------------------
 
-    def start(
-        self, question: str, mode: str = "fuse", ratio: float | None = None, top_k: int = 5,
-        params: SamplingParams | None = None, request_id: str | None = None,
-    ) -> Started:
-        """Retrieve, assemble and run the fused prefill (which samples the first token)."""
-        t0 = time.perf_counter()
-        prep, retrieve_s = self.prepare(question, top_k, mode, ratio)
-        rid, stats = self._fuse(prep, mode, params or SamplingParams(max_tokens=64), request_id)
-        return Started(rid, prep, stats, mode, t0, retrieve_s, time.perf_counter() - t0 - retrieve_s)
-
     def stream(
         self, question: str, mode: str = "fuse", ratio: float | None = None, top_k: int = 5,
         params: SamplingParams | None = None,
     ) -> Iterator[RequestOutput | AskResult]:
         """Yield the answer's outputs as they come, then the ``AskResult``."""
-        started = self.start(question, mode, ratio, top_k, params)
-        rid = started.request_id
+        t0 = time.perf_counter()
+        prep, retrieve_s = self.prepare(question, top_k, mode, ratio)
+        params = params or SamplingParams(max_tokens=64)
+        rid, stats = self._fuse(prep, mode, params)
+        ttft = time.perf_counter() - t0 - retrieve_s  # the first token was sampled by the fused prefill
         last: RequestOutput | None = None
         try:
             while last is None or not last.finished:
@@ -186,7 +179,7 @@ class RagPipeline:
         finally:
             if last is None or not last.finished:
                 self.engine.abort(rid)
-        yield self.result(started, last)
+        yield self._result(prep, stats, last, mode, t0, ttft, retrieve_s)
 
     def ask(self, question: str, **kwargs: Any) -> AskResult:
         result = None
@@ -214,6 +207,22 @@ class RagPipeline:
             src.finish()
         return rid, stats
 
+    def start(
+        self, question: str, mode: str = "fuse", ratio: float | None = None, top_k: int = 5,
+        params: SamplingParams | None = None, request_id: str | None = None,
+    ) -> Started:
+        """Retrieve, assemble and run the fused prefill (which samples the first token), without
+        stepping the engine: for callers whose own loop steps it (the server's ``AsyncEngine``)."""
+        t0 = time.perf_counter()
+        prep, retrieve_s = self.prepare(question, top_k, mode, ratio)
+        rid, stats = self._fuse(prep, mode, params or SamplingParams(max_tokens=64), request_id)
+        return Started(rid, prep, stats, mode, t0, retrieve_s, time.perf_counter() - t0 - retrieve_s)
+
+    def result(self, started: Started, last: RequestOutput) -> AskResult:
+        """The report of a ``start``ed request once its last output is in."""
+        return self._result(started.prep, started.stats, last, started.mode, started.t0, started.ttft_s,
+                            started.retrieve_s)
+
     def _replace_corrupt(self, prep: Prepared, key: str) -> None:
         for seg in prep.segments:
             src = seg.kv
@@ -224,10 +233,10 @@ class RagPipeline:
                 seg.kv = self._source(key, seg.token_ids, prep.notes)
         prep.sources = [s.kv for s in prep.segments if s.kv is not None]  # type: ignore[misc]
 
-    def result(self, started: Started, last: RequestOutput) -> AskResult:
-        """The report of a started request once its last output is in."""
-        prep, stats, mode, t0 = started.prep, started.stats, started.mode, started.t0
-        ttft, retrieve_s = started.ttft_s, started.retrieve_s
+    def _result(
+        self, prep: Prepared, stats: FusionStats, last: RequestOutput, mode: str, t0: float, ttft: float,
+        retrieve_s: float,
+    ) -> AskResult:
         return AskResult(
             answer=last.text.strip(),
             sources=[h.as_dict() for h in prep.hits],
