@@ -23,17 +23,22 @@ from .sampling import SamplingParams
 
 log = logging.getLogger("ragfuse.engine")
 T = TypeVar("T")
-# Adds one request to the engine under the given id; runs on the engine thread, so it may also use
+# Adds one request to the engine and returns its id; runs on the engine thread, so it may also use
 # anything else the engine owns (a fused prefill, the KV store it reads).
-Starter = Callable[[LLMEngine, str], object]
+Starter = Callable[[LLMEngine], str]
 
 
 @dataclass
 class _Submit:
-    request_id: str
     start: Starter
     out: asyncio.Queue[RequestOutput | BaseException]
     loop: asyncio.AbstractEventLoop
+    request_id: str | None = None  # set on the engine thread once ``start`` has run
+
+
+@dataclass
+class _Abort:
+    sub: _Submit  # the inbox is in order: by the time this is taken, the submission's start has run
 
 
 @dataclass
@@ -46,7 +51,7 @@ class _Call:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._inbox: queue.Queue[_Submit | _Call | str | None] = queue.Queue()
+        self._inbox: queue.Queue[_Submit | _Call | _Abort | None] = queue.Queue()
         self._listeners: dict[str, _Submit] = {}
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="ragfuse-engine", daemon=True)
@@ -66,13 +71,13 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs as tokens arrive; the last has ``finished``. Bad requests raise at once."""
         params = params or SamplingParams()
-        return self.generate_with(lambda engine, rid: engine.add_request(prompt, params, rid), request_id)
+        rid = request_id or f"async-{next(self._ids)}"
+        return self.generate_with(lambda engine: engine.add_request(prompt, params, rid))
 
-    async def generate_with(self, start: Starter, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate_with(self, start: Starter) -> AsyncIterator[RequestOutput]:
         """Like ``generate`` for a request that ``start`` adds (e.g. a fused RAG prefill): adding it and
         listening to it happen in one go on the engine thread, so no output can slip by unheard."""
-        rid = request_id or f"async-{next(self._ids)}"
-        sub = _Submit(rid, start, asyncio.Queue(), asyncio.get_running_loop())
+        sub = _Submit(start, asyncio.Queue(), asyncio.get_running_loop())
         self._inbox.put(sub)
         finished = False
         try:
@@ -86,7 +91,7 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._inbox.put(rid)  # the caller went away: abort
+                self._inbox.put(_Abort(sub))  # the caller went away: abort
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps (ingest, store reads): the engine and
@@ -123,16 +128,18 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out.request_id, out)
 
-    def _take(self, item: _Submit | _Call | str) -> None:
-        if isinstance(item, str):
-            self._listeners.pop(item, None)
-            self.engine.abort(item)
+    def _take(self, item: _Submit | _Call | _Abort) -> None:
+        if isinstance(item, _Abort):
+            rid = item.sub.request_id
+            if rid is not None:
+                self._listeners.pop(rid, None)
+                self.engine.abort(rid)
             return
         if isinstance(item, _Call):
             self._run_call(item)
             return
         try:
-            item.start(self.engine, item.request_id)
+            item.request_id = item.start(self.engine)
         except Exception as exc:
             item.loop.call_soon_threadsafe(item.out.put_nowait, exc)
             return

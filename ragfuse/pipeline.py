@@ -188,14 +188,12 @@ class RagPipeline:
         assert isinstance(result, AskResult)
         return result
 
-    def _fuse(
-        self, prep: Prepared, mode: str, params: SamplingParams, request_id: str | None = None
-    ) -> tuple[str, FusionStats]:
+    def _fuse(self, prep: Prepared, mode: str, params: SamplingParams) -> tuple[str, FusionStats]:
         """Run the fused prefill; an entry that fails its checksum is dropped, recomputed, retried."""
         for attempt in range(len(prep.sources) + 1):
             try:
                 rid, stats = self.engine.add_fused_request(
-                    prep.segments, params, mode, self.policy.with_ratio(prep.ratio), request_id
+                    prep.segments, params, mode, self.policy.with_ratio(prep.ratio)
                 )
                 break
             except CorruptEntryError as exc:
@@ -209,13 +207,13 @@ class RagPipeline:
 
     def start(
         self, question: str, mode: str = "fuse", ratio: float | None = None, top_k: int = 5,
-        params: SamplingParams | None = None, request_id: str | None = None,
+        params: SamplingParams | None = None,
     ) -> Started:
         """Retrieve, assemble and run the fused prefill (which samples the first token), without
         stepping the engine: for callers whose own loop steps it (the server's ``AsyncEngine``)."""
         t0 = time.perf_counter()
         prep, retrieve_s = self.prepare(question, top_k, mode, ratio)
-        rid, stats = self._fuse(prep, mode, params or SamplingParams(max_tokens=64), request_id)
+        rid, stats = self._fuse(prep, mode, params or SamplingParams(max_tokens=64))
         return Started(rid, prep, stats, mode, t0, retrieve_s, time.perf_counter() - t0 - retrieve_s)
 
     def result(self, started: Started, last: RequestOutput) -> AskResult:

@@ -65,11 +65,11 @@ class EngineBackend:
                        request_id: str) -> AsyncIterator[Delta]:
         params = engine_params(sampling)
 
-        def start(engine: LLMEngine, rid: str) -> None:
+        def start(engine: LLMEngine) -> str:
             ids = engine.chat_token_ids(prompt.messages) if isinstance(prompt, ChatPrompt) else prompt.text
-            engine.add_request(ids, params, rid)
+            return engine.add_request(ids, params, request_id)
 
-        async with aclosing(self.loop.generate_with(start, request_id)) as outputs:
+        async with aclosing(self.loop.generate_with(start)) as outputs:
             async for out in outputs:
                 yield to_delta(out)
 
@@ -78,12 +78,13 @@ class EngineBackend:
         params = engine_params(sampling)
         started: list[Started] = []
 
-        def start(_: LLMEngine, rid: str) -> None:
+        def start(_: LLMEngine) -> str:
             started.append(self.pipeline.start(question, options.mode, options.recompute_ratio, options.top_k,
-                                               params, rid))
+                                               params))
+            return started[0].request_id
 
         last: RequestOutput | None = None
-        async with aclosing(self.loop.generate_with(start, request_id)) as outputs:
+        async with aclosing(self.loop.generate_with(start)) as outputs:
             async for out in outputs:
                 last = out
                 yield to_delta(out)
