@@ -205,6 +205,16 @@ class RagPipeline:
             src.finish()
         return rid, stats
 
+    def _replace_corrupt(self, prep: Prepared, key: str) -> None:
+        for seg in prep.segments:
+            src = seg.kv
+            if isinstance(src, LayerwiseSource) and src.key == key:
+                src.drop()
+                log.warning("KV entry %s failed its checksum: dropped and recomputed", key)
+                prep.notes.append(f"KV entry {key[:12]} failed its checksum: recomputed, not served")
+                seg.kv = self._source(key, seg.token_ids, prep.notes)
+        prep.sources = [s.kv for s in prep.segments if s.kv is not None]  # type: ignore[misc]
+
     def start(
         self, question: str, mode: str = "fuse", ratio: float | None = None, top_k: int = 5,
         params: SamplingParams | None = None,
@@ -220,16 +230,6 @@ class RagPipeline:
         """The report of a ``start``ed request once its last output is in."""
         return self._result(started.prep, started.stats, last, started.mode, started.t0, started.ttft_s,
                             started.retrieve_s)
-
-    def _replace_corrupt(self, prep: Prepared, key: str) -> None:
-        for seg in prep.segments:
-            src = seg.kv
-            if isinstance(src, LayerwiseSource) and src.key == key:
-                src.drop()
-                log.warning("KV entry %s failed its checksum: dropped and recomputed", key)
-                prep.notes.append(f"KV entry {key[:12]} failed its checksum: recomputed, not served")
-                seg.kv = self._source(key, seg.token_ids, prep.notes)
-        prep.sources = [s.kv for s in prep.segments if s.kv is not None]  # type: ignore[misc]
 
     def _result(
         self, prep: Prepared, stats: FusionStats, last: RequestOutput, mode: str, t0: float, ttft: float,
