@@ -4,6 +4,7 @@ uvicorn server on loopback over the default model on CPU (one engine loop for ev
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import subprocess
 import sys
@@ -318,3 +319,10 @@ def test_serve_command_refuses_bad_arguments():
     r = subprocess.run([sys.executable, "-m", "ragfuse.cli", "serve", "--backend", "tgi"], capture_output=True,
                        text=True)
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_serve_vllm_backend_without_vllm_says_how_to_install(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "ragfuse.cli", "serve", "--backend", "vllm", "--store",
+                        str(tmp_path / "store")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "scripts/test_vllm.sh" in r.stderr and "Traceback" not in r.stderr
