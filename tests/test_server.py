@@ -101,6 +101,9 @@ def test_completions_stop_seed_and_stream(client):
     streamed = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=16,
                                          temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == text
+    tiny = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=16,
+                                     temperature=3.7e-160)  # found by the fuzzer: once a NaN in the sampler
+    assert tiny.choices[0].text == text
     sampled = [client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0,
                                          top_p=0.9, seed=7).choices[0].text for _ in range(2)]
     assert sampled[0] == sampled[1]

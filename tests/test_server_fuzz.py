@@ -15,7 +15,7 @@ from tests.server_helpers import KEY, MODEL, LiveServer
 
 pytestmark = pytest.mark.slow
 AUTH = {"Authorization": f"Bearer {KEY}"}
-EXAMPLES = 12
+EXAMPLES = 25
 
 
 @pytest.fixture(scope="module")
