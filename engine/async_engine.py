@@ -9,32 +9,49 @@ disconnect cancels its task) aborts its request, which frees its cache blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from .llm_engine import LLMEngine, RequestOutput
 from .sampling import SamplingParams
 
 log = logging.getLogger("ragfuse.engine")
+T = TypeVar("T")
+# Adds one request to the engine and returns its id; runs on the engine thread, so it may also use
+# anything else the engine owns (a fused prefill, the KV store it reads).
+Starter = Callable[[LLMEngine], str]
 
 
 @dataclass
 class _Submit:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
+    start: Starter
     out: asyncio.Queue[RequestOutput | BaseException]
+    loop: asyncio.AbstractEventLoop
+    request_id: str | None = None  # set on the engine thread once ``start`` has run
+
+
+@dataclass
+class _Abort:
+    sub: _Submit  # the inbox is in order: by the time this is taken, the submission's start has run
+
+
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    done: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._inbox: queue.Queue[_Submit | str | None] = queue.Queue()
+        self._inbox: queue.Queue[_Submit | _Call | _Abort | None] = queue.Queue()
         self._listeners: dict[str, _Submit] = {}
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="ragfuse-engine", daemon=True)
@@ -49,12 +66,18 @@ class AsyncEngine:
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)
 
-    async def generate(
+    def generate(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs as tokens arrive; the last has ``finished``. Bad requests raise at once."""
+        params = params or SamplingParams()
         rid = request_id or f"async-{next(self._ids)}"
-        sub = _Submit(rid, prompt, params or SamplingParams(), asyncio.Queue(), asyncio.get_running_loop())
+        return self.generate_with(lambda engine: engine.add_request(prompt, params, rid))
+
+    async def generate_with(self, start: Starter) -> AsyncIterator[RequestOutput]:
+        """Like ``generate`` for a request that ``start`` adds (e.g. a fused RAG prefill): adding it and
+        listening to it happen in one go on the engine thread, so no output can slip by unheard."""
+        sub = _Submit(start, asyncio.Queue(), asyncio.get_running_loop())
         self._inbox.put(sub)
         finished = False
         try:
@@ -68,7 +91,15 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._inbox.put(rid)  # the caller went away: abort
+                self._inbox.put(_Abort(sub))  # the caller went away: abort
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps (ingest, store reads): the engine and
+        what it owns are never touched by two threads at once."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+        self._inbox.put(_Call(fn, done, loop))
+        return await done
 
     def shutdown(self) -> None:
         self._inbox.put(None)
@@ -97,17 +128,34 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out.request_id, out)
 
-    def _take(self, item: _Submit | str) -> None:
-        if isinstance(item, str):
-            self._listeners.pop(item, None)
-            self.engine.abort(item)
+    def _take(self, item: _Submit | _Call | _Abort) -> None:
+        if isinstance(item, _Abort):
+            rid = item.sub.request_id
+            if rid is not None:
+                self._listeners.pop(rid, None)
+                self.engine.abort(rid)
+            return
+        if isinstance(item, _Call):
+            self._run_call(item)
             return
         try:
-            self.engine.add_request(item.prompt, item.params, item.request_id)
+            item.request_id = item.start(self.engine)
         except Exception as exc:
             item.loop.call_soon_threadsafe(item.out.put_nowait, exc)
             return
         self._listeners[item.request_id] = item
+
+    def _run_call(self, call: _Call) -> None:
+        def settle(ok: bool, value: Any) -> None:
+            if not call.done.cancelled():
+                (call.done.set_result if ok else call.done.set_exception)(value)
+
+        try:
+            result, ok = call.fn(self.engine), True
+        except Exception as exc:  # handed to the caller, who decides what it means
+            result, ok = exc, False
+        with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody to tell
+            call.loop.call_soon_threadsafe(settle, ok, result)
 
     def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
         sub = self._listeners.get(rid)

@@ -8,6 +8,10 @@ import torch
 
 from .errors import RequestError
 
+# below this temperature sampling is greedy: dividing logits by a tinier one overflows to inf and the
+# softmax to NaN (found by fuzzing the server with temperature 3.7e-160)
+GREEDY_BELOW = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -36,7 +40,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:

@@ -74,6 +74,20 @@ class Prepared:
     notes: list[str]
 
 
+@dataclass
+class Started:
+    """A RAG request whose fused prefill has run; its answer decodes with ``engine.step``, here or in
+    a shared engine loop (the server's), and ``result`` reports it."""
+
+    request_id: str
+    prep: Prepared
+    stats: FusionStats
+    mode: str
+    t0: float
+    retrieve_s: float
+    ttft_s: float
+
+
 class RagPipeline:
     def __init__(
         self,
@@ -361,6 +375,22 @@ class RagPipeline:
                 prep.notes.append(f"KV entry {key[:12]} failed its checksum: recomputed, not served")
                 seg.kv = self._source(key, seg.token_ids, prep.notes)
         prep.sources = [s.kv for s in prep.segments if s.kv is not None]  # type: ignore[misc]
+
+    def start(
+        self, question: str, mode: str = "fuse", ratio: float | None = None, top_k: int = 5,
+        params: SamplingParams | None = None,
+    ) -> Started:
+        """Retrieve, assemble and run the fused prefill (which samples the first token), without
+        stepping the engine: for callers whose own loop steps it (the server's ``AsyncEngine``)."""
+        t0 = time.perf_counter()
+        prep, retrieve_s = self.prepare(question, top_k, mode, ratio)
+        rid, stats = self._fuse(prep, mode, params or SamplingParams(max_tokens=64))
+        return Started(rid, prep, stats, mode, t0, retrieve_s, time.perf_counter() - t0 - retrieve_s)
+
+    def result(self, started: Started, last: RequestOutput) -> AskResult:
+        """The report of a ``start``ed request once its last output is in."""
+        return self._result(started.prep, started.stats, last, started.mode, started.t0, started.ttft_s,
+                            started.retrieve_s)
 
     def _result(
         self, prep: Prepared, stats: FusionStats, last: RequestOutput, mode: str, t0: float, ttft: float,

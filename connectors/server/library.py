@@ -1,0 +1,103 @@
+"""Documents clients upload: written under the store's own ``uploads/`` directory, then ingested.
+
+The server never reads a path a request names: an upload is a file name (checked against a strict
+pattern, no directories) plus its bytes. Each stored file is known to clients by an opaque id (a
+hash of its stored path), so listings do not reveal the server's directory layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from ragfuse.documents import SUFFIXES
+from ragfuse.engine.errors import RequestError
+from ragfuse.ingest import Ingestor
+from ragfuse.rag_store import RagStore
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,126}")
+
+
+def document_id(path: str) -> str:
+    return hashlib.sha256(path.encode()).hexdigest()[:16]
+
+
+def check_name(name: str) -> str:
+    """A safe file name for an upload, or a ``RequestError`` saying what is wrong with it."""
+    if not NAME.fullmatch(name) or ".." in name:
+        raise RequestError(f"bad document name {name[:80]!r}: use letters, digits, '.', '_', '-' (no directories)")
+    suffix = Path(name).suffix.lower()
+    if suffix not in SUFFIXES:
+        raise RequestError(f"unsupported document type {suffix or '(none)'} of {name!r} "
+                           f"(one of {', '.join(sorted(SUFFIXES))})")
+    return name
+
+
+class DocumentLibrary:
+    """Not thread-safe: the caller runs every method on the thread that owns the engine and store."""
+
+    def __init__(self, store: RagStore, ingestor: Ingestor) -> None:
+        self.store, self.ingestor = store, ingestor
+        self.uploads = (store.root / "uploads").resolve()
+        self.uploads.mkdir(parents=True, exist_ok=True)
+
+    def add(self, files: list[tuple[str, bytes]]) -> dict[str, Any]:
+        """Store and ingest ``(name, content)`` pairs; an upload with the name of an earlier one
+        replaces it. Files the ingest skips (binary, empty...) are removed again and reported."""
+        if not files:
+            raise RequestError("no documents in the request")
+        names = [check_name(n) for n, _ in files]
+        if len(set(names)) != len(names):
+            raise RequestError("two documents in one request have the same name")
+        paths = [self._write(n, data) for n, data in files]
+        report = self.ingestor.ingest(paths)
+        for skipped in report.skipped:
+            Path(skipped.path).unlink(missing_ok=True)
+        wanted = {str(p) for p in paths}
+        return {
+            "object": "list",
+            "data": [self._info(p, n) for p, n in self.store.docs.files(str(self.uploads)) if p in wanted],
+            "skipped": [{"name": Path(s.path).name, "reason": s.reason} for s in report.skipped],
+            "ingest": {k: v for k, v in asdict(report).items() if isinstance(v, (int, float))},
+        }
+
+    def list(self) -> list[dict[str, Any]]:
+        return [self._info(path, n) for path, n in self.store.docs.files()]
+
+    def delete(self, doc_id: str) -> bool:
+        for path, _ in self.store.docs.files():
+            if document_id(path) == doc_id:
+                self.store.remove([path])
+                if Path(path).parent == self.uploads:
+                    Path(path).unlink(missing_ok=True)
+                return True
+        return False
+
+    def chunk_tokens(self, doc_ids: list[str]) -> list[list[int]]:
+        """Token ids of every chunk of the documents ``doc_ids`` (for a backend that stores their KV itself)."""
+        wanted = set(doc_ids)
+        ids = [i for path, _ in self.store.docs.files() if document_id(path) in wanted
+               for i in self.store.docs.chunk_ids(path)]
+        return [list(c.token_ids) for c in self.store.docs.chunks(ids).values()]
+
+    def _write(self, name: str, data: bytes) -> Path:
+        """Write atomically (temp file, then rename), so a failed upload never leaves half a file."""
+        target = self.uploads / name
+        fd, tmp = tempfile.mkstemp(dir=self.uploads, prefix=".upload-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return target
+
+    def _info(self, path: str, chunks: int) -> dict[str, Any]:
+        return {"id": document_id(path), "object": "document", "name": Path(path).name, "chunks": chunks,
+                "uploaded": Path(path).parent == self.uploads}

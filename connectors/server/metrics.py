@@ -1,0 +1,77 @@
+"""Prometheus metrics of one server: time to first token, token throughput, KV hits per tier, queue.
+
+Each app gets its own registry, so several servers (tests, benchmarks) can live in one process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from typing import TypeVar
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .backend import Delta
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
+T = TypeVar("T")
+
+
+class ServerMetrics:
+    def __init__(self, queue_depth: Callable[[], int], running: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("ragfuse_requests", "finished generation requests", ["endpoint", "outcome"],
+                                registry=r)
+        self.ttft = Histogram("ragfuse_time_to_first_token_seconds", "request arrival to first generated token",
+                              ["endpoint"], buckets=TTFT_BUCKETS, registry=r)
+        self.tokens = Counter("ragfuse_generated_tokens", "tokens generated (rate() gives tokens/s)", registry=r)
+        self.prompt_tokens = Counter("ragfuse_prompt_tokens", "prompt tokens processed", registry=r)
+        self.decode_rate = Histogram("ragfuse_decode_tokens_per_second", "one request's tokens/s after its first",
+                                     buckets=RATE_BUCKETS, registry=r)
+        self.kv_hits = Counter("ragfuse_kv_cache_hits", "RAG prompt pieces whose KV came from a tier", ["tier"],
+                               registry=r)
+        self.kv_misses = Counter("ragfuse_kv_cache_misses", "RAG prompt pieces whose KV had to be computed",
+                                 registry=r)
+        Gauge("ragfuse_queue_depth", "requests waiting for their first step", registry=r).set_function(queue_depth)
+        Gauge("ragfuse_running_requests", "requests being decoded", registry=r).set_function(running)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def record_kv(self, tiers: list[str]) -> None:
+        for tier in tiers:
+            if tier == "computed":
+                self.kv_misses.inc()
+            else:
+                self.kv_hits.labels(tier).inc()
+
+    async def metered(self, items: AsyncIterator[T], endpoint: str, t0: float) -> AsyncIterator[T]:
+        """Pass ``items`` through, timing the first token and counting tokens of its ``Delta`` items
+        (others, such as a RAG report, pass untouched); ``t0`` is the request's arrival."""
+        first: float | None = None
+        last: Delta | None = None
+        outcome = "cancelled"
+        try:
+            async with aclosing(items):
+                async for d in items:
+                    if isinstance(d, Delta):
+                        if first is None:
+                            first = time.perf_counter()
+                            self.ttft.labels(endpoint).observe(first - t0)
+                        last = d
+                    yield d
+            outcome = "ok"
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            self.requests.labels(endpoint, outcome).inc()
+            if last is not None:
+                self.tokens.inc(last.completion_tokens)
+                self.prompt_tokens.inc(last.prompt_tokens)
+                span = time.perf_counter() - (first or t0)
+                if last.completion_tokens > 1 and span > 0:
+                    self.decode_rate.observe((last.completion_tokens - 1) / span)

@@ -1,0 +1,44 @@
+"""What every route needs: the backend, the operator's settings, metrics and sessions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from .backend import Backend, Sampling
+from .errors import APIError
+from .metrics import ServerMetrics
+from .schemas import SamplingFields
+from .sessions import SessionStore
+from .settings import ServerSettings
+
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass
+class ServerState:
+    backend: Backend
+    settings: ServerSettings
+    metrics: ServerMetrics
+    sessions: SessionStore
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.backend.model_id:
+            raise APIError(404, f"the model {model!r} does not exist (this server serves {self.backend.model_id!r})",
+                           param="model", code="model_not_found")
+
+    def sampling(self, body: SamplingFields, max_tokens: int | None) -> Sampling:
+        """The backend's sampling settings, with the server's token limit applied."""
+        limit = self.settings.max_tokens
+        if max_tokens is not None and max_tokens > limit:
+            raise APIError(400, f"max_tokens must be at most {limit} on this server, got {max_tokens}",
+                           param="max_tokens")
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        return Sampling(max_tokens=max_tokens or min(DEFAULT_MAX_TOKENS, limit), temperature=body.temperature,
+                        top_p=body.top_p, seed=body.seed, stop=stop)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

@@ -1,0 +1,197 @@
+"""vLLM (with ragfuse's KV connector) as the server's backend: ``ragfuse serve --backend vllm``.
+
+vLLM's ``AsyncLLM`` batches every request continuously in its own engine process; closing a
+request's iterator aborts it there. RAG retrieves from the ragfuse store as the default backend
+does, then hands vLLM the prompt with each retrieved chunk marked, so the connector loads the KV
+that ``ragfuse ingest`` stored for it (same keys: the connector's store is the store's ``kv/``
+directory) at whatever position the chunk lands. The connector runs those chunks in its
+full-reuse mode (no selective recompute; see ``connectors/vllm/README.md``), which the answer's
+``fusion.mode`` says. Store work (retrieval, ingest) runs on one worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from ragfuse.connectors.vllm.backend import Prompt, PromptBuilder, engine_kwargs, import_vllm
+from ragfuse.connectors.vllm.settings import ConnectorSettings
+from ragfuse.engine.checkpoint import resolve
+from ragfuse.engine.errors import RequestError
+
+from .backend import ChatPrompt, Delta, RagAnswer, RagOptions, Sampling, TextPrompt
+from .engine_backend import ensure_store
+from .library import DocumentLibrary
+
+T = TypeVar("T")
+CONNECTOR_TIER = "vllm-connector"  # the tier name metrics report for chunk KV the connector loaded
+
+
+@dataclass(frozen=True)
+class _Tokenizing:
+    """What ``Ingestor`` needs of an engine when vLLM (not ragfuse's engine) computes the chunks' KV:
+    the tokenizer to chunk with, and the identity that chunk keys are made of."""
+
+    tokenizer: Any
+    fingerprint: str
+    dtype: torch.dtype
+
+
+class VLLMServeBackend(PromptBuilder):
+    name = "vllm"
+
+    def __init__(self, llm: Any, settings: ConnectorSettings, store: Any, model_id: str) -> None:
+        from ragfuse.ingest import Ingestor
+        from ragfuse.retrieval import Retriever
+
+        self.llm, self.settings, self.store, self.model_id = llm, settings, store, model_id
+        self.tokenizer = llm.get_tokenizer()
+        self.retriever = Retriever(store)
+        tokenizing = _Tokenizing(self.tokenizer, settings.fingerprint, settings.kv_dtype)
+        # chunk KV is computed by vLLM after the ingest (``_store_chunks``), not by ragfuse's engine
+        ingestor = Ingestor(store, tokenizing, self.retriever.embedder, precompute_kv=False, progress=False)
+        self.library = DocumentLibrary(store, ingestor)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="ragfuse-store")
+        self._waiting: set[str] = set()
+        self._running: set[str] = set()
+
+    @classmethod
+    def open(cls, store: str | None, model: str, max_model_len: int = 2048) -> VLLMServeBackend:
+        import_vllm()
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from ragfuse.rag_store import RagStore
+
+        root = ensure_store(store, model)
+        checkpoint = resolve(model)
+        settings = ConnectorSettings.for_model(checkpoint.path, root / "kv")
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(checkpoint.path, settings, max_model_len)))
+        return cls(llm, settings, RagStore.open_existing(root), model)
+
+    # ---------------------------------------------------------------- generation
+
+    async def generate(self, prompt: ChatPrompt | TextPrompt, sampling: Sampling,
+                       request_id: str) -> AsyncIterator[Delta]:
+        if isinstance(prompt, ChatPrompt):
+            ids = self.chat_prompt(prompt.messages).token_ids
+        else:
+            ids = self.encode(prompt.text) if isinstance(prompt.text, str) else list(prompt.text)
+        async for delta, _ in self._stream(Prompt(ids), sampling, None, request_id):
+            yield delta
+
+    async def _stream(self, prompt: Prompt, sampling: Sampling, transfer: dict[str, Any] | None,
+                      request_id: str) -> AsyncIterator[tuple[Delta, Any]]:
+        """Deltas of one vLLM request (and its raw output, for the connector's report)."""
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
+        from vllm.sampling_params import RequestOutputKind
+
+        if not prompt.token_ids:
+            raise RequestError("empty prompt")
+        try:
+            params = SamplingParams(
+                max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                seed=sampling.seed, stop=list(sampling.stop) or None, output_kind=RequestOutputKind.DELTA,
+                extra_args={"kv_transfer_params": {"ragfuse": transfer}} if transfer else None)
+        except (ValueError, VLLMClientError) as exc:
+            raise RequestError(str(exc)) from None
+        generated = 0
+        self._waiting.add(request_id)
+        try:
+            async for out in self.llm.generate({"prompt_token_ids": prompt.token_ids}, params, request_id):
+                self._waiting.discard(request_id)
+                self._running.add(request_id)
+                comp = out.outputs[0]
+                generated += len(comp.token_ids)
+                yield Delta(comp.text, out.finished, comp.finish_reason if out.finished else None,
+                            len(out.prompt_token_ids or prompt.token_ids), generated), out
+        except (ValueError, VLLMClientError) as exc:  # vLLM's input validation (prompt too long, bad ids)
+            raise RequestError(str(exc)) from None
+        finally:
+            self._waiting.discard(request_id)
+            self._running.discard(request_id)
+
+    # ---------------------------------------------------------------- RAG
+
+    async def rag(self, question: str, options: RagOptions, sampling: Sampling,
+                  request_id: str) -> AsyncIterator[Delta | RagAnswer]:
+        t0 = time.perf_counter()
+        hits = await self._on_worker(lambda: self.retriever.search(question, options.top_k))
+        if not hits:
+            raise RequestError("the store has no documents: upload some (POST /v1/documents) first")
+        chunks = await self._on_worker(lambda: self.store.docs.chunks([h.id for h in hits]))
+        prompt = self.chunked_prompt(question, [chunks[h.id].token_ids for h in hits])
+        retrieve_s = time.perf_counter() - t0
+        reuse = options.mode != "full"  # "full": exact prefill; the connector may still load a stored prefix
+        transfer = {"chunks": [list(c) for c in prompt.chunks]} if reuse else None
+        first: float | None = None
+        last: Delta | None = None
+        report: dict[str, Any] = {}
+        text = []
+        async for delta, out in self._stream(prompt, sampling, transfer, request_id):
+            first = first or time.perf_counter()
+            last = delta
+            text.append(delta.text)
+            if out.finished:
+                report = (out.kv_transfer_params or {}).get("ragfuse") or {}
+            yield delta
+        assert last is not None and first is not None
+        loaded = int(report.get("loaded_tokens", 0))
+        hit_chunks = int(report.get("chunk_hits_loaded", 0))
+        notes = [] if reuse else ["mode full: chunks prefilled in place (the connector may load a stored prefix)"]
+        if options.recompute_ratio is not None:
+            notes.append("the vLLM backend does not recompute reused chunks: recompute_ratio ignored")
+        yield RagAnswer({
+            "answer": "".join(text).strip(), "finish_reason": last.finish_reason,
+            "sources": [h.as_dict() for h in hits], "retrieve_s": retrieve_s, "ttft_s": first - t0 - retrieve_s,
+            "total_s": time.perf_counter() - t0, "load_s": None, "load_hidden": None, "recompute_s": None,
+            "mode": report.get("mode", "exact") if reuse else "full", "recompute_ratio": 0.0,
+            "prompt_tokens": len(prompt.token_ids), "reused_tokens": loaded,
+            "recomputed_tokens": len(prompt.token_ids) - loaded, "tiers": [CONNECTOR_TIER] if loaded else [],
+            "decision": None, "notes": notes,
+        }, [CONNECTOR_TIER] * hit_chunks + ["computed"] * (len(prompt.chunks) - hit_chunks))
+
+    # ---------------------------------------------------------------- documents
+
+    async def add_documents(self, files: list[tuple[str, bytes]]) -> dict[str, Any]:
+        result = await self._on_worker(lambda: self.library.add(files))
+        ids = [d["id"] for d in result["data"]]
+        chunks = await self._on_worker(lambda: self.library.chunk_tokens(ids))
+        await asyncio.gather(*(self._store_chunk(c) for c in chunks))
+        result["ingest"]["kv_computed"] = len(chunks)
+        return result
+
+    async def _store_chunk(self, token_ids: list[int]) -> None:
+        """Have vLLM compute one chunk's KV alone and the connector store it under the chunk key."""
+        sampling = Sampling(max_tokens=1, temperature=0.0)
+        async for _ in self._stream(Prompt(token_ids), sampling, {"store_as_chunk": True},
+                                    f"store-{uuid.uuid4().hex}"):
+            pass
+
+    async def list_documents(self) -> list[dict[str, Any]]:
+        return await self._on_worker(self.library.list)
+
+    async def delete_document(self, doc_id: str) -> bool:
+        return await self._on_worker(lambda: self.library.delete(doc_id))
+
+    async def _on_worker(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn)
+
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    def running(self) -> int:
+        return len(self._running)
+
+    def close(self) -> None:
+        self.llm.shutdown()
+        self._worker.shutdown(wait=True)
+        self.store.close()

@@ -1,0 +1,217 @@
+"""``ragfuse bench server``: a bounded load test of ``ragfuse serve``.
+
+Starts the server in its own process (``ragfuse serve`` on a free loopback port, an empty store in
+a temporary directory unless ``--store``), then ``--clients`` concurrent clients each stream chat
+completions back to back for ``--seconds``. Reported: errors, requests/s, time to first token
+(p50/p95, as the client sees it), generated tokens/s, and the server's resident memory at the start
+and end of the load with its trend over the run (flat memory: no leak per request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from .report import machine_info, write_report
+
+TOPICS = ["rivers", "volcanoes", "bread", "bicycles", "owls", "glass", "tides", "chess", "copper", "maps",
+          "tea", "clocks", "bees", "comets", "salt", "violins"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("server", help="load test of `ragfuse serve`: N streaming clients for T seconds")
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    p.add_argument("--store", help="store to serve (default: an empty one in a temporary directory)")
+    p.add_argument("--out", default="bench-results/server")
+    p.set_defaults(func=run)
+
+
+@dataclass
+class Load:
+    ttft: list[float] = field(default_factory=list)
+    done_at: list[float] = field(default_factory=list)
+    tokens: int = 0
+    errors: list[str] = field(default_factory=list)
+    rss: list[tuple[float, float]] = field(default_factory=list)  # (seconds into the load, MiB)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ragfuse.engine.errors import RagfuseError
+
+    if args.clients < 1 or args.seconds <= 0 or args.max_tokens < 1:
+        raise RagfuseError("--clients, --seconds and --max-tokens must be positive")
+    key = secrets.token_hex(16)
+    with tempfile.TemporaryDirectory(prefix="ragfuse-bench-server-") as tmp:
+        port = _free_port()
+        cmd = [sys.executable, "-m", "ragfuse.cli", "serve", "--store", args.store or str(Path(tmp) / "store"),
+               "--model", args.model, "--device", args.device, "--port", str(port), "--no-gate",
+               "--max-tokens", str(args.max_tokens), "--log-level", "warning"]
+        log = open(Path(tmp) / "server.log", "w")  # noqa: SIM115 (closed below, after the server)
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ,
+                                                                                   "RAGFUSE_API_KEY": key})
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_ready(url, server, Path(tmp) / "server.log")
+            load = asyncio.run(_drive(url, key, server.pid, args))
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+            log.close()
+    return _report(args, load)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(url: str, server: subprocess.Popen, log: Path, timeout: float = 300.0) -> None:
+    import httpx
+
+    from ragfuse.engine.errors import RagfuseError
+
+    print("starting ragfuse serve (model load, store) ...", file=sys.stderr)
+    deadline = time.monotonic() + timeout
+    while True:
+        if server.poll() is not None:
+            raise RagfuseError(f"ragfuse serve exited with {server.returncode}: {log.read_text()[-500:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RagfuseError(f"ragfuse serve did not answer /health within {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+async def _drive(url: str, key: str, pid: int, args: argparse.Namespace) -> Load:
+    import httpx
+    import psutil
+
+    proc = psutil.Process(pid)
+    load = Load()
+    limits = httpx.Limits(max_connections=args.clients + 4)
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=300,
+                                 limits=limits) as http:
+        await _one(http, 0, args, load, time.perf_counter())  # warm-up (not counted)
+        load.ttft.clear()
+        load.done_at.clear()
+        load.tokens = 0
+        t0 = time.perf_counter()
+        end = t0 + args.seconds
+        load.rss.append((0.0, proc.memory_info().rss / 2**20))
+
+        async def client(i: int) -> None:
+            n = 0
+            while time.perf_counter() < end:
+                await _one(http, i * 1000 + n, args, load, t0)
+                n += 1
+
+        async def sample(bar: tqdm) -> None:
+            while time.perf_counter() < end:
+                await asyncio.sleep(1.0)
+                load.rss.append((time.perf_counter() - t0, proc.memory_info().rss / 2**20))
+                bar.n = min(int(time.perf_counter() - t0), int(args.seconds))
+                bar.set_postfix(requests=len(load.done_at), errors=len(load.errors), refresh=False)
+                bar.refresh()
+
+        with tqdm(total=int(args.seconds), desc=f"bench server ({args.clients} clients)", unit="s") as bar:
+            await asyncio.gather(sample(bar), *(client(i) for i in range(args.clients)))
+        load.rss.append((time.perf_counter() - t0, proc.memory_info().rss / 2**20))
+    return load
+
+
+async def _one(http: Any, n: int, args: argparse.Namespace, load: Load, t0: float) -> None:
+    """One streaming chat completion; its TTFT (first content chunk) and tokens go into ``load``."""
+    body = {"model": args.model, "stream": True, "max_tokens": args.max_tokens, "temperature": 0.7, "seed": n,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": f"Tell me something about {TOPICS[n % len(TOPICS)]}."}]}
+    start = time.perf_counter()
+    first: float | None = None
+    try:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                load.errors.append(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    load.errors.append(event["error"]["message"])
+                    return
+                if first is None and event["choices"] and event["choices"][0]["delta"].get("content"):
+                    first = time.perf_counter()
+                if event.get("usage"):
+                    load.tokens += event["usage"]["completion_tokens"]
+    except Exception as exc:  # a refused or broken connection is an error of the server under test
+        load.errors.append(f"{type(exc).__name__}: {exc}")
+        return
+    load.ttft.append((first or time.perf_counter()) - start)
+    load.done_at.append(time.perf_counter() - t0)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1] if len(xs) > 1 else (xs or [0.0])[0]
+
+
+def _report(args: argparse.Namespace, load: Load) -> int:
+    n = len(load.done_at)
+    elapsed = load.rss[-1][0]  # the load's length, with the requests in flight at its end let finish
+    rss0, rss1 = load.rss[0][1], load.rss[-1][1]
+    half = [m for t, m in load.rss if t >= args.seconds / 2]
+    row = {
+        "clients": args.clients, "seconds": round(elapsed, 1), "max_tokens": args.max_tokens, "requests": n,
+        "errors": len(load.errors), "requests_per_s": n / elapsed, "tokens_per_s": load.tokens / elapsed,
+        "ttft_p50_s": _pct(load.ttft, 50), "ttft_p95_s": _pct(load.ttft, 95),
+        "rss_start_mib": rss0, "rss_end_mib": rss1, "rss_max_mib": max(m for _, m in load.rss),
+        "rss_growth_second_half_mib": (half[-1] - half[0]) if len(half) > 1 else 0.0,
+    }
+    notes = (f"{args.clients} concurrent streaming clients for {args.seconds:.0f} s against `ragfuse serve` "
+             f"({args.model}, {args.device}), {args.max_tokens} tokens per answer, temperature 0.7. TTFT is "
+             "what a client sees (request sent to first content chunk), queueing included. RSS is the server "
+             "process's, sampled every second after a warm-up request.")
+    if load.errors:
+        notes += f"\n\nFirst errors: {load.errors[:3]}"
+    results = {"machine": machine_info(args.device), "ttft_s": load.ttft, "rss_mib": load.rss,
+               "errors_seen": load.errors[:20]}
+    path = write_report(args.out, "ragfuse bench server", results, [row], lambda fig: _plot(fig, load, args), notes)
+    print(f"{n} requests, {len(load.errors)} errors, {row['requests_per_s']:.2f} req/s, "
+          f"{row['tokens_per_s']:.1f} tok/s, TTFT p50 {row['ttft_p50_s']:.2f} s p95 {row['ttft_p95_s']:.2f} s, "
+          f"RSS {rss0:.0f} -> {rss1:.0f} MiB -> {path}")
+    return 0
+
+
+def _plot(fig: Any, load: Load, args: argparse.Namespace) -> None:
+    ax1, ax2 = fig.subplots(1, 2)
+    ts, mib = zip(*load.rss)
+    ax1.plot(ts, mib, marker=".")
+    ax1.set(xlabel="seconds into the load", ylabel="server RSS (MiB)", title="memory under load")
+    ax1.set_ylim(0, max(mib) * 1.2)
+    done = sorted(load.done_at)
+    ax2.plot(done, range(1, len(done) + 1))
+    ax2.set(xlabel="seconds into the load", ylabel="requests completed",
+            title=f"{args.clients} streaming clients, {len(load.errors)} errors")

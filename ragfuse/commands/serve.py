@@ -1,0 +1,69 @@
+"""``ragfuse serve``: the OpenAI-compatible HTTP server with RAG (``ragfuse.connectors.server``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ragfuse.commands.generate import add_model_args, positive_int
+from ragfuse.commands.ingest import add_store_arg
+
+LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible API with RAG over a store's fused KV")
+    add_store_arg(p)
+    add_model_args(p)
+    p.add_argument("--backend", choices=["ragfuse", "vllm"], default="ragfuse",
+                   help="ragfuse's own engine, or vLLM with ragfuse's KV connector (needs vllm installed)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("RAGFUSE_API_KEY"),
+                   help="key every route but /health needs (default: $RAGFUSE_API_KEY; none: open)")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="allow browser calls from this origin (repeatable; default: none)")
+    p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body, uploads included")
+    p.add_argument("--max-tokens", type=positive_int, default=1024, help="most tokens one request may generate")
+    p.add_argument("--no-gate", action="store_true",
+                   help="skip the accuracy gate's r* calibration (recompute ratio: the policy's default)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ragfuse.connectors.server import ServerSettings, create_app
+
+    if not 0 < args.port < 65536:
+        raise SystemExit(_usage(f"--port must be in 1..65535, got {args.port}"))
+    if args.max_body_mb <= 0:
+        raise SystemExit(_usage("--max-body-mb must be positive"))
+    if args.api_key is not None and not args.api_key.strip():
+        raise SystemExit(_usage("--api-key is empty"))
+    if args.host not in LOOPBACK and not args.api_key:
+        sys.stderr.write(f"ragfuse: warning: serving on {args.host} without an API key: anyone who can reach "
+                         "the port can use it\n")
+    settings = ServerSettings(api_key=args.api_key, cors_origins=tuple(args.cors_origin),
+                              max_body_bytes=int(args.max_body_mb * 2**20), max_tokens=args.max_tokens)
+    app = create_app(build_backend(args), settings)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+def build_backend(args: argparse.Namespace):  # noqa: ANN201 (a Backend; its module imports the server stack)
+    if args.backend == "vllm":
+        from ragfuse.connectors.server.vllm_backend import VLLMServeBackend
+
+        return VLLMServeBackend.open(args.store, args.model)
+    from ragfuse.connectors.server.engine_backend import EngineBackend, open_store_pipeline
+
+    pipeline = open_store_pipeline(args.store, args.model, args.device, args.dtype, gate=not args.no_gate)
+    return EngineBackend(pipeline, args.model)
+
+
+def _usage(msg: str) -> int:
+    sys.stderr.write(f"ragfuse: error: {msg}\n")
+    return 2

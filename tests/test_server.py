@@ -1,0 +1,331 @@
+"""``ragfuse serve``'s API, through the official ``openai`` client and plain HTTP, against a live
+uvicorn server on loopback over the default model on CPU (one engine loop for every request)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+
+from tests.server_helpers import DEMO, KEY, MODEL, LiveServer
+
+pytestmark = pytest.mark.slow
+CHAT = [{"role": "user", "content": "Name three colours."}]
+QUESTION = "When was the Hollowpoint lighthouse electrified?"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, llm):
+    from ragfuse.connectors.server import ServerSettings, create_app
+    from ragfuse.connectors.server.engine_backend import EngineBackend, open_store_pipeline
+    from ragfuse.engine import SamplingParams
+
+    expected = llm.chat(CHAT, SamplingParams(max_tokens=12)).text  # before the server's loop owns the engine
+    pipeline = open_store_pipeline(str(tmp_path_factory.mktemp("store")), MODEL, engine=llm.engine, gate=False)
+    backend = EngineBackend(pipeline, MODEL)
+    app = create_app(backend, ServerSettings(api_key=KEY, max_body_bytes=1 << 20, max_tokens=64))
+    with LiveServer(app) as srv:
+        files = [("files", (p.name, p.read_bytes())) for p in sorted(DEMO.iterdir())]
+        r = httpx.post(f"{srv.url}/v1/documents", files=files, headers=AUTH, timeout=300)
+        assert r.status_code == 200, r.text
+        assert {d["name"] for d in r.json()["data"]} == {p.name for p in DEMO.iterdir()}
+        yield SimpleNamespace(url=srv.url, backend=backend, expected=expected, engine=llm.engine)
+
+
+@pytest.fixture
+def client(served):
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def metric(served, name: str, **labels: str) -> float:
+    text = httpx.get(f"{served.url}/metrics", headers=AUTH).text
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head == (f"{name}{{{want}}}" if labels else name):
+            return float(value)
+    return 0.0
+
+
+def wait_idle(served, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while served.backend.running() or served.backend.queue_depth():
+        assert time.monotonic() < deadline, "the engine still runs a request nobody listens to"
+        time.sleep(0.05)
+
+
+# ---- the OpenAI API ---------------------------------------------------------------------------
+
+
+def test_models_and_health(served, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    health = httpx.get(f"{served.url}/health")  # the one route without the key
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def test_chat_matches_the_engine_streaming_or_not(served, client):
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
+    assert full.choices[0].message.content == served.expected
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 12 and full.usage.prompt_tokens > 5
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 12
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == served.expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_completions_stop_seed_and_stream(client):
+    base = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=16, temperature=0)
+    text = base.choices[0].text
+    assert len(text) > 4 and base.usage.completion_tokens >= 1
+    cut = text.strip()[2:4]
+    stopped = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=16,
+                                        temperature=0, stop=[cut])
+    assert stopped.choices[0].finish_reason == "stop" and cut not in stopped.choices[0].text
+    assert text.startswith(stopped.choices[0].text)
+    streamed = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=16,
+                                         temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == text
+    tiny = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=16,
+                                     temperature=3.7e-160)  # found by the fuzzer: once a NaN in the sampler
+    assert tiny.choices[0].text == text
+    sampled = [client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0,
+                                         top_p=0.9, seed=7).choices[0].text for _ in range(2)]
+    assert sampled[0] == sampled[1]
+
+
+def test_concurrent_streams_share_one_engine_loop(served):
+    async def one(c: openai.AsyncOpenAI, i: int) -> str:
+        stream = await c.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, stream=True,
+                                                 messages=[{"role": "user", "content": f"Count to {i + 3}."}])
+        return "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+
+    async def main() -> list[str]:
+        c = openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        return await asyncio.gather(*(one(c, i) for i in range(6)))
+
+    seen_batched = []
+    stop = False
+
+    async def watch() -> None:
+        while not stop:
+            seen_batched.append(served.backend.running())
+            await asyncio.sleep(0.01)
+
+    async def both() -> list[str]:
+        nonlocal stop
+        w = asyncio.ensure_future(watch())
+        try:
+            return await main()
+        finally:
+            stop = True
+            await w
+
+    answers = asyncio.run(both())
+    assert all(answers) and len(answers) == 6
+    assert max(seen_batched) > 1  # requests decoded together, not one after another
+
+
+def test_client_disconnect_cancels_its_request(served):
+    before = metric(served, "ragfuse_requests_total", endpoint="chat", outcome="cancelled")
+    body = {"model": MODEL, "max_tokens": 64, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": "Write a long story about a dragon."}]}
+    with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=body, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # the first event arrived: the request runs; now hang up
+    wait_idle(served)
+    assert metric(served, "ragfuse_requests_total", endpoint="chat", outcome="cancelled") == before + 1
+    assert served.engine.blocks.num_free == served.engine.blocks.num_blocks
+
+
+def test_client_disconnect_cancels_a_non_streaming_request(served):
+    before = metric(served, "ragfuse_requests_total", endpoint="completions", outcome="cancelled")
+    body = {"model": MODEL, "max_tokens": 64, "temperature": 0, "prompt": "Once upon a time, in a long story,"}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up while the answer is generated
+        httpx.post(f"{served.url}/v1/completions", json=body, headers=AUTH, timeout=httpx.Timeout(10, read=0.3))
+    wait_idle(served)
+    assert metric(served, "ragfuse_requests_total", endpoint="completions", outcome="cancelled") == before + 1
+
+
+# ---- security and malformed requests -----------------------------------------------------------
+
+
+def test_api_key_is_required_everywhere_but_health(served):
+    for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/openapi.json"),
+                         ("POST", "/v1/chat/completions"), ("GET", "/v1/documents"), ("GET", "/v1/sessions"),
+                         ("POST", "/v1/rag/query"), ("DELETE", "/v1/documents/x")]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = httpx.request(method, served.url + path, headers=headers, json={})
+            assert r.status_code == 401, (method, path, headers)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+    bad = openai.OpenAI(base_url=f"{served.url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": MODEL}, 400, "messages"),
+    ({"model": MODEL, "messages": []}, 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+    ({"model": MODEL, "messages": CHAT, "temperature": 5}, 400, "temperature"),
+    ({"model": MODEL, "messages": CHAT, "max_tokens": 100000}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": CHAT, "n": 3}, 400, "n"),
+    ({"model": MODEL, "messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"model": "gpt-4", "messages": CHAT}, 404, "model"),
+])
+def test_malformed_chat_requests_get_openai_errors(served, body, status, param):
+    r = httpx.post(f"{served.url}/v1/chat/completions", json=body, headers=AUTH)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] is not None and err["param"].startswith(param) and err["message"]
+    assert err["type"] in ("invalid_request_error", "not_found_error")
+    assert "Traceback" not in r.text
+
+
+def test_limits_and_bad_bodies(served, client):
+    post = lambda path, **kw: httpx.post(served.url + path, headers={**AUTH, **kw.pop("headers", {})}, **kw)
+    r = post("/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = post("/v1/completions", json={"model": MODEL, "prompt": "x" * (2 << 20)})
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+    too_long = [1] * (served.engine.max_model_len + 10)
+    with pytest.raises(openai.BadRequestError, match="exceeds the context"):
+        client.completions.create(model=MODEL, prompt=too_long, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="exceeds the context"):  # also before a stream starts
+        client.completions.create(model=MODEL, prompt=too_long, max_tokens=4, stream=True)
+    r = post("/v1/completions", json={"model": MODEL, "prompt": [10**9]})
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+
+
+def test_cors_is_closed_by_default(served):
+    pre = {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}
+    r = httpx.options(f"{served.url}/v1/chat/completions", headers=pre)
+    assert "access-control-allow-origin" not in r.headers
+    r = httpx.get(f"{served.url}/health", headers={"Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
+
+
+def test_cors_opens_to_the_origins_given(served):
+    from fastapi.testclient import TestClient
+
+    from ragfuse.connectors.server import ServerSettings, create_app
+
+    app = create_app(served.backend, ServerSettings(cors_origins=("https://app.example",)), close_backend=False)
+    with TestClient(app) as tc:
+        ok = tc.options("/v1/models", headers={"Origin": "https://app.example", "Access-Control-Request-Method": "GET"})
+        assert ok.headers["access-control-allow-origin"] == "https://app.example"
+        other = tc.get("/health", headers={"Origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
+
+
+# ---- RAG, documents, sessions, metrics ---------------------------------------------------------
+
+
+def test_rag_query_answers_from_fused_kv_with_sources_and_timing(served):
+    body = {"question": QUESTION, "top_k": 2, "max_tokens": 24}
+    r = httpx.post(f"{served.url}/v1/rag/query", json=body, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    ans = r.json()
+    assert "lighthouses.md" in ans["sources"][0]["source"] and len(ans["sources"]) == 2
+    assert ans["fusion"]["mode"] == "fuse" and ans["fusion"]["reused_tokens"] > 0
+    assert set(ans["kv_tiers"]) <= {"cpu", "disk", "computed"} and len(ans["kv_tiers"]) == 3  # prefix + 2 chunks
+    for key in ("retrieve_s", "ttft_s", "total_s", "load_s", "recompute_s", "server_ttft_s"):
+        assert ans["timing"][key] >= 0
+    assert ans["timing"]["total_s"] >= ans["timing"]["ttft_s"]
+    assert ans["usage"]["completion_tokens"] >= 1
+    events = []
+    with httpx.stream("POST", f"{served.url}/v1/rag/query", json={**body, "stream": True}, headers=AUTH,
+                      timeout=120) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    final = json.loads(events[-2])
+    assert final["object"] == "rag.answer" and final["answer"] == ans["answer"]  # greedy both times
+    text = "".join(json.loads(e)["delta"] for e in events[:-2])
+    assert text.strip() == final["answer"]
+    assert metric(served, "ragfuse_kv_cache_hits_total", tier="cpu") + metric(
+        served, "ragfuse_kv_cache_hits_total", tier="disk") >= 3
+
+
+def test_rag_query_rejects_bad_options(served):
+    for body, param in [({"question": ""}, "question"), ({"question": "q", "top_k": 500}, "top_k"),
+                        ({"question": "q", "mode": "magic"}, "mode"),
+                        ({"question": "q", "recompute_ratio": 2}, "recompute_ratio")]:
+        r = httpx.post(f"{served.url}/v1/rag/query", json=body, headers=AUTH)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_documents_upload_list_delete(served):
+    url = f"{served.url}/v1/documents"
+    text = "The Zephyr ferry to Isle Marrow leaves every day at 7:40 from pier nine."
+    r = httpx.post(url, json={"documents": [{"name": "ferry.md", "text": text}]}, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    (doc,) = r.json()["data"]
+    assert doc["name"] == "ferry.md" and doc["chunks"] == 1 and doc["uploaded"]
+    listed = httpx.get(url, headers=AUTH).json()["data"]
+    assert doc["id"] in {d["id"] for d in listed} and len(listed) == 4
+    assert all("/" not in d["name"] for d in listed)  # no server paths in listings
+    ans = httpx.post(f"{served.url}/v1/rag/query", json={"question": "When does the Zephyr ferry leave?",
+                                                          "top_k": 1, "max_tokens": 4}, headers=AUTH, timeout=120)
+    assert ans.json()["sources"][0]["text"] == text
+    binary = httpx.post(url, files=[("files", ("blob.txt", b"\x00\x01\x02"))], headers=AUTH, timeout=60)
+    assert binary.status_code == 200 and binary.json()["skipped"][0]["name"] == "blob.txt"
+    assert httpx.delete(f"{url}/{doc['id']}", headers=AUTH).json()["deleted"] is True
+    assert httpx.delete(f"{url}/{doc['id']}", headers=AUTH).status_code == 404
+    assert doc["id"] not in {d["id"] for d in httpx.get(url, headers=AUTH).json()["data"]}
+
+
+@pytest.mark.parametrize("name", ["../escape.txt", "/etc/passwd", "a/b.txt", "notes.exe", "", ".hidden.txt"])
+def test_documents_are_only_uploaded_content(served, name):
+    r = httpx.post(f"{served.url}/v1/documents", json={"documents": [{"name": name, "text": "x"}]}, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{served.url}/v1/documents", content=b"/etc/passwd", headers={**AUTH, "Content-Type": "text/plain"})
+    assert r.status_code == 415
+
+
+def test_sessions_list_and_delete(served, client):
+    client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, extra_body={"session_id": "s-1"})
+    client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, extra_body={"session_id": "s-1"})
+    sessions = httpx.get(f"{served.url}/v1/sessions", headers=AUTH).json()["data"]
+    assert [(s["id"], s["turns"]) for s in sessions if s["id"] == "s-1"] == [("s-1", 2)]
+    assert httpx.delete(f"{served.url}/v1/sessions/s-1", headers=AUTH).json()["deleted"] is True
+    assert httpx.delete(f"{served.url}/v1/sessions/s-1", headers=AUTH).status_code == 404
+
+
+def test_metrics_report_ttft_tokens_and_queue(served, client):
+    client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0)
+    assert metric(served, "ragfuse_time_to_first_token_seconds_count", endpoint="chat") >= 1
+    assert metric(served, "ragfuse_generated_tokens_total") >= 4
+    text = httpx.get(f"{served.url}/metrics", headers=AUTH).text
+    assert "ragfuse_queue_depth 0.0" in text and "ragfuse_decode_tokens_per_second_bucket" in text
+
+
+def test_serve_command_refuses_bad_arguments():
+    r = subprocess.run([sys.executable, "-m", "ragfuse.cli", "serve", "--port", "0"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("ragfuse: error: --port")
+    r = subprocess.run([sys.executable, "-m", "ragfuse.cli", "serve", "--backend", "tgi"], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_serve_vllm_backend_without_vllm_says_how_to_install(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "ragfuse.cli", "serve", "--backend", "vllm", "--store",
+                        str(tmp_path / "store")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "scripts/test_vllm.sh" in r.stderr and "Traceback" not in r.stderr

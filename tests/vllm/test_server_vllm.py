@@ -1,0 +1,93 @@
+"""``ragfuse serve --backend vllm``: the same API with vLLM and ragfuse's connector as the engine,
+started as a real server process and queried with the official ``openai`` client (vLLM venv only)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("faiss")  # the RAG routes need ragfuse's [rag] extra in this venv too
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+MODEL = "smollm2-135m-instruct"
+KEY = "vllm-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+DOC = ("The Zephyr ferry to Isle Marrow leaves every morning at 7:40 from pier nine and returns at dusk. "
+       "Tickets are sold on board; bicycles travel free. ") * 3
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp / "server.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ragfuse.cli", "serve", "--backend", "vllm", "--store", str(tmp / "store"),
+         "--port", str(port), "--api-key", KEY, "--max-tokens", "32", "--log-level", "warning"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 420
+        while True:
+            assert proc.poll() is None, (tmp / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the vLLM server did not start"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def test_openai_client_streaming_and_not(server):
+    assert httpx.get(f"{server}/health").json()["backend"] == "vllm"
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=300)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    messages = [{"role": "user", "content": "Name three colours."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert full.choices[0].message.content and full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 8 and full.usage.prompt_tokens > 5
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                              stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
+        full.choices[0].message.content
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=[1] * 5000, max_tokens=4)  # longer than the context
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_rag_query_loads_uploaded_chunks_through_the_connector(server):
+    r = httpx.post(f"{server}/v1/documents", json={"documents": [{"name": "ferry.md", "text": DOC}]},
+                   headers=AUTH, timeout=300)
+    assert r.status_code == 200, r.text
+    assert r.json()["ingest"]["kv_computed"] == 1  # vLLM computed the chunk's KV, the connector stored it
+    body = {"question": "When does the Zephyr ferry leave?", "top_k": 1, "max_tokens": 8, "temperature": 0}
+    # the first query stores the prompt's header (the chunk cannot load before its prefix is stored);
+    # the second loads header and chunk: the stored chunk is used in the middle of the prompt
+    _, ans = (httpx.post(f"{server}/v1/rag/query", json=body, headers=AUTH, timeout=300).json()
+                  for _ in range(2))
+    assert ans["sources"][0]["text"].startswith("The Zephyr ferry")
+    assert ans["kv_tiers"] == ["vllm-connector"] and ans["fusion"]["reused_tokens"] > 100
+    assert ans["fusion"]["mode"] == "full-reuse" and ans["answer"]
+    full = httpx.post(f"{server}/v1/rag/query", json={**body, "mode": "full"}, headers=AUTH, timeout=300).json()
+    assert full["fusion"]["mode"] == "full" and full["kv_tiers"] == ["computed"]
