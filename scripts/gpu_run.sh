@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks on a CUDA machine (the image's python3: torch, triton, transformers).
-# Usage: bash scripts/gpu_run.sh PART [OUT]   PART: tests | engine | store | fusion | all | relay
+# Usage: bash scripts/gpu_run.sh PART [OUT]   PART: tests | engine | store | fusion | all | relay | tree | sessions
 # Results land in OUT (default $OUT, else gpu-results): one folder per benchmark, plus logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,8 +13,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 run() { echo "== $*"; "$@" 2>&1 | grep -v "it/s]" ; }
 case "$part" in
   tests|all)
-    run timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_kernels_dispatch.py \
-      tests/test_cuda_graphs.py tests/test_fusion_gpu.py | tee "$out/gpu-tests.log" | tail -15 ;;&
+    # every GPU test whose module imports on the GPU machine (no langchain/fastapi/gguf there)
+    run timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_kernels_dispatch.py \
+      tests/test_cuda_graphs.py tests/test_fusion_gpu.py tests/test_relay.py tests/test_relay_engine.py \
+      tests/test_two_phase.py tests/test_sessions_gpu.py | tee "$out/gpu-tests.log" | tail -15 ;;&
   engine|all)
     run python3 -m ragfuse.cli bench engine --device cuda --shape mistral-7b --out "$out/engine" | tail -12 ;;&
   store|all)
@@ -24,6 +26,10 @@ case "$part" in
       tests/test_cuda_graphs.py tests/test_kernels.py -k "relay or system or graph or decode or merge or layer" \
       | tee "$out/gpu-tests.log" | tail -15
     run python3 -m ragfuse.cli bench relay --device cuda --out "$out/relay" | tail -40 ;;
+  tree)  # two-phase decode vs our paged kernel over a shared prefix, and the engine with the tree on/off
+    run python3 -m ragfuse.cli bench tree --device cuda --e2e --out "$out/tree" | tail -40 ;;
+  sessions)
+    run python3 -m ragfuse.cli bench sessions --device cuda --parts ttft --out "$out/sessions" | tail -30 ;;
   fusion|all)
     run python3 -m ragfuse.cli bench fusion --device cuda --shape mistral-7b --shape "${FUSION_BIG_SHAPE:-yi-34b}" \
       --out "$out/fusion" | tail -30 ;;
