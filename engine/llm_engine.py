@@ -162,16 +162,11 @@ class LLMEngine:
                 shared = self.blocks.share(sp.block_table[:full])
                 head = sp.token_ids
                 system = None
-        total = offset + len(head) + len(ids)
-        if total + params.max_tokens > self.max_model_len:
-            if total >= self.max_model_len:
-                self.blocks.release(shared)
-                raise RequestError(f"prompt of {total} tokens exceeds the context of {self.max_model_len}")
-            params = SamplingParams(**{**params.__dict__, "max_tokens": self.max_model_len - total})
-        rid = request_id or f"req-{next(self._ids)}"
-        if rid in self._seqs:
+        try:
+            params, rid = self._admit(offset + len(head) + len(ids), params, request_id)
+        except RequestError:
             self.blocks.release(shared)
-            raise RequestError(f"request id {rid!r} is already in use")
+            raise
         seq = Sequence(rid, head + ids, params, block_table=shared, system=system, position_offset=offset,
                        num_computed_tokens=len(shared) * self.blocks.block_size)
         try:
@@ -183,6 +178,20 @@ class LLMEngine:
         if self.tokenizer is not None:
             self._detok[rid] = IncrementalDetokenizer(self.tokenizer, params.stop)
         return rid
+
+    def _admit(
+        self, prompt_tokens: int, params: SamplingParams, request_id: str | None
+    ) -> tuple[SamplingParams, str]:
+        """Check a new request against the context and the live ids: ``max_tokens`` is cut to what
+        the context leaves; a prompt that fills it, or an id in use, is refused."""
+        if prompt_tokens >= self.max_model_len:
+            raise RequestError(f"prompt of {prompt_tokens} tokens exceeds the context of {self.max_model_len}")
+        if prompt_tokens + params.max_tokens > self.max_model_len:
+            params = SamplingParams(**{**params.__dict__, "max_tokens": self.max_model_len - prompt_tokens})
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._seqs:
+            raise RequestError(f"request id {rid!r} is already in use")
+        return params, rid
 
     # ---- system prompts (relay attention) ------------------------------------------------------
 
@@ -320,13 +329,7 @@ class LLMEngine:
         """
         params = params or SamplingParams()
         ids = self.tokenize([t for seg in segments for t in seg.token_ids])
-        if len(ids) >= self.max_model_len:
-            raise RequestError(f"prompt of {len(ids)} tokens exceeds the context of {self.max_model_len}")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            params = SamplingParams(**{**params.__dict__, "max_tokens": self.max_model_len - len(ids)})
-        rid = request_id or f"req-{next(self._ids)}"
-        if rid in self._seqs:
-            raise RequestError(f"request id {rid!r} is already in use")
+        params, rid = self._admit(len(ids), params, request_id)
         policy = policy or SelectionPolicy()
         return self._add_prefilled(
             ids, params, rid, lambda table: self.runner.fused_prefill(table, segments, mode, policy)
@@ -425,13 +428,7 @@ class LLMEngine:
         """A turn whose staged history is a cached prefix: written into the cache layer by layer
         (``HistoryWriter``) while only the new tokens run through the model."""
         ids = self.tokenize(turn.plan.token_ids)
-        if len(ids) >= self.max_model_len:
-            raise RequestError(f"prompt of {len(ids)} tokens exceeds the context of {self.max_model_len}")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            params = SamplingParams(**{**params.__dict__, "max_tokens": self.max_model_len - len(ids)})
-        rid = request_id or f"req-{next(self._ids)}"
-        if rid in self._seqs:
-            raise RequestError(f"request id {rid!r} is already in use")
+        params, rid = self._admit(len(ids), params, request_id)
         assert turn.source is not None and self.runner.kv_cache is not None
         n_hist = turn.reused
 
