@@ -21,6 +21,7 @@ COMMANDS = {
     "profile": "profile",
     "ask": "ask",
     "eval": "eval",
+    "demo": "demo",
 }
 
 

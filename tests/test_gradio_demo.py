@@ -1,0 +1,159 @@
+"""``ragfuse demo``: its backend on the shared engine, then the real page in Debian's chromium driven
+by Playwright (pick and upload documents, ingest, ask, wait for the answer, save a screenshot)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("gradio", reason="the demo needs ragfuse[demo]")
+
+from ragfuse.connectors.gradio_demo import DemoBackend, Turn  # noqa: E402
+from ragfuse.engine import RagfuseError, RequestError  # noqa: E402
+
+DEMO = Path(__file__).resolve().parents[1] / "demo" / "docs"
+QUESTION = "When was the Hollowpoint lighthouse electrified?"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory, engine):
+    from ragfuse.app import open_pipeline
+
+    root = tmp_path_factory.mktemp("demo-store")
+    backend = DemoBackend(str(root), docs_dir=DEMO,
+                          open_pipe=lambda r: open_pipeline(str(r), engine=engine, gate=False))
+    yield backend
+    backend.close()
+
+
+def test_backend_ingests_picked_and_uploaded_documents(backend, tmp_path):
+    with pytest.raises(RagfuseError, match="no documents"):
+        next(backend.ask(QUESTION))
+    assert backend.sample_docs() == ["bakery.txt", "lighthouses.md", "solar.md"]
+    with pytest.raises(RequestError, match="not a demo document"):
+        backend.ingest(["../secrets.txt"], [])
+    with pytest.raises(RequestError, match="at least one"):
+        backend.ingest([], [])
+    upload = tmp_path / "gradio-tmp" / "solar.md"  # an upload arrives under a temporary path
+    upload.parent.mkdir()
+    shutil.copyfile(DEMO / "solar.md", upload)
+    report = backend.ingest(["lighthouses.md"], [str(upload)])
+    assert len(report.new_files) == 2 and report.kv_computed >= 2
+    assert dict(backend.stored_files()).keys() == {"lighthouses.md", "solar.md"}
+    again = backend.ingest([], [str(upload)])  # the same upload again: kept in the store, unchanged
+    assert again.unchanged_files and not again.new_files
+
+
+def test_backend_streams_the_answer_then_compares_ttft(backend):
+    with pytest.raises(RequestError, match="empty"):
+        next(backend.ask("  "))
+    items = list(backend.ask(QUESTION, mode="fuse", top_k=2, max_tokens=24))
+    texts, turn = items[:-1], items[-1]
+    assert isinstance(turn, Turn) and all(isinstance(t, str) for t in texts)
+    assert len(texts) > 3 and all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # it grew token by token
+    assert turn.answer == texts[-1].strip()
+    assert Path(turn.sources[0]["source"]).name == "lighthouses.md"
+    assert turn.fused_ttft_s > 0 and turn.full_ttft_s > 0 and turn.reused_tokens > 0
+    assert set(turn.tiers) & {"cpu", "disk"}
+
+
+# ---- the page in a real browser -------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).exists():
+        pytest.skip("no chromium: scripts/setup.sh installs Debian's package with apt-get")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])  # root in a container
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def demo_url(tmp_path_factory):
+    """``ragfuse demo`` as a user starts it, on a new (empty) store, on loopback."""
+    tmp = tmp_path_factory.mktemp("demo-cli")
+    port = _free_port()
+    log = (tmp / "demo.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ragfuse.cli", "demo", "--store", str(tmp / "store"), "--host", "127.0.0.1",
+         "--port", str(port), "--docs", str(DEMO)],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"},
+    )
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.monotonic() + 600
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"ragfuse demo exited {proc.returncode}: {(tmp / 'demo.log').read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"ragfuse demo did not answer in 600 s: {(tmp / 'demo.log').read_text()[-2000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def test_demo_page_in_chromium(browser, demo_url, tmp_path, capsys):
+    from playwright.sync_api import expect
+
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(demo_url)
+    page.get_by_label("lighthouses.md").check()
+    page.locator("#upload input[type=file]").set_input_files(str(DEMO / "solar.md"))
+    page.locator("#ingest").click()
+    expect(page.locator("#ingest-status")).to_contain_text("2 new", timeout=600_000)
+    expect(page.locator("#stored")).to_contain_text("solar.md")
+
+    page.locator("#question textarea").fill(QUESTION)
+    page.locator("#ask").click()
+    seen: list[str] = []  # what the chat showed while the answer streamed in
+    deadline = time.monotonic() + 600
+    while "full prefill" not in page.locator("#ttft").inner_text():  # (it shows a timer while pending)
+        assert time.monotonic() < deadline, "no answer in 600 s"
+        text = page.locator("#chat").inner_text()
+        if not seen or seen[-1] != text:
+            seen.append(text)
+        time.sleep(0.1)
+    expect(page.locator("#sources")).to_contain_text("lighthouses.md")
+    expect(page.locator("#turns")).to_contain_text(QUESTION)
+    expect(page.locator("#chat")).to_contain_text(QUESTION)
+    answer = page.locator("#chat").inner_text().split(QUESTION, 1)[1].strip()  # the bot's message
+    assert answer and answer != "…"
+    expect(page.locator("#turns")).to_contain_text(answer.split()[0])
+    assert len({s for s in seen if QUESTION in s}) >= 3, seen  # the answer grew in place: it streamed
+    shot = tmp_path / "ragfuse-demo.png"
+    page.screenshot(path=str(shot), full_page=True)
+    with capsys.disabled():
+        print(f"\nscreenshot of the demo: {shot}")
+    assert shot.stat().st_size > 10_000
