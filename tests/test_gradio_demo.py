@@ -4,6 +4,7 @@ by Playwright (pick and upload documents, ingest, ask, wait for the answer, save
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -21,6 +22,8 @@ from ragfuse.engine import RagfuseError, RequestError  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[1] / "demo" / "docs"
 QUESTION = "When was the Hollowpoint lighthouse electrified?"
+SECOND = "How many panels does the Kessel Valley solar farm have?"
+WAIT_MS = 180_000  # for one ingest or answer on a shared CPU (they take seconds)
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 
@@ -60,10 +63,40 @@ def test_backend_streams_the_answer_then_compares_ttft(backend):
     texts, turn = items[:-1], items[-1]
     assert isinstance(turn, Turn) and all(isinstance(t, str) for t in texts)
     assert len(texts) > 3 and all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # it grew token by token
-    assert turn.answer == texts[-1].strip()
-    assert Path(turn.sources[0]["source"]).name == "lighthouses.md"
-    assert turn.fused_ttft_s > 0 and turn.full_ttft_s > 0 and turn.reused_tokens > 0
-    assert set(turn.tiers) & {"cpu", "disk"}
+    assert turn.fused.answer == texts[-1].strip() and turn.question == QUESTION
+    assert Path(turn.fused.sources[0]["source"]).name == "lighthouses.md"
+    assert turn.fused.mode == "fuse" and turn.fused.reused_tokens > 0 and set(turn.fused.tiers) & {"cpu", "disk"}
+    assert turn.full.mode == "full" and turn.full.reused_tokens == 0 and len(turn.full.token_ids) == 1
+    assert turn.full.prompt_tokens == turn.fused.prompt_tokens  # the same prompt, prefilled in full
+    assert turn.fused.ttft_s > 0 and turn.full.ttft_s > 0
+
+
+def test_page_events_through_gradio_client(backend):
+    """The page's events as Gradio serves them (the browser test below drives the same page in chromium)."""
+    from gradio_client import Client
+    from gradio_client.exceptions import AppError
+
+    from ragfuse.connectors.gradio_demo.app import build_app
+
+    app = build_app(backend).queue()
+    app.launch(server_name="127.0.0.1", prevent_thread_lock=True, quiet=True)
+    try:
+        client = Client(app.local_url, verbose=False)
+        with pytest.raises(AppError, match="at least one"):
+            client.predict([], [], api_name="/on_ingest")
+        with pytest.raises(AppError, match="empty"):
+            client.predict("  ", "fuse", 2, api_name="/on_ask")
+        for n in (1, 2):  # the session's turns accumulate in the page's state
+            chat, headline, _plot, sources, table = client.predict(QUESTION, "fuse", 2, api_name="/on_ask")
+            assert "1952" in chat[-1]["content"][0]["text"]
+            assert re.match(r"\*\*TTFT: fuse \d+ ms vs full prefill \d+ ms \(\d+\.\dx\)\*\*", headline)
+            assert "retrieval" in headline and "KV load" in headline
+            assert "lighthouses.md" in sources
+            assert [row[:4] for row in table["data"]] == [[i, QUESTION, row[2], "fuse"] for i, row in
+                                                          enumerate(table["data"], 1)]
+            assert len(table["data"]) == n
+    finally:
+        app.close()
 
 
 # ---- the page in a real browser -------------------------------------------------------------------
@@ -99,7 +132,7 @@ def demo_url(tmp_path_factory):
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"},
     )
     url = f"http://127.0.0.1:{port}/"
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + 300
     try:
         while True:
             if proc.poll() is not None:
@@ -111,7 +144,7 @@ def demo_url(tmp_path_factory):
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail(f"ragfuse demo did not answer in 600 s: {(tmp / 'demo.log').read_text()[-2000:]}")
+                pytest.fail(f"ragfuse demo did not answer in 300 s: {(tmp / 'demo.log').read_text()[-2000:]}")
             time.sleep(1)
         yield url
     finally:
@@ -132,19 +165,20 @@ def test_demo_page_in_chromium(browser, demo_url, tmp_path, capsys):
     page.get_by_label("lighthouses.md").check()
     page.locator("#upload input[type=file]").set_input_files(str(DEMO / "solar.md"))
     page.locator("#ingest").click()
-    expect(page.locator("#ingest-status")).to_contain_text("2 new", timeout=600_000)
+    expect(page.locator("#ingest-status")).to_contain_text("2 new", timeout=WAIT_MS)
     expect(page.locator("#stored")).to_contain_text("solar.md")
 
     page.locator("#question textarea").fill(QUESTION)
     page.locator("#ask").click()
     seen: list[str] = []  # what the chat showed while the answer streamed in
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + WAIT_MS / 1e3
     while "full prefill" not in page.locator("#ttft").inner_text():  # (it shows a timer while pending)
-        assert time.monotonic() < deadline, "no answer in 600 s"
+        assert time.monotonic() < deadline, f"no answer in {WAIT_MS / 1e3:.0f} s"
         text = page.locator("#chat").inner_text()
         if not seen or seen[-1] != text:
             seen.append(text)
         time.sleep(0.1)
+    expect(page.locator("#ttft")).to_contain_text("KV load")
     expect(page.locator("#sources")).to_contain_text("lighthouses.md")
     expect(page.locator("#turns")).to_contain_text(QUESTION)
     expect(page.locator("#chat")).to_contain_text(QUESTION)
@@ -152,6 +186,14 @@ def test_demo_page_in_chromium(browser, demo_url, tmp_path, capsys):
     assert answer and answer != "…"
     expect(page.locator("#turns")).to_contain_text(answer.split()[0])
     assert len({s for s in seen if QUESTION in s}) >= 3, seen  # the answer grew in place: it streamed
+    expect(page.locator("#question textarea")).to_have_value("")
+
+    page.locator("#question textarea").fill(SECOND)  # a second turn, sent with Enter
+    page.locator("#question textarea").press("Enter")
+    expect(page.locator("#turns")).to_contain_text(SECOND, timeout=WAIT_MS)
+    expect(page.locator("#turns")).to_contain_text(QUESTION)
+    expect(page.locator("#sources li").first).to_contain_text("solar.md")
+    expect(page.locator("#chat")).to_contain_text(QUESTION)  # the session keeps the first turn
     shot = tmp_path / "ragfuse-demo.png"
     page.screenshot(path=str(shot), full_page=True)
     with capsys.disabled():

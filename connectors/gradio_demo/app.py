@@ -20,6 +20,7 @@ from .backend import FUSED_MODES, DemoBackend, Turn
 
 TURN_COLUMNS = ["#", "question", "answer", "mode", "fused TTFT ms", "full TTFT ms", "speed-up", "recomputed",
                 "KV from"]
+TURN_WIDTHS = ["4%", "22%", "34%", "6%", "7%", "7%", "7%", "7%", "6%"]  # all columns in view, text wraps
 INTRO = """# ragfuse demo
 Ask questions about your documents. Each retrieved chunk's KV cache was computed when it was ingested;
 the answer reuses it (**fuse** recomputes only the tokens whose KV deviates most), and the same question is
@@ -33,8 +34,9 @@ def files_table(backend: DemoBackend) -> pd.DataFrame:
 
 
 def turns_table(turns: list[Turn]) -> pd.DataFrame:
-    rows = [[i + 1, t.question, t.answer, t.mode, round(t.fused_ttft_s * 1e3), round(t.full_ttft_s * 1e3),
-             f"{t.speedup:.1f}x", f"{t.recompute_ratio:.0%}", ", ".join(t.tiers) or "-"]
+    rows = [[i + 1, t.question, t.fused.answer, t.fused.mode, round(t.fused.ttft_s * 1e3),
+             round(t.full.ttft_s * 1e3), f"{t.speedup:.1f}x", f"{t.fused.recompute_ratio:.0%}",
+             ", ".join(t.fused.tiers) or "-"]
             for i, t in enumerate(turns)]
     return pd.DataFrame(rows, columns=TURN_COLUMNS)
 
@@ -43,7 +45,7 @@ def ttft_frame(turns: list[Turn]) -> pd.DataFrame:
     """One bar per turn and prefill kind, side by side (a shared x would stack them)."""
     rows = [(f"{i + 1} {kind}", kind, ms)
             for i, t in enumerate(turns)
-            for kind, ms in ((t.mode, t.fused_ttft_s * 1e3), ("full", t.full_ttft_s * 1e3))]
+            for kind, ms in ((t.fused.mode, t.fused.ttft_s * 1e3), ("full", t.full.ttft_s * 1e3))]
     return pd.DataFrame(rows, columns=["turn", "prefill", "TTFT ms"])
 
 
@@ -53,14 +55,21 @@ def ttft_plot(turns: list[Turn]) -> gr.BarPlot:
 
 
 def ttft_headline(turn: Turn) -> str:
-    return (f"**TTFT: {turn.mode} {turn.fused_ttft_s * 1e3:.0f} ms vs full prefill {turn.full_ttft_s * 1e3:.0f} ms "
-            f"({turn.speedup:.1f}x)** · {turn.reused_tokens} of {turn.prompt_tokens} prompt tokens reused, "
-            f"{turn.recompute_ratio:.0%} of them recomputed")
+    """The comparison, then where the fused answer's time went (retrieval is not part of either TTFT)."""
+    f = turn.fused
+    tiers = f" from {', '.join(f.tiers)}" if f.tiers else ""
+    return (f"**TTFT: {f.mode} {f.ttft_s * 1e3:.0f} ms vs full prefill {turn.full.ttft_s * 1e3:.0f} ms "
+            f"({turn.speedup:.1f}x)** · {f.reused_tokens} of {f.prompt_tokens} prompt tokens reused, "
+            f"{f.recompute_ratio:.0%} of them recomputed  \n"
+            f"{f.mode}: retrieval {f.retrieve_s * 1e3:.0f} ms · KV load {f.load_s * 1e3:.0f} ms{tiers} "
+            f"({f.load_hidden:.0%} hidden behind compute) · prefill compute {f.recompute_s * 1e3:.0f} ms · "
+            f"answer of {len(f.token_ids)} tokens in {f.total_s:.1f} s"
+            + "".join(f"  \n_{note}_" for note in f.notes))  # e.g. KV that was not stored, computed now
 
 
 def sources_markdown(turn: Turn) -> str:
     lines = ["**Sources**"]
-    for s in turn.sources:
+    for s in turn.fused.sources:
         text = " ".join(s["text"].split())
         lines.append(f"- `{s['score']:.3f}` **{Path(s['source']).name}**: {text[:240]}{'…' if len(text) > 240 else ''}")
     return "\n".join(lines)
@@ -89,13 +98,14 @@ def build_app(backend: DemoBackend) -> gr.Blocks:
             for item in backend.ask(question, mode, int(top_k)):
                 if isinstance(item, Turn):
                     turns = [*turns, item]
-                    history[-1] = {"role": "assistant", "content": item.answer}
+                    history[-1] = {"role": "assistant", "content": item.fused.answer}
                     yield (history, ttft_headline(item), ttft_plot(turns), sources_markdown(item),
                            turns_table(turns), turns)
                 else:
                     history[-1] = {"role": "assistant", "content": item or "…"}
                     yield history, *skip
         except RagfuseError as exc:
+            yield history[:-2], *skip  # the question stays in its box (no .success below) to fix and resend
             raise gr.Error(str(exc)) from exc
 
     with gr.Blocks(title="ragfuse demo", analytics_enabled=False) as demo:
@@ -122,10 +132,11 @@ def build_app(backend: DemoBackend) -> gr.Blocks:
                 plot = gr.BarPlot(ttft_frame([]), x="turn", y="TTFT ms", color="prefill",
                                   title="Time to first token, fused vs full prefill", elem_id="ttft-plot")
                 sources = gr.Markdown(elem_id="sources")
-        table = gr.Dataframe(turns_table([]), label="Session turns", interactive=False, elem_id="turns")
+        table = gr.Dataframe(turns_table([]), label="Session turns", interactive=False, elem_id="turns", wrap=True,
+                             column_widths=TURN_WIDTHS)
         ingest.click(on_ingest, [picked, uploaded], [status, stored, picked, uploaded],
                      concurrency_limit=1, concurrency_id="engine")
         for trigger in (ask.click, question.submit):
             trigger(on_ask, [question, mode, top_k, chat, turns], [chat, ttft, plot, sources, table, turns],
-                    concurrency_limit=1, concurrency_id="engine").then(lambda: "", None, question)
+                    concurrency_limit=1, concurrency_id="engine").success(lambda: "", None, question)
     return demo

@@ -13,7 +13,7 @@ import contextvars
 import shutil
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,22 +30,16 @@ _DONE = object()
 
 @dataclass
 class Turn:
-    """One question of the session, with what fused and full prefill took to the first token."""
+    """One question of the session: the fused answer, and full prefill of the same prompt (stopped at its
+    first token: only its TTFT is compared)."""
 
     question: str
-    answer: str
-    mode: str
-    sources: list[dict[str, Any]]
-    fused_ttft_s: float
-    full_ttft_s: float
-    recompute_ratio: float
-    reused_tokens: int
-    prompt_tokens: int
-    tiers: list[str] = field(default_factory=list)
+    fused: AskResult
+    full: AskResult
 
     @property
     def speedup(self) -> float:
-        return self.full_ttft_s / self.fused_ttft_s if self.fused_ttft_s > 0 else float("nan")
+        return self.full.ttft_s / self.fused.ttft_s if self.fused.ttft_s > 0 else float("nan")
 
 
 def ensure_store(root: Path, model: str) -> None:
@@ -142,6 +136,4 @@ class DemoBackend:
         assert result is not None
         # TTFT needs only the first token: full prefill of the same prompt, stopped there
         full = self.pipe.ask(question, mode="full", top_k=top_k, params=SamplingParams(max_tokens=1))
-        yield Turn(question=question, answer=result.answer, mode=mode, sources=result.sources,
-                   fused_ttft_s=result.ttft_s, full_ttft_s=full.ttft_s, recompute_ratio=result.recompute_ratio,
-                   reused_tokens=result.reused_tokens, prompt_tokens=result.prompt_tokens, tiers=result.tiers)
+        yield Turn(question, result, full)
