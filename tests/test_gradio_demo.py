@@ -99,6 +99,21 @@ def test_page_events_through_gradio_client(backend):
         app.close()
 
 
+def test_demo_command_rejects_bad_arguments_before_loading(tmp_path, capsys):
+    from ragfuse.cli import main
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        cases = {("--port", "70000"): "--port must be in 1-65535",
+                 ("--port", str(port)): f"cannot listen on 127.0.0.1:{port}",
+                 ("--docs", str(tmp_path / "missing")): "is not a directory"}
+        for extra, message in cases.items():
+            assert main(["demo", "--store", str(tmp_path / "store"), *extra]) == 2
+            err = capsys.readouterr().err
+            assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "store").exists()  # nothing was created for a command that failed
+
+
 # ---- the page in a real browser -------------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 from pathlib import Path
 
 from ragfuse.commands.generate import add_model_args
@@ -23,11 +24,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def check_listen(host: str, port: int) -> None:
+    """Fail in a line before the model loads, not in Gradio's traceback after it."""
+    from ragfuse.engine import RagfuseError
+
+    if not 0 < port < 65536:
+        raise RagfuseError(f"--port must be in 1-65535, got {port}")
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as exc:
+        raise RagfuseError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+
+
 def run(args: argparse.Namespace) -> int:
     from ragfuse.engine import RagfuseError
 
-    if not 0 < args.port < 65536:
-        raise RagfuseError(f"--port must be in 1-65535, got {args.port}")
+    check_listen(args.host, args.port)
     if args.docs and not Path(args.docs).is_dir():
         raise RagfuseError(f"--docs {args.docs} is not a directory")
     try:
@@ -36,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         raise RagfuseError(f"the demo needs `pip install 'ragfuse[demo]'` ({exc.name} is missing)") from exc
 
-    backend = DemoBackend(args.store, args.model, args.device, docs_dir=args.docs)
+    backend = DemoBackend(args.store, args.model, args.device, args.dtype, docs_dir=args.docs)
     app = build_app(backend)
     print(f"ragfuse demo on http://{args.host}:{args.port} (store {backend.pipe.store.root})", flush=True)
     app.queue().launch(server_name=args.host, server_port=args.port, share=False, show_error=True, quiet=True)
