@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("gradio", reason="the demo needs ragfuse[demo]")
+# pandas 3 deprecations inside gradio's queue, not ours
+pytestmark = pytest.mark.filterwarnings("ignore::pandas.errors.Pandas4Warning")
 
 from ragfuse.connectors.gradio_demo import DemoBackend, Turn  # noqa: E402
 from ragfuse.engine import RagfuseError, RequestError  # noqa: E402
@@ -127,9 +129,9 @@ def _free_port() -> int:
 def browser():
     if not Path(CHROMIUM).exists():
         pytest.skip("no chromium: scripts/setup.sh installs Debian's package with apt-get")
-    from playwright.sync_api import sync_playwright
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright comes with ragfuse[dev]")
 
-    with sync_playwright() as p:
+    with sync_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])  # root in a container
         yield b
         b.close()

@@ -14,6 +14,7 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
+from ragfuse.documents import SUFFIXES
 from ragfuse.engine import RagfuseError
 
 from .backend import FUSED_MODES, DemoBackend, Turn
@@ -115,8 +116,8 @@ def build_app(backend: DemoBackend) -> gr.Blocks:
             with gr.Column(scale=1):
                 gr.Markdown("## Documents")
                 picked = gr.CheckboxGroup(backend.sample_docs(), label="Demo documents", elem_id="picked")
-                uploaded = gr.File(file_count="multiple", label="Upload (.txt .md .html .pdf .json .jsonl)",
-                                   elem_id="upload")
+                uploaded = gr.File(file_count="multiple", file_types=sorted(SUFFIXES),
+                                   label=f"Upload ({' '.join(sorted(SUFFIXES))})", elem_id="upload")
                 ingest = gr.Button("Ingest", elem_id="ingest")
                 status = gr.Markdown(elem_id="ingest-status")
                 stored = gr.Dataframe(files_table(backend), label="In the store", interactive=False,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ragfuse.app import DEFAULT_MODEL, open_pipeline
+from ragfuse.documents import SUFFIXES
 from ragfuse.engine import RagfuseError, RequestError, SamplingParams
 from ragfuse.ingest import Ingestor, IngestReport
 from ragfuse.pipeline import AskResult, RagPipeline
@@ -80,10 +81,11 @@ class DemoBackend:
     # ---- documents ---------------------------------------------------------------------------
 
     def sample_docs(self) -> list[str]:
-        """Names of the documents that can be picked (files directly in ``docs_dir``)."""
+        """Names of the documents that can be picked (files of a supported kind directly in ``docs_dir``)."""
         if self.docs_dir is None or not self.docs_dir.is_dir():
             return []
-        return sorted(p.name for p in self.docs_dir.iterdir() if p.is_file() and not p.name.startswith("."))
+        return sorted(p.name for p in self.docs_dir.iterdir()
+                      if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in SUFFIXES)
 
     def stored_files(self) -> list[tuple[str, int]]:
         """(file name, chunks) of what the store holds."""
