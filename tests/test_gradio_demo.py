@@ -62,8 +62,9 @@ def test_backend_streams_the_answer_then_compares_ttft(backend):
     with pytest.raises(RequestError, match="empty"):
         next(backend.ask("  "))
     items = list(backend.ask(QUESTION, mode="fuse", top_k=2, max_tokens=24))
-    texts, turn = items[:-1], items[-1]
+    texts, fused, turn = items[:-2], items[-2], items[-1]
     assert isinstance(turn, Turn) and all(isinstance(t, str) for t in texts)
+    assert fused is turn.fused  # shown before full prefill runs
     assert len(texts) > 3 and all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # it grew token by token
     assert turn.fused.answer == texts[-1].strip() and turn.question == QUESTION
     assert Path(turn.fused.sources[0]["source"]).name == "lighthouses.md"
@@ -189,7 +190,7 @@ def test_demo_page_in_chromium(browser, demo_url, tmp_path, capsys):
     page.locator("#ask").click()
     seen: list[str] = []  # what the chat showed while the answer streamed in
     deadline = time.monotonic() + WAIT_MS / 1e3
-    while "full prefill" not in page.locator("#ttft").inner_text():  # (it shows a timer while pending)
+    while "vs full prefill" not in page.locator("#ttft").inner_text():  # (it shows a timer while pending)
         assert time.monotonic() < deadline, f"no answer in {WAIT_MS / 1e3:.0f} s"
         text = page.locator("#chat").inner_text()
         if not seen or seen[-1] != text:

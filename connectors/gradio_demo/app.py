@@ -16,6 +16,7 @@ import pandas as pd
 
 from ragfuse.documents import SUFFIXES
 from ragfuse.engine import RagfuseError
+from ragfuse.pipeline import AskResult
 
 from .backend import FUSED_MODES, DemoBackend, Turn
 
@@ -53,6 +54,10 @@ def ttft_frame(turns: list[Turn]) -> pd.DataFrame:
 def ttft_plot(turns: list[Turn]) -> gr.BarPlot:
     frame = ttft_frame(turns)
     return gr.BarPlot(frame, sort=list(frame["turn"]))  # in turn order, not alphabetical
+
+
+def fused_headline(fused: AskResult) -> str:
+    return f"**TTFT: {fused.mode} {fused.ttft_s * 1e3:.0f} ms** · measuring full prefill of the same prompt…"
 
 
 def ttft_headline(turn: Turn) -> str:
@@ -102,6 +107,8 @@ def build_app(backend: DemoBackend) -> gr.Blocks:
                     history[-1] = {"role": "assistant", "content": item.fused.answer}
                     yield (history, ttft_headline(item), ttft_plot(turns), sources_markdown(item),
                            turns_table(turns), turns)
+                elif isinstance(item, AskResult):  # the fused answer is complete; full prefill runs now
+                    yield history, fused_headline(item), *skip[1:]
                 else:
                     history[-1] = {"role": "assistant", "content": item or "…"}
                     yield history, *skip

@@ -112,9 +112,10 @@ class DemoBackend:
     # ---- questions ---------------------------------------------------------------------------
 
     def ask(self, question: str, mode: str = "fuse", top_k: int = 3, max_tokens: int = 64
-            ) -> Iterator[str | Turn]:
-        """Yield the fused answer's text as it grows, then the ``Turn`` (with full prefill's TTFT
-        measured right after, on the same question and the same retrieved chunks)."""
+            ) -> Iterator[str | AskResult | Turn]:
+        """Yield the fused answer's text as it grows, its ``AskResult`` once it is done (the page shows
+        its TTFT while full prefill runs), then the ``Turn`` (with full prefill's TTFT measured right
+        after, on the same question and the same retrieved chunks)."""
         steps = self._answer(question, mode, top_k, max_tokens)
         try:
             while (item := self._call(next, steps, _DONE)) is not _DONE:
@@ -122,7 +123,7 @@ class DemoBackend:
         finally:  # a page that goes away mid-answer: the request is aborted, on the pipeline's thread
             self._call(steps.close)
 
-    def _answer(self, question: str, mode: str, top_k: int, max_tokens: int) -> Iterator[str | Turn]:
+    def _answer(self, question: str, mode: str, top_k: int, max_tokens: int) -> Iterator[str | AskResult | Turn]:
         if not question.strip():
             raise RequestError("the question is empty")
         if mode not in FUSED_MODES:
@@ -136,6 +137,7 @@ class DemoBackend:
             else:
                 yield item.text
         assert result is not None
+        yield result
         # TTFT needs only the first token: full prefill of the same prompt, stopped there
         full = self.pipe.ask(question, mode="full", top_k=top_k, params=SamplingParams(max_tokens=1))
         yield Turn(question, result, full)
