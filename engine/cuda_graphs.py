@@ -16,6 +16,11 @@ host inside the forward.
 A decode batch behind registered system prompts (relay attention) replays its own graph per size,
 whose static inputs also hold the batch's system tiles (padded with empty tiles: they read and write
 nothing); the system prompts' block tables are the registry's fixed device tensors.
+
+A decode batch whose sequences share prefix-tree blocks (two-phase attention) replays a graph per
+size and plan capacity (item rows, partial slots: ``plan_capacity``), with or without relay. Its
+plan lives in fixed device buffers padded with inert rows; the tree's current plan is copied there
+only when it changes (a new batch or new sharing), not at every step.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 from torch import nn
 
 from ragfuse.kernels.relay import max_system_tiles
+from ragfuse.kernels.two_phase import TwoPhasePlan
 
 from .attention import AttentionMetadata, RelayMetadata
 
@@ -37,10 +43,21 @@ GRAPH_SYSTEMS = 4  # distinct system prompts (counting "none") a relay graph's t
 # Prefill token buckets, captured on first use. Longer prefills are matmul-bound (launching is
 # hidden behind the GPU work) and may take the cuDNN attention path, which takes no lengths.
 PREFILL_BUCKETS = (64, 128, 256, 512, 1024)
+# Two-phase plan capacities of a tree graph: the smallest that holds the plan is used. Item rows past
+# the plan's cost one early-exiting program each; partial slots size a float32 buffer per layer.
+PLAN_ITEMS = (16, 32, 64, 128, 256)
+PLAN_PARTS = (4, 16, 64)
 
 
 def graphs_enabled() -> bool:
     return os.environ.get(GRAPHS_ENV, "1") != "0"
+
+
+def plan_capacity(plan: TwoPhasePlan) -> tuple[int, int] | None:
+    """(item rows, partial slots) of the tree graph a plan replays in, or None when none is big enough."""
+    items = next((c for c in PLAN_ITEMS if c >= plan.num_items), None)
+    parts = next((c for c in PLAN_PARTS if c >= plan.max_parts), None)
+    return None if items is None or parts is None else (items, parts)
 
 
 def padded_size(n: int) -> int:
@@ -105,16 +122,24 @@ class DecodeGraphs:
         self.graphs: dict[int, _Captured] = {}  # by padded size
         self.relay_graphs: dict[int, _Captured] = {}  # by padded size, for batches behind system prompts
         self.relay: RelayMetadata | None = None  # static relay inputs, made at the first relay batch
+        # two-phase decode: graphs by (size, item rows, partial slots, relay), over one set of plan buffers
+        self.tree_graphs: dict[tuple[int, int, int, bool], _Captured] = {}
+        self.plan_items = torch.zeros(PLAN_ITEMS[-1], 5, dtype=torch.int32, device=device)
+        self.plan_order = torch.zeros(n, dtype=torch.int32, device=device)
+        self.plan_shared_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.plan_num_parts = torch.zeros(n, dtype=torch.int32, device=device)
+        self._loaded: tuple[TwoPhasePlan, int, tuple[int, int]] | None = None  # plan in the buffers, for which graph
         self.replays = 0  # steps served by a graph (for tests and metrics)
+        self.tree_replays = 0  # of which two-phase
 
     def accepts(self, meta: AttentionMetadata) -> bool:
-        """Whether this step can replay a graph: plain decode only (two-phase decode over shared
-        blocks runs eagerly: its launch grid follows the tree), within the captured sizes."""
+        """Whether this step can replay a graph: a decode step within the captured sizes (and, over
+        shared tree blocks, a two-phase plan within the largest capacity)."""
         fits = (
             not meta.is_prefill
-            and meta.two_phase is None
             and meta.num_seqs <= MAX_GRAPH_BATCH
             and meta.block_tables.shape[1] <= self.max_blocks
+            and (meta.two_phase is None or plan_capacity(meta.two_phase) is not None)
         )
         if not fits or meta.relay is None:
             return fits
@@ -130,11 +155,23 @@ class DecodeGraphs:
         """Final hidden states [n, hidden] of a decode step of ``n`` sequences, by graph replay."""
         n = input_ids.shape[0]
         size = padded_size(n)
-        relay = meta.relay
-        graphs = self.graphs if relay is None else self.relay_graphs
-        captured = graphs.get(size)
-        if captured is None:
-            captured = graphs[size] = self._capture(size, relay)
+        relay, plan = meta.relay, meta.two_phase
+        if plan is not None:
+            capacity = plan_capacity(plan)
+            assert capacity is not None, "accepts() first"
+            key = (size, *capacity, relay is not None)
+            captured = self.tree_graphs.get(key)
+            if captured is None:
+                captured = self.tree_graphs[key] = self._capture(size, relay, capacity)
+            if self._loaded is None or self._loaded[0] is not plan or self._loaded[1:] != (size, capacity):
+                plan.load_into(self._padded_plan(size, capacity))  # device copies, once per plan
+                self._loaded = (plan, size, capacity)
+            self.tree_replays += 1
+        else:
+            graphs = self.graphs if relay is None else self.relay_graphs
+            captured = graphs.get(size)
+            if captured is None:
+                captured = graphs[size] = self._capture(size, relay)
         if relay is not None:
             static = self.relay
             assert static is not None
@@ -201,7 +238,19 @@ class DecodeGraphs:
             sys_lens=self.relay.sys_lens, max_sys_len=self.max_model_len, num_splits=splits,
         )
 
-    def _capture(self, size: int, relay: RelayMetadata | None) -> _Captured:
+    def _padded_plan(self, size: int, capacity: tuple[int, int]) -> TwoPhasePlan:
+        """The plan a tree graph of ``size`` rows and ``capacity`` reads: views of the plan buffers."""
+        items, parts = capacity
+        return TwoPhasePlan.padded(size, self.plan_items[:items], self.plan_order[:size],
+                                   self.plan_shared_lens[:size], self.plan_num_parts[:size], parts)
+
+    def _capture(self, size: int, relay: RelayMetadata | None, capacity: tuple[int, int] | None = None) -> _Captured:
+        two_phase = None
+        if capacity is not None:  # the warm-up and capture runs share nothing: every plan row inert
+            for buf in (self.plan_items, self.plan_shared_lens, self.plan_num_parts):
+                buf.zero_()
+            self._loaded = None
+            two_phase = self._padded_plan(size, capacity)
         meta = AttentionMetadata(
             is_prefill=False,
             slot_mapping=self.slot_mapping[:size],
@@ -212,6 +261,7 @@ class DecodeGraphs:
             max_seq_len=self.max_model_len,  # split counts must hold for any length a replay sees
             block_size=self.block_size,
             relay=None if relay is None else self._static_relay(size, relay),
+            two_phase=two_phase,
         )
         self.slot_mapping[:size].fill_(-1)  # the warm-up and capture runs touch no cache slot
         self.seq_lens[:size].zero_()

@@ -170,3 +170,57 @@ def test_engine_prefills_through_graphs(monkeypatch: pytest.MonkeyPatch) -> None
     assert graphs.replays == 4 and set(graphs.graphs) == {64, 128, 1024}
     ref = cuda_engine("torch", monkeypatch)
     assert got == [generate(ref, [p], 8)[0] for p in ps]
+
+
+@pytest.mark.gpu
+def test_two_phase_graph_replay_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode over shared blocks replayed from a tree graph: the same hidden states as the eager
+    two-phase forward and as plain paged decode, for two plans in turn (the second with fewer items,
+    so rows the first left in the plan buffers must be inert); a plan is loaded once, not per step."""
+    from ragfuse.kernels.two_phase import build_two_phase_plan
+
+    engine = cuda_engine("auto", monkeypatch)
+    runner, graphs = engine.runner, engine.runner.graphs
+    assert graphs is not None and runner.kv_cache is not None
+    mc, bs = engine.model_config, runner.block_size
+    runner.kv_cache.storage.normal_()
+    seq_lens = [70, 66, 50, 80, 20]
+    tables = [[0, 1, 2, 3, 5], [0, 1, 2, 3, 6], [0, 1, 2, 7], [0, 1, 2, 8, 9], [10, 11]]
+    cases = [  # (tree paths, split tokens): nested segments split small, then one segment whole
+        ([[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2], [0, 1, 2], []], 16),
+        ([[0, 1], [0, 1], [0, 1], [0, 1], []], None),
+    ]
+    ids = torch.tensor([3, 5, 7, 9, 11], device="cuda")
+    pos = torch.tensor([n - 1 for n in seq_lens], device="cuda")
+    for i, (paths, split) in enumerate(cases):
+        plan = build_two_phase_plan(paths, bs, mc.num_kv_heads, runner.device, split_tokens=split,
+                                    group=mc.num_heads // mc.num_kv_heads, head_dim=mc.head_dim)
+        assert plan is not None
+        meta = AttentionMetadata.build([1] * 5, seq_lens, tables, bs, runner.device)
+        meta.two_phase = plan
+        assert graphs.accepts(meta)
+        with torch.inference_mode():
+            replayed = graphs.run(ids, pos, meta).clone()
+            again = graphs.run(ids, pos, meta).clone()
+            eager = runner.model(ids, pos, runner.kv_cache.layers, meta)
+            meta.two_phase = None
+            paged = runner.model(ids, pos, runner.kv_cache.layers, meta)
+        assert graphs.tree_replays == 2 * (i + 1) and graphs._loaded[0] is plan
+        for got in (replayed, again, paged):
+            assert (got - eager).abs().max().item() < 1e-4 * eager.abs().max().item()
+    assert (8, 16, 4, False) in graphs.tree_graphs
+
+
+@pytest.mark.gpu
+def test_engine_with_tree_replays_two_phase_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests sharing a 40-token prefix (two full blocks) decode by two-phase graph replay and
+    give the torch backend's greedy tokens."""
+    g = torch.Generator().manual_seed(4)
+    common = torch.randint(1, 512, (40,), generator=g).tolist()
+    ps = [common + torch.randint(1, 512, (n,), generator=g).tolist() for n in (3, 9, 20)]
+    want = generate(cuda_engine("torch", monkeypatch), ps, 30)
+    fast = cuda_engine("auto", monkeypatch)
+    graphs = fast.runner.graphs
+    assert graphs is not None and fast.tree is not None
+    assert generate(fast, ps, 30) == want
+    assert graphs.tree_replays >= 29 and any(key[0] == 4 for key in graphs.tree_graphs)

@@ -148,3 +148,21 @@ def test_relay_triton_with_graphs_matches_torch_backend(monkeypatch: pytest.Monk
     got = run_all(fast, [(p, sids[s] if s >= 0 else None, True) for p, s in requests], 30)
     assert got == want
     assert fast.runner.graphs.relay_graphs and fast.runner.graphs.replays >= 29
+
+
+@pytest.mark.gpu
+def test_relay_with_tree_graphs_matches_torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests behind one system prompt that also share a 20-token prefix of their own: two-phase
+    decode merged with the relay system part, replayed from a graph, gives the torch path's tokens."""
+    systems, _ = workload()
+    g = torch.Generator().manual_seed(5)
+    common = torch.randint(1, 256, (20,), generator=g).tolist()
+    ps = [common + torch.randint(1, 256, (n,), generator=g).tolist() for n in (2, 7, 15)]
+    monkeypatch.setenv("RAGFUSE_KERNELS", "torch")
+    want = run_all(small_engine("cuda"), [(systems[0] + p, None, True) for p in ps], 30)
+    monkeypatch.setenv("RAGFUSE_KERNELS", "auto")
+    fast = small_engine("cuda")
+    sid = fast.register_system(systems[0])
+    assert run_all(fast, [(p, sid, True) for p in ps], 30) == want
+    graphs = fast.runner.graphs
+    assert graphs is not None and graphs.tree_replays >= 29 and any(key[3] for key in graphs.tree_graphs)
