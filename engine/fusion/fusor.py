@@ -25,6 +25,7 @@ import torch
 
 from ragfuse.kernels.paged_attention import sequence_slots
 
+from .. import ops
 from ..attention import write_kv
 from ..models import LlamaForCausalLM
 from .prefetch import LayerPrefetcher
@@ -61,6 +62,57 @@ class FusionStats:
         return 1.0 - self.load_wait_s / self.load_s if self.load_s > 0 else 1.0
 
 
+@dataclass
+class _Layout:
+    """Where the prompt's stored KV sits and how many tokens each check layer keeps, worked out on
+    the host before the first layer: every launch size of the pass is known up front, so the layer
+    loop never reads a count back from the device (each read-back would drain the GPU queue)."""
+
+    stored: list[int]  # prompt positions with stored KV, in order: row i of the loaded KV is stored[i]
+    fusable: list[bool]  # per position: stored KV computed elsewhere, a recompute candidate
+    forced: list[bool]  # per position: a fusable token always recomputed (sink tokens)
+    active: list[int]  # positions computed at layer 0
+    candidates: int  # fusable tokens among them
+    num_forced: int
+    check_sizes: list[tuple[int, int]]  # per check layer: (candidates before it, candidates it keeps)
+
+    @classmethod
+    def build(cls, segments: list[Segment], used: set[int], mode: FusionMode, policy: SelectionPolicy) -> _Layout:
+        n = sum(len(s.token_ids) for s in segments)
+        stored, exact, forced = [False] * n, [False] * n, [False] * n
+        offset = 0
+        for i, seg in enumerate(segments):
+            end = offset + len(seg.token_ids)
+            if i in used:
+                stored[offset:end] = [True] * len(seg.token_ids)
+                sinks = min(policy.sink_tokens, len(seg.token_ids)) if mode is FusionMode.FUSE else 0
+                forced[offset : offset + sinks] = [True] * sinks
+                # KV stored from position 0 is exactly what full prefill computes for a prompt that
+                # starts with it: a cached prefix, never a candidate for recompute
+                exact[offset:end] = [offset == 0] * len(seg.token_ids)
+            offset = end
+        stored[n - 1] = exact[n - 1] = False  # the last token's hidden state gives the first answer token
+        fusable = [s and not e for s, e in zip(stored, exact)]
+        forced = [f and c for f, c in zip(forced, fusable)]
+        recompute = mode is FusionMode.FUSE or mode is FusionMode.FULL
+        active = [p for p in range(n) if not stored[p] or (recompute and fusable[p])]
+        num_fusable, num_forced = sum(fusable), sum(forced)
+        sizes: list[tuple[int, int]] = []
+        if mode is FusionMode.FUSE and num_fusable:
+            cand = num_fusable
+            for c in range(len(policy.check_layers)):
+                if cand == 0:  # nothing left to narrow: later checks have no work
+                    break
+                keep = keep_count(policy.keep_share(c), num_fusable)
+                kept = num_forced + max(0, min(keep - num_forced, cand - num_forced))
+                sizes.append((cand, kept))
+                cand = kept
+        return cls(
+            stored=[p for p in range(n) if stored[p]], fusable=fusable, forced=forced, active=active,
+            candidates=num_fusable if mode is FusionMode.FUSE else 0, num_forced=num_forced, check_sizes=sizes,
+        )
+
+
 def fuse_prefill(
     model: LlamaForCausalLM,
     kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
@@ -73,83 +125,73 @@ def fuse_prefill(
     t_start = time.perf_counter()
     mode = FusionMode(mode)
     device = model.lm_head.weight.device
-    cfg = model.config
     ids = [t for s in segments for t in s.token_ids]
     n = len(ids)
     used = _stored_segments(segments, mode)
-    stored = torch.zeros(n, dtype=torch.bool, device=device)
-    forced = torch.zeros(n, dtype=torch.bool, device=device)  # always recomputed among stored
-    exact = torch.zeros(n, dtype=torch.bool, device=device)  # stored KV computed in this very context
-    offset = 0
-    for i, seg in enumerate(segments):
-        if i in used:
-            stored[offset : offset + len(seg.token_ids)] = True
-            forced[offset : offset + min(policy.sink_tokens, len(seg.token_ids))] = mode is FusionMode.FUSE
-            # KV stored from position 0 is exactly what full prefill computes for a prompt that starts
-            # with it: a cached prefix, never a candidate for recompute
-            exact[offset : offset + len(seg.token_ids)] = offset == 0
-        offset += len(seg.token_ids)
-    stored[n - 1] = False  # the last token's hidden state gives the first answer token
-    exact[n - 1] = False
-    row_of = torch.full((n,), -1, dtype=torch.long, device=device)  # prompt index -> stored row
-    row_of[stored] = torch.arange(int(stored.sum()), device=device)
-    num_stored = int(stored.sum())
-    num_fusable = int((stored & ~exact).sum())
-    positions = torch.arange(n, device=device)
-    table = torch.tensor([block_table], dtype=torch.int32, device=device)
+    lay = _Layout.build(segments, used, mode, policy)
+    num_stored, num_fusable = len(lay.stored), sum(lay.fusable)
+    # one host-to-device transfer for everything the pass indexes with
+    host = torch.tensor([*ids, *lay.stored, *lay.active, *lay.fusable, *lay.forced, *block_table], dtype=torch.long)
+    ids_d, stored_pos, active_idx, fusable, forced, table_d = (
+        host.to(device).split([n, num_stored, len(lay.active), n, n, len(block_table)])
+    )
+    fusable, forced = fusable.bool(), forced.bool()
+    row_of = torch.full((n,), -1, dtype=torch.long, device=device)  # prompt position -> row of the loaded KV
+    row_of[stored_pos] = torch.arange(num_stored, device=device)
+    table = table_d.to(torch.int32)[None]
     slots = sequence_slots(table[0], n, kv_layers[0][0].shape[1])
+    stored_slots = slots[stored_pos]
+    # the attention kernel's [0, queries, keys] for each active-set size of the pass, made at once
+    sizes = [len(lay.active), *(len(lay.active) - c + k for c, k in lay.check_sizes)]
+    bounds_all = torch.tensor([[0, a, n] for a in sizes], dtype=torch.int32).to(device)
 
-    active = ~stored if mode in (FusionMode.REUSE, FusionMode.PREFIX) else ~exact
-    checks = list(policy.check_layers) if mode is FusionMode.FUSE and num_fusable else []
-    active_idx = active.nonzero().squeeze(1)
+    checks = list(zip(policy.check_layers, lay.check_sizes, strict=False))
     block = model.model
+    rotary = block.rotary
     sources = [segments[i].kv for i in sorted(used)]
-    hidden = block.embed_tokens(torch.tensor(ids, device=device))[active_idx]
-    idle_rows, idle_pos = _idle_stored(stored, active_idx, row_of)
-    shape_key: tuple[bool, int] = (False, -1)
-    bounds = torch.empty(0)
+    hidden = block.embed_tokens(ids_d.index_select(0, active_idx))
     residual: torch.Tensor | None = None
+    pos, act_slots = active_idx, slots.index_select(0, active_idx)
+    size_i, candidates = 0, lay.candidates
     counts: list[int] = []
-    with LayerPrefetcher(sources, cfg.num_layers, device) as loader, torch.inference_mode():
+    with LayerPrefetcher(sources, model.config.num_layers, device) as loader, torch.inference_mode():
         for li, layer in enumerate(block.layers):
             kc, vc = kv_layers[li]
-            k_st, v_st = loader.get(li) if sources else (None, None)
-            if k_st is not None and idle_pos.numel():
-                write_kv(block.rotary(k_st[idle_rows], idle_pos), v_st[idle_rows], kc, vc, slots[idle_pos])
+            k_st = v_st = None
+            if sources:
+                k_st, v_st = (t[:num_stored] for t in loader.get(li))
+                # every stored token's KV goes in first; the active tokens' fresh KV overwrites it below
+                write_kv(rotary(k_st, stored_pos), v_st, kc, vc, stored_slots)
             if residual is None:
                 residual, h = hidden, layer.input_layernorm(hidden)
             else:
                 h, residual = layer.input_layernorm(hidden, residual)
             q, k_raw, v = layer.self_attn.project(h)
-            pos = positions[active_idx]
-            write_kv(block.rotary(k_raw, pos), v, kc, vc, slots[pos])
-            if checks and li == checks[0]:
-                keep = _check(policy, len(policy.check_layers) - len(checks), k_raw, v, k_st, v_st,
-                              active_idx, stored & ~exact, forced, row_of, num_fusable)
-                checks.pop(0)
-                q, residual = q[keep], residual[keep]
-                active_idx = active_idx[keep]
-                pos = positions[active_idx]
-                idle_rows, idle_pos = _idle_stored(stored, active_idx, row_of)
-            counts.append(int(active_idx.numel()))
-            whole = int(active_idx.numel()) == n
-            if shape_key != (whole, int(active_idx.numel())):  # the active set changed: new launch sizes
-                shape_key = (whole, int(active_idx.numel()))
-                bounds = torch.tensor([0, shape_key[1], n], dtype=torch.int32, device=device)
+            q, k = ops.apply_rope_qk(q, k_raw, pos, rotary.cos, rotary.sin)
+            write_kv(k, v, kc, vc, act_slots)
+            if checks and li == checks[0][0]:
+                _, (cand, kept) = checks.pop(0)
+                assert k_st is not None and v_st is not None
+                rows = _narrow(policy, len(lay.check_sizes) - len(checks) - 1, k_raw, v, k_st, v_st, pos, fusable,
+                               forced, row_of, cand, kept, lay.num_forced, num_fusable)
+                q, residual = q.index_select(0, rows), residual.index_select(0, rows)
+                pos = active_idx = active_idx.index_select(0, rows)
+                act_slots = slots.index_select(0, pos)
+                size_i, candidates = size_i + 1, kept
+            a = pos.shape[0]
+            counts.append(a)
             out, _ = layer.self_attn.attn.attend(
-                block.rotary(q, pos), None if whole else pos, (kc, vc), table, n, slots, bounds
+                q, None if a == n else pos, (kc, vc), table, n, slots, bounds_all[size_i]
             )
-            h = layer.self_attn.o_proj(out.reshape(out.shape[0], -1))
+            h = layer.self_attn.o_proj(out.reshape(a, -1))
             h, residual = layer.post_attention_layernorm(h, residual)
             hidden = layer.mlp(h)
-        hidden, _ = block.norm(hidden, residual)
-        logits = model.compute_logits(hidden[-1:])[0]
+        hidden, _ = block.norm(hidden[-1:], residual[-1:])
+        logits = model.compute_logits(hidden)[0]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     total = time.perf_counter() - t_start
-    final_active = torch.zeros(n, dtype=torch.bool, device=device)
-    final_active[active_idx] = True
-    recomputed = int((final_active & stored).sum())
+    recomputed = candidates  # stored tokens still active after the last layer
     stats = FusionStats(
         mode=mode.value,
         recompute_ratio=recomputed / num_fusable if num_fusable else (1.0 if mode is FusionMode.FULL else 0.0),
@@ -168,17 +210,6 @@ def fuse_prefill(
     return logits, stats
 
 
-def _idle_stored(
-    stored: torch.Tensor, active_idx: torch.Tensor, row_of: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stored tokens not being computed (their stored KV is used): rows in the stored KV and their
-    prompt positions. Changes only at check layers, so it is worked out then, not per layer."""
-    idle = stored.clone()
-    idle[active_idx] = False
-    pos = idle.nonzero().squeeze(1)
-    return row_of[pos], pos
-
-
 def _stored_segments(segments: list[Segment], mode: FusionMode) -> set[int]:
     """Indices of the segments whose stored KV this mode uses."""
     if mode is FusionMode.FULL:
@@ -188,24 +219,38 @@ def _stored_segments(segments: list[Segment], mode: FusionMode) -> set[int]:
     return {i for i, s in enumerate(segments) if s.kv is not None}
 
 
-def _check(
+def _first_true(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Ascending indices of ``mask``'s ``count`` True entries (the caller knows how many there are):
+    ``nonzero`` without its read-back of the count to the host. A stable sort keeps them in order."""
+    return torch.sort(mask.to(torch.uint8), descending=True, stable=True).indices[:count]
+
+
+def _narrow(
     policy: SelectionPolicy,
     check_index: int,
     k_raw: torch.Tensor,
     v: torch.Tensor,
     k_st: torch.Tensor,
     v_st: torch.Tensor,
-    active_idx: torch.Tensor,
-    stored: torch.Tensor,
+    pos: torch.Tensor,
+    fusable: torch.Tensor,
     forced: torch.Tensor,
     row_of: torch.Tensor,
-    num_stored: int,
+    candidates: int,
+    kept: int,
+    num_forced: int,
+    num_fusable: int,
 ) -> torch.Tensor:
-    """Bool mask over the active tokens: which stay active after this check layer."""
-    is_stored = stored[active_idx]
-    rows = row_of[active_idx[is_stored]]
-    dev = deviation(policy.metric, k_raw[is_stored], v[is_stored], k_st[rows], v_st[rows])
-    chosen = choose(dev, keep_count(policy.keep_share(check_index), num_stored), forced[active_idx[is_stored]])
-    keep = ~is_stored  # tokens without stored KV always stay
-    keep[is_stored.nonzero().squeeze(1)[chosen]] = True
-    return keep
+    """Rows of the active tokens (ascending) that stay active after this check layer: every token
+    without stored KV, and the ``kept`` candidates that deviate most from their stored KV."""
+    is_cand = fusable.index_select(0, pos)
+    cand_rows = _first_true(is_cand, candidates)
+    cand_pos = pos.index_select(0, cand_rows)
+    st_rows = row_of.index_select(0, cand_pos)
+    dev = deviation(policy.metric, k_raw.index_select(0, cand_rows), v.index_select(0, cand_rows),
+                    k_st.index_select(0, st_rows), v_st.index_select(0, st_rows))
+    keep_n = keep_count(policy.keep_share(check_index), num_fusable)
+    chosen = choose(dev, keep_n, forced.index_select(0, cand_pos), num_forced)
+    keep = ~is_cand  # tokens without stored KV always stay
+    keep[cand_rows.index_select(0, chosen)] = True
+    return _first_true(keep, pos.shape[0] - candidates + kept)

@@ -68,16 +68,14 @@ def deviation(
     return parts[0] if len(parts) == 1 else parts[0] + parts[1]
 
 
-def choose(dev: torch.Tensor, keep: int, forced: torch.Tensor) -> torch.Tensor:
-    """Bool mask over the candidates: ``forced`` ones plus the highest deviations, ``keep`` in all
-    (forced tokens count toward ``keep``)."""
-    chosen = forced.clone()
-    room = keep - int(forced.sum())
-    if room > 0:
-        scores = dev.masked_fill(forced, float("-inf"))
-        top = torch.topk(scores, min(room, int((~forced).sum()))).indices
-        chosen[top] = True
-    return chosen
+def choose(dev: torch.Tensor, keep: int, forced: torch.Tensor, num_forced: int) -> torch.Tensor:
+    """Indices of the chosen candidates: the ``forced`` ones plus the highest deviations, ``keep`` in
+    all (forced tokens count toward ``keep``; all of them are kept even past it).
+
+    ``num_forced`` (= ``forced.sum()``) comes from the host, so choosing reads nothing back from the
+    device: the fusor calls this between layers, where a read-back would stall the GPU queue."""
+    take = num_forced + max(0, min(keep - num_forced, dev.shape[0] - num_forced))
+    return torch.topk(dev.masked_fill(forced, float("inf")), take).indices
 
 
 def keep_count(share: float, num_stored: int) -> int:
