@@ -27,6 +27,7 @@ from .kv_cache import KVCache
 from .model_runner import ModelRunner
 from .models import KVHook
 from .prefix_tree import PrefixTree
+from .relay_prompts import RelayPrompts
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
@@ -83,6 +84,7 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, self.config.block_size)
         self.systems = SystemPrompts(MAX_SYSTEM_PROMPTS, self.max_model_len, self.config.block_size, self.device)
         self.runner.systems = self.systems
+        self.relay_prompts = RelayPrompts(self, MAX_SYSTEM_PROMPTS)  # registered on demand, LRU-bounded
         self.tree = PrefixTree(self.blocks) if self.config.prefix_tree else None
         self.scheduler = Scheduler(
             self.blocks, self.config.max_num_seqs, max(self.config.max_num_batched_tokens, 1), self.tree
@@ -216,12 +218,16 @@ class LLMEngine:
     def release_system(self, system_id: int) -> None:
         """Free a system prompt's blocks; refused while an unfinished request follows it."""
         sp = self.systems.get(system_id)
-        if any(s.system == system_id for s in self._seqs.values() if not s.finished):
+        if self.system_busy(system_id):
             raise RequestError(f"system prompt {system_id} still has unfinished requests")
         self.systems.remove(sp.slot)
         self.blocks.release(sp.block_table)
         if self.tree is not None:
             self.tree.drop_system(sp.slot)
+
+    def system_busy(self, system_id: int) -> bool:
+        """Whether an unfinished request follows this system prompt."""
+        return any(s.system == system_id for s in self._seqs.values() if not s.finished)
 
     def abort(self, request_id: str) -> None:
         self._session_turns.pop(request_id, None)  # an unfinished turn is not saved
@@ -530,6 +536,7 @@ class LLMEngine:
             ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
             total_s=end - seq.arrival_time,
             metrics={"preemptions": seq.num_preemptions, "cached_tokens": seq.num_cached_tokens,
+                     "relay_system_tokens": seq.position_offset if seq.system is not None else 0,
                      **(turn.stats(len(seq.prompt_token_ids)) if turn is not None else {})},
         )
 

@@ -378,13 +378,14 @@ class RagPipeline:
 
     def start(
         self, question: str, mode: str = "fuse", ratio: float | None = None, top_k: int = 5,
-        params: SamplingParams | None = None,
+        params: SamplingParams | None = None, session_id: str | None = None,
     ) -> Started:
         """Retrieve, assemble and run the fused prefill (which samples the first token), without
-        stepping the engine: for callers whose own loop steps it (the server's ``AsyncEngine``)."""
+        stepping the engine: for callers whose own loop steps it (the server's ``AsyncEngine``).
+        ``session_id``: as in ``stream``."""
         t0 = time.perf_counter()
         prep, retrieve_s = self.prepare(question, top_k, mode, ratio)
-        rid, stats = self._fuse(prep, mode, params or SamplingParams(max_tokens=64))
+        rid, stats = self._fuse(prep, mode, params or SamplingParams(max_tokens=64), session_id)
         return Started(rid, prep, stats, mode, t0, retrieve_s, time.perf_counter() - t0 - retrieve_s)
 
     def result(self, started: Started, last: RequestOutput) -> AskResult:

@@ -148,3 +148,28 @@ def test_relay_triton_with_graphs_matches_torch_backend(monkeypatch: pytest.Monk
     got = run_all(fast, [(p, sids[s] if s >= 0 else None, True) for p, s in requests], 30)
     assert got == want
     assert fast.runner.graphs.relay_graphs and fast.runner.graphs.replays >= 29
+
+
+def test_relay_prompts_registered_on_demand_are_bounded_and_released_lru(engine) -> None:
+    """The registry behind server chats: same tokens -> same id; at the bound the least recently
+    used prompt without unfinished requests is released; all busy -> no relay (None)."""
+    from ragfuse.engine.relay_prompts import RelayPrompts
+
+    reg = RelayPrompts(engine, max_prompts=2)
+    a, b, c, d = ([1000 + i] * 20 for i in range(4))
+    free = engine.blocks.num_free
+    sa = reg.acquire(a)
+    assert reg.acquire(b) not in (None, sa)
+    assert reg.acquire(a) == sa and reg.reuses == 1 and reg.registered == 2
+    sc = reg.acquire(c)  # b is the least recently used now
+    assert engine.systems.find(b) is None and engine.systems.find(a) == sa and reg.releases == 1
+    busy = [engine.add_request([5, 6, 7], SamplingParams(max_tokens=2), system=s) for s in (sa, sc)]
+    assert reg.acquire(d) is None and reg.registered == 2  # both in use: the caller serves it without relay
+    for rid in busy:
+        engine.abort(rid)
+    sd = reg.acquire(d)
+    assert sd is not None and engine.systems.find(a) is None and reg.releases == 2  # a was used before c
+    engine.release_system(sd)  # released behind the registry's back: it notices
+    assert reg.registered == 1
+    engine.release_system(sc)
+    assert reg.registered == 0 and engine.blocks.num_free == free
