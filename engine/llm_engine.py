@@ -318,34 +318,45 @@ class LLMEngine:
         mode: FusionMode | str = FusionMode.FUSE,
         policy: SelectionPolicy | None = None,
         request_id: str | None = None,
+        system: int | None = None,
     ) -> tuple[str, FusionStats]:
         """Prefill a prompt made of ``segments`` with cache fusion, then decode it like any request.
 
         The fused prefill runs now (its KV lands in the request's cache pages and its first token is
-        sampled); the first output comes with the next ``step``.
+        sampled); the first output comes with the next ``step``. With ``system`` (an id from
+        ``register_system``) the prompt continues that system prompt through relay attention, in
+        the fused prefill and in decode.
         """
         params = params or SamplingParams()
         ids = self.tokenize([t for seg in segments for t in seg.token_ids])
-        if len(ids) >= self.max_model_len:
-            raise RequestError(f"prompt of {len(ids)} tokens exceeds the context of {self.max_model_len}")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            params = SamplingParams(**{**params.__dict__, "max_tokens": self.max_model_len - len(ids)})
+        offset = 0
+        if system is not None:
+            if not self.supports_relay:
+                raise RequestError("relay attention needs a model without a sliding window")
+            offset = self.systems.get(system).num_tokens
+        if offset + len(ids) >= self.max_model_len:
+            raise RequestError(f"prompt of {offset + len(ids)} tokens exceeds the context of {self.max_model_len}")
+        if offset + len(ids) + params.max_tokens > self.max_model_len:
+            params = SamplingParams(**{**params.__dict__, "max_tokens": self.max_model_len - offset - len(ids)})
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._seqs:
             raise RequestError(f"request id {rid!r} is already in use")
         policy = policy or SelectionPolicy()
         return self._add_prefilled(
-            ids, params, rid, lambda table: self.runner.fused_prefill(table, segments, mode, policy)
+            ids, params, rid, lambda table: self.runner.fused_prefill(table, segments, mode, policy, system),
+            system,
         )
 
     def _add_prefilled(
         self, ids: list[int], params: SamplingParams, rid: str,
-        prefill: Callable[[list[int]], tuple[torch.Tensor, FusionStats]],
+        prefill: Callable[[list[int]], tuple[torch.Tensor, FusionStats]], system: int | None = None,
     ) -> tuple[str, FusionStats]:
         """Register a request whose whole prompt ``prefill`` puts in its cache pages now (returning
-        the last token's logits): its first token is sampled here and reported by the next step."""
+        the last token's logits): its first token is sampled here and reported by the next step.
+        ``system``: the registered system prompt the prompt follows (relay)."""
         # fused or session KV is not the exact KV of these tokens, so its blocks never join the prefix tree
-        seq = Sequence(rid, ids, params, cacheable=False, tree_open=False)
+        offset = self.systems.get(system).num_tokens if system is not None else 0
+        seq = Sequence(rid, ids, params, cacheable=False, tree_open=False, system=system, position_offset=offset)
         self.blocks.grow(seq.block_table, len(ids))
         try:
             logits, stats = prefill(seq.block_table)

@@ -38,6 +38,7 @@ class RagOptions:
     mode: str = "fuse"
     recompute_ratio: float | None = None
     session_id: str | None = None  # the question is this session's next turn
+    relay: bool = True  # the instruction prefix served as a relay system prompt where the mode allows
 
 
 @dataclass

@@ -105,7 +105,7 @@ class EngineBackend:
 
         def start(_: LLMEngine) -> str:
             started.append(self.pipeline.start(question, options.mode, options.recompute_ratio, options.top_k,
-                                               params, options.session_id))
+                                               params, options.session_id, options.relay))
             return started[0].request_id
 
         last: RequestOutput | None = None
@@ -116,7 +116,7 @@ class EngineBackend:
         assert last is not None and started
         report = self.pipeline.result(started[0], last).as_dict()
         report.pop("token_ids")
-        yield RagAnswer(report, [s.tier for s in started[0].prep.sources])
+        yield RagAnswer(report, started[0].prep.kv_tiers())
 
     async def add_documents(self, files: list[tuple[str, bytes]]) -> dict[str, Any]:
         return await self.loop.call(lambda _: self.library.add(files))

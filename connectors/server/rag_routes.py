@@ -21,7 +21,8 @@ from .streaming import collect, event_stream, first_item, sse
 
 MAX_UPLOAD_FILES = 64
 TIMING = ("retrieve_s", "ttft_s", "total_s", "load_s", "load_hidden", "recompute_s")
-FUSION = ("mode", "recompute_ratio", "prompt_tokens", "reused_tokens", "recomputed_tokens", "tiers", "decision")
+FUSION = ("mode", "recompute_ratio", "prompt_tokens", "reused_tokens", "recomputed_tokens", "tiers", "decision",
+          "relay_system_tokens")
 
 
 def inline_schema(model: type[BaseModel]) -> dict[str, Any]:
@@ -58,7 +59,8 @@ def make_router(state: ServerState) -> APIRouter:
         if body.top_k > state.settings.max_top_k:
             raise APIError(400, f"top_k must be at most {state.settings.max_top_k}", param="top_k")
         sampling = state.sampling(body, body.max_tokens)
-        options = RagOptions(body.top_k, body.mode, body.recompute_ratio, body.session_id)
+        options = RagOptions(body.top_k, body.mode, body.recompute_ratio, body.session_id,
+                             state.settings.relay if body.relay is None else body.relay)
         rid, created = new_id("rag"), int(time.time())
         first_at: list[float] = []
 

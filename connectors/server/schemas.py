@@ -66,6 +66,8 @@ class RagQueryRequest(SamplingFields):
     recompute_ratio: float | None = Field(None, ge=0.0, le=1.0)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     session_id: SessionId | None = Field(None, description="ragfuse: the question is this session's next turn")
+    relay: bool | None = Field(None, description="ragfuse: serve the instruction prefix by relay attention "
+                                                 "(default: the server's setting)")
 
 
 class DocumentText(_Body):

@@ -162,7 +162,7 @@ class VLLMServeBackend(PromptBuilder):
             "mode": report.get("mode", "exact") if reuse else "full", "recompute_ratio": 0.0,
             "prompt_tokens": len(prompt.token_ids), "reused_tokens": loaded,
             "recomputed_tokens": len(prompt.token_ids) - loaded, "tiers": [CONNECTOR_TIER] if loaded else [],
-            "decision": None, "notes": notes,
+            "decision": None, "relay_system_tokens": 0, "notes": notes,
         }, [CONNECTOR_TIER] * hit_chunks + ["computed"] * (len(prompt.chunks) - hit_chunks))
 
     # ---------------------------------------------------------------- documents

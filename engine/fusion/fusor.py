@@ -13,11 +13,18 @@ Modes, comparable on the same input:
 - ``prefix``: the first segment's stored KV reused (prefix caching), everything after computed.
 - ``reuse``: all stored KV reused, re-positioned; only tokens without stored KV computed.
 - ``fuse``: reuse plus selective recompute of high-deviation tokens.
+
+Behind a registered system prompt (``SystemPart``, relay attention) the prompt's tokens sit at
+positions ``s, s+1, ...`` after the system prompt's ``s`` tokens, which stay in the registry's
+blocks: every active token attends to all of them (the system part, merged by log-sum-exp) and to
+the fused prompt in its own pages (the context part). No stored segment is then an exact prefix:
+the system prompt is.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -25,7 +32,7 @@ import torch
 
 from ragfuse.kernels.paged_attention import sequence_slots
 
-from ..attention import write_kv
+from ..attention import RelayMetadata, write_kv
 from ..models import LlamaForCausalLM
 from .prefetch import LayerPrefetcher
 from .segments import Segment
@@ -61,6 +68,15 @@ class FusionStats:
         return 1.0 - self.load_wait_s / self.load_s if self.load_s > 0 else 1.0
 
 
+@dataclass(frozen=True)
+class SystemPart:
+    """The registered system prompt a fused prompt follows: its length, and the relay metadata
+    for ``n`` query tokens behind it."""
+
+    num_tokens: int
+    relay: Callable[[int], RelayMetadata]
+
+
 def fuse_prefill(
     model: LlamaForCausalLM,
     kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
@@ -68,8 +84,10 @@ def fuse_prefill(
     segments: list[Segment],
     mode: FusionMode | str,
     policy: SelectionPolicy,
+    system: SystemPart | None = None,
 ) -> tuple[torch.Tensor, FusionStats]:
-    """Fill ``block_table``'s cache pages with the prompt's KV and return the last token's logits."""
+    """Fill ``block_table``'s cache pages with the prompt's KV and return the last token's logits.
+    With ``system`` the prompt continues that registered system prompt (relay attention)."""
     t_start = time.perf_counter()
     mode = FusionMode(mode)
     device = model.lm_head.weight.device
@@ -87,7 +105,7 @@ def fuse_prefill(
             forced[offset : offset + min(policy.sink_tokens, len(seg.token_ids))] = mode is FusionMode.FUSE
             # KV stored from position 0 is exactly what full prefill computes for a prompt that starts
             # with it: a cached prefix, never a candidate for recompute
-            exact[offset : offset + len(seg.token_ids)] = offset == 0
+            exact[offset : offset + len(seg.token_ids)] = offset == 0 and system is None
         offset += len(seg.token_ids)
     stored[n - 1] = False  # the last token's hidden state gives the first answer token
     exact[n - 1] = False
@@ -95,7 +113,9 @@ def fuse_prefill(
     row_of[stored] = torch.arange(int(stored.sum()), device=device)
     num_stored = int(stored.sum())
     num_fusable = int((stored & ~exact).sum())
-    positions = torch.arange(n, device=device)
+    positions = torch.arange(n, device=device)  # in the sequence's own pages
+    base = system.num_tokens if system is not None else 0  # page position p is model position base + p
+    relay: RelayMetadata | None = None
     table = torch.tensor([block_table], dtype=torch.int32, device=device)
     slots = sequence_slots(table[0], n, kv_layers[0][0].shape[1])
 
@@ -115,14 +135,14 @@ def fuse_prefill(
             kc, vc = kv_layers[li]
             k_st, v_st = loader.get(li) if sources else (None, None)
             if k_st is not None and idle_pos.numel():
-                write_kv(block.rotary(k_st[idle_rows], idle_pos), v_st[idle_rows], kc, vc, slots[idle_pos])
+                write_kv(block.rotary(k_st[idle_rows], idle_pos + base), v_st[idle_rows], kc, vc, slots[idle_pos])
             if residual is None:
                 residual, h = hidden, layer.input_layernorm(hidden)
             else:
                 h, residual = layer.input_layernorm(hidden, residual)
             q, k_raw, v = layer.self_attn.project(h)
             pos = positions[active_idx]
-            write_kv(block.rotary(k_raw, pos), v, kc, vc, slots[pos])
+            write_kv(block.rotary(k_raw, pos + base), v, kc, vc, slots[pos])
             if checks and li == checks[0]:
                 keep = _check(policy, len(policy.check_layers) - len(checks), k_raw, v, k_st, v_st,
                               active_idx, stored & ~exact, forced, row_of, num_fusable)
@@ -136,8 +156,9 @@ def fuse_prefill(
             if shape_key != (whole, int(active_idx.numel())):  # the active set changed: new launch sizes
                 shape_key = (whole, int(active_idx.numel()))
                 bounds = torch.tensor([0, shape_key[1], n], dtype=torch.int32, device=device)
+                relay = system.relay(shape_key[1]) if system is not None else None
             out, _ = layer.self_attn.attn.attend(
-                block.rotary(q, pos), None if whole else pos, (kc, vc), table, n, slots, bounds
+                block.rotary(q, pos + base), None if whole else pos, (kc, vc), table, n, slots, bounds, relay
             )
             h = layer.self_attn.o_proj(out.reshape(out.shape[0], -1))
             h, residual = layer.post_attention_layernorm(h, residual)
