@@ -244,7 +244,9 @@ def test_rag_query_answers_from_fused_kv_with_sources_and_timing(served):
     ans = r.json()
     assert "lighthouses.md" in ans["sources"][0]["source"] and len(ans["sources"]) == 2
     assert ans["fusion"]["mode"] == "fuse" and ans["fusion"]["reused_tokens"] > 0
-    assert set(ans["kv_tiers"]) <= {"cpu", "disk", "computed"} and len(ans["kv_tiers"]) == 3  # prefix + 2 chunks
+    # the instruction prefix as a relay system prompt, then the 2 chunks' stored KV
+    assert ans["kv_tiers"][0] == "relay" and set(ans["kv_tiers"][1:]) <= {"cpu", "disk", "computed"}
+    assert len(ans["kv_tiers"]) == 3 and ans["fusion"]["relay_system_tokens"] > 0
     for key in ("retrieve_s", "ttft_s", "total_s", "load_s", "recompute_s", "server_ttft_s"):
         assert ans["timing"][key] >= 0
     assert ans["timing"]["total_s"] >= ans["timing"]["ttft_s"]
@@ -261,7 +263,11 @@ def test_rag_query_answers_from_fused_kv_with_sources_and_timing(served):
     text = "".join(json.loads(e)["delta"] for e in events[:-2])
     assert text.strip() == final["answer"]
     assert metric(served, "ragfuse_kv_cache_hits_total", tier="cpu") + metric(
-        served, "ragfuse_kv_cache_hits_total", tier="disk") >= 3
+        served, "ragfuse_kv_cache_hits_total", tier="disk") >= 2
+    assert metric(served, "ragfuse_kv_cache_hits_total", tier="relay") >= 2
+    off = httpx.post(f"{served.url}/v1/rag/query", json={**body, "relay": False}, headers=AUTH, timeout=120).json()
+    assert off["answer"] == ans["answer"] and off["fusion"]["relay_system_tokens"] == 0  # greedy, same tokens
+    assert off["kv_tiers"][0] != "relay" and off["usage"]["prompt_tokens"] == ans["usage"]["prompt_tokens"]
 
 
 def test_rag_query_rejects_bad_options(served):
