@@ -173,3 +173,43 @@ def test_relay_prompts_registered_on_demand_are_bounded_and_released_lru(engine)
     assert reg.registered == 1
     engine.release_system(sc)
     assert reg.registered == 0 and engine.blocks.num_free == free
+
+
+RANDOM_SHAPE = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+    "max_position_embeddings": 4096, "rope_theta": 10000.0, "eos_token_id": 0,
+}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("mode,ratio", [("reuse", 0.0), ("fuse", 0.15)])
+def test_fused_prompt_behind_a_relay_system_prompt_equals_the_stored_prefix(device, mode, ratio) -> None:
+    """A fused prompt (stored chunks, selective recompute) behind a registered system prompt, in
+    the fused prefill and in decode, gives the tokens of the same system prompt as the prompt's
+    first segment with its stored KV (an exact prefix in the request's pages). On CUDA through
+    the Triton kernels (system part, merge), on CPU through the torch references."""
+    from ragfuse.engine.fusion import Segment, SelectionPolicy, TensorKV
+
+    cfg = EngineConfig(device=device, dtype="float32", kv_cache_bytes=64 << 20,
+                       attention_backend="triton" if device == "cuda" else "torch")
+    eng = LLMEngine(cfg, random_weights=ModelConfig.from_dict(RANDOM_SHAPE))
+    g = torch.Generator().manual_seed(0)
+    pieces = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in (90, 130, 77)]
+    segs = [Segment(p, TensorKV(*kv)) for p, kv in zip(pieces, eng.compute_kv(pieces), strict=True)]
+    segs.append(Segment([5, 6, 7, 8, 9]))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    policy = SelectionPolicy(ratio=ratio)
+
+    def tokens(rid: str) -> list[int]:
+        while True:
+            for out in eng.step():
+                if out.request_id == rid and out.finished:
+                    return out.token_ids
+
+    stored_rid, stored = eng.add_fused_request(segs, params, mode, policy)
+    want = tokens(stored_rid)
+    sid = eng.register_system(pieces[0])
+    relay_rid, relayed = eng.add_fused_request(segs[1:], params, mode, policy, system=sid)
+    assert tokens(relay_rid) == want
+    assert relayed.recomputed_tokens == stored.recomputed_tokens and relayed.prompt_tokens == stored.prompt_tokens - 90
