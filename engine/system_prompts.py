@@ -48,6 +48,9 @@ class SystemPrompts:
         """Tokens of the longest registered prompt (a host bound for kernel split counts)."""
         return max((p.num_tokens for p in self._prompts.values()), default=0)
 
+    def __len__(self) -> int:
+        return len(self._prompts)
+
     @property
     def free_count(self) -> int:
         return self.capacity - len(self._prompts)

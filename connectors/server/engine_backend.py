@@ -137,7 +137,7 @@ class EngineBackend:
         return await self.loop.call(lambda _: self.sessions.delete(session_id))
 
     def relay_prompts(self) -> int:
-        return self.pipeline.engine.relay_prompts.registered
+        return len(self.pipeline.engine.systems)  # chats', the pipeline's and any registered by hand
 
     def queue_depth(self) -> int:
         return self.loop.queue_depth

@@ -314,7 +314,8 @@ class SessionStore:
 
     def delete(self, session_id: str) -> bool:
         """Drop a session's KV from every tier (its files too); False if there was none. A later
-        turn of the same id starts a new conversation."""
+        turn of the same id starts a new conversation (a turn still running when this is called
+        saves its KV as usual when it finishes)."""
         check_session_id(session_id)
         with self._lock:
             saving = self._saving.pop(session_id, None)

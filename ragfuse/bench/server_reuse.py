@@ -187,7 +187,9 @@ def _report(args: argparse.Namespace, turns: list[dict[str, Any]], relays: list[
              "(`ttft_stateless_s`; `stateless_prefix_cached_tokens`: blocks the engine's prefix tree still held). "
              f"Relay row: {len(relays)} questions behind one system message, `ttft_session_s` with relay, "
              "`ttft_stateless_s` without (the prefix tree may still share its blocks), `session_reused_tokens`: "
-             "system tokens relay served. `same_answers`: identical greedy text both ways.")
+             "system tokens relay served. `same_answers`: identical greedy text both ways. Turn 1 is the same "
+             "request twice (nothing is stored yet): the stateless one, sent second, finds the first's blocks in "
+             "the prefix tree.")
     results = {"machine": machine_info(args.device), "turns": turns, "relay": relays}
     path = write_report(args.out, "ragfuse bench server-reuse", results, rows, lambda fig: _plot(fig, rows), notes)
     for r in rows:
