@@ -11,7 +11,10 @@ by side in one run, through the HTTP API as a client uses it (streaming chat com
   whether the answers are the same.
 - relay: questions behind one long system message, each sent with relay on and off (``"relay"``).
 
-TTFT is what the client sees (request sent to the first content chunk).
+TTFT is what the client sees (request sent to the first content chunk). The server runs without
+its prefix tree (``--no-prefix-tree``) unless ``--prefix-tree``: the baselines are then what they
+say, full prefill of the history and of the system prompt (the prefix tree would otherwise serve
+them from blocks a single client's earlier requests left in memory, which a busy server evicts).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=24, help="tokens per answer")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    p.add_argument("--prefix-tree", action="store_true", help="keep the engine's prefix tree on (see above)")
     p.add_argument("--out", default="bench-results/server-reuse")
     p.set_defaults(func=run)
 
@@ -63,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="ragfuse-bench-reuse-") as tmp:
         port = _free_port()
         cmd = [sys.executable, "-m", "ragfuse.cli", "serve", "--store", str(Path(tmp) / "store"), "--model",
-               args.model, "--device", args.device, "--port", str(port), "--no-gate", "--log-level", "warning"]
+               args.model, "--device", args.device, "--port", str(port), "--no-gate", "--log-level", "warning",
+               *([] if args.prefix_tree else ["--no-prefix-tree"])]
         log = open(Path(tmp) / "server.log", "w")  # noqa: SIM115 (closed below, after the server)
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                   env={**os.environ, "RAGFUSE_API_KEY": key})
@@ -181,15 +186,16 @@ def _report(args: argparse.Namespace, turns: list[dict[str, Any]], relays: list[
             x["no_relay"]["usage"]["prompt_tokens_details"]["cached_tokens"] for x in relays),
         "same_answers": sum(x["relay"]["text"] == x["no_relay"]["text"] for x in relays),
     })
-    notes = (f"`ragfuse serve` ({args.model}, {args.device}), greedy, {args.max_tokens} tokens per answer, medians. "
+    tree = "on" if args.prefix_tree else "off (baselines are full prefill)"
+    notes = (f"`ragfuse serve` ({args.model}, {args.device}), prefix tree {tree}, greedy, {args.max_tokens} tokens "
+             "per answer, medians. "
              f"Sessions rows: {len(turns) // max(args.turns, 1)} ShareGPT conversations, each turn sent as a session "
              "turn (`ttft_session_s`, `session_reused_tokens`: history KV from the session store) and stateless "
              "(`ttft_stateless_s`; `stateless_prefix_cached_tokens`: blocks the engine's prefix tree still held). "
              f"Relay row: {len(relays)} questions behind one system message, `ttft_session_s` with relay, "
              "`ttft_stateless_s` without (the prefix tree may still share its blocks), `session_reused_tokens`: "
              "system tokens relay served. `same_answers`: identical greedy text both ways. Turn 1 is the same "
-             "request twice (nothing is stored yet): the stateless one, sent second, finds the first's blocks in "
-             "the prefix tree.")
+             "request twice (nothing is stored yet).")
     results = {"machine": machine_info(args.device), "turns": turns, "relay": relays}
     path = write_report(args.out, "ragfuse bench server-reuse", results, rows, lambda fig: _plot(fig, rows), notes)
     for r in rows:

@@ -32,6 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--session-disk-gb", type=float, default=32.0, help="disk for sessions' KV")
     p.add_argument("--no-relay", action="store_true",
                    help="serve chats' system messages by plain prefill (default: relay attention, registered once)")
+    p.add_argument("--no-prefix-tree", action="store_true",
+                   help="no automatic sharing of common prompt prefixes' KV blocks (for comparisons)")
     p.add_argument("--no-gate", action="store_true",
                    help="skip the accuracy gate's r* calibration (recompute ratio: the policy's default)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -69,7 +71,13 @@ def build_backend(args: argparse.Namespace):  # noqa: ANN201 (a Backend; its mod
         return VLLMServeBackend.open(args.store, args.model)
     from ragfuse.connectors.server.engine_backend import EngineBackend, open_store_pipeline
 
-    pipeline = open_store_pipeline(args.store, args.model, args.device, args.dtype, gate=not args.no_gate)
+    engine = None
+    if args.no_prefix_tree:
+        from ragfuse.engine import EngineConfig, LLMEngine
+
+        engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, prefix_tree=False))
+    pipeline = open_store_pipeline(args.store, args.model, args.device, args.dtype, engine=engine,
+                                   gate=not args.no_gate)
     return EngineBackend(pipeline, args.model, args.sessions_dir, int(args.session_memory_gb * 2**30),
                          int(args.session_disk_gb * 2**30))
 
