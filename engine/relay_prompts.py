@@ -53,6 +53,16 @@ class RelayPrompts:
         self._used.move_to_end(known)
         return known
 
+    def release_idle(self) -> int:
+        """Release every prompt this registry holds that no unfinished request follows (a front end
+        closing: its registrations end with it); returns how many."""
+        self._prune()
+        idle = [sid for sid in self._used if not self.engine.system_busy(sid)]
+        for sid in idle:
+            self.engine.release_system(sid)
+            del self._used[sid]
+        return len(idle)
+
     def _make_room(self) -> bool:
         """Release idle prompts until one more fits (under both this bound and the engine's)."""
         def full() -> bool:

@@ -171,8 +171,10 @@ def test_relay_prompts_registered_on_demand_are_bounded_and_released_lru(engine)
     assert sd is not None and engine.systems.find(a) is None and reg.releases == 2  # a was used before c
     engine.release_system(sd)  # released behind the registry's back: it notices
     assert reg.registered == 1
-    engine.release_system(sc)
-    assert reg.registered == 0 and engine.blocks.num_free == free
+    busy = engine.add_request([5, 6, 7], SamplingParams(max_tokens=2), system=sc)
+    assert reg.release_idle() == 0  # a running request keeps its prompt
+    engine.abort(busy)
+    assert reg.release_idle() == 1 and reg.registered == 0 and engine.blocks.num_free == free
 
 
 RANDOM_SHAPE = {

@@ -147,6 +147,7 @@ class EngineBackend:
 
     def close(self) -> None:
         self.loop.shutdown()
+        self.pipeline.engine.relay_prompts.release_idle()  # its blocks go back with the server
         self.sessions.close()  # every turn's KV reaches disk before the process ends
         self.pipeline.engine.sessions = self._engine_sessions
         self.pipeline.store.close()
