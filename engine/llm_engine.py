@@ -27,6 +27,7 @@ from .kv_cache import KVCache
 from .model_runner import ModelRunner
 from .models import KVHook
 from .prefix_tree import PrefixTree
+from .relay_prompts import RelayPrompts
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
@@ -83,6 +84,7 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, self.config.block_size)
         self.systems = SystemPrompts(MAX_SYSTEM_PROMPTS, self.max_model_len, self.config.block_size, self.device)
         self.runner.systems = self.systems
+        self.relay_prompts = RelayPrompts(self, MAX_SYSTEM_PROMPTS)  # registered on demand, LRU-bounded
         self.tree = PrefixTree(self.blocks) if self.config.prefix_tree else None
         self.scheduler = Scheduler(
             self.blocks, self.config.max_num_seqs, max(self.config.max_num_batched_tokens, 1), self.tree
@@ -225,12 +227,16 @@ class LLMEngine:
     def release_system(self, system_id: int) -> None:
         """Free a system prompt's blocks; refused while an unfinished request follows it."""
         sp = self.systems.get(system_id)
-        if any(s.system == system_id for s in self._seqs.values() if not s.finished):
+        if self.system_busy(system_id):
             raise RequestError(f"system prompt {system_id} still has unfinished requests")
         self.systems.remove(sp.slot)
         self.blocks.release(sp.block_table)
         if self.tree is not None:
             self.tree.drop_system(sp.slot)
+
+    def system_busy(self, system_id: int) -> bool:
+        """Whether an unfinished request follows this system prompt."""
+        return any(s.system == system_id for s in self._seqs.values() if not s.finished)
 
     def abort(self, request_id: str) -> None:
         self._session_turns.pop(request_id, None)  # an unfinished turn is not saved
@@ -321,28 +327,39 @@ class LLMEngine:
         mode: FusionMode | str = FusionMode.FUSE,
         policy: SelectionPolicy | None = None,
         request_id: str | None = None,
+        system: int | None = None,
     ) -> tuple[str, FusionStats]:
         """Prefill a prompt made of ``segments`` with cache fusion, then decode it like any request.
 
         The fused prefill runs now (its KV lands in the request's cache pages and its first token is
-        sampled); the first output comes with the next ``step``.
+        sampled); the first output comes with the next ``step``. With ``system`` (an id from
+        ``register_system``) the prompt continues that system prompt through relay attention, in
+        the fused prefill and in decode.
         """
         params = params or SamplingParams()
         ids = self.tokenize([t for seg in segments for t in seg.token_ids])
-        params, rid = self._admit(len(ids), params, request_id)
+        offset = 0
+        if system is not None:
+            if not self.supports_relay:
+                raise RequestError("relay attention needs a model without a sliding window")
+            offset = self.systems.get(system).num_tokens
+        params, rid = self._admit(offset + len(ids), params, request_id)
         policy = policy or SelectionPolicy()
         return self._add_prefilled(
-            ids, params, rid, lambda table: self.runner.fused_prefill(table, segments, mode, policy)
+            ids, params, rid, lambda table: self.runner.fused_prefill(table, segments, mode, policy, system),
+            system,
         )
 
     def _add_prefilled(
         self, ids: list[int], params: SamplingParams, rid: str,
-        prefill: Callable[[list[int]], tuple[torch.Tensor, FusionStats]],
+        prefill: Callable[[list[int]], tuple[torch.Tensor, FusionStats]], system: int | None = None,
     ) -> tuple[str, FusionStats]:
         """Register a request whose whole prompt ``prefill`` puts in its cache pages now (returning
-        the last token's logits): its first token is sampled here and reported by the next step."""
+        the last token's logits): its first token is sampled here and reported by the next step.
+        ``system``: the registered system prompt the prompt follows (relay)."""
         # fused or session KV is not the exact KV of these tokens, so its blocks never join the prefix tree
-        seq = Sequence(rid, ids, params, cacheable=False, tree_open=False)
+        offset = self.systems.get(system).num_tokens if system is not None else 0
+        seq = Sequence(rid, ids, params, cacheable=False, tree_open=False, system=system, position_offset=offset)
         self.blocks.grow(seq.block_table, len(ids))
         try:
             logits, stats = prefill(seq.block_table)
@@ -527,6 +544,7 @@ class LLMEngine:
             ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
             total_s=end - seq.arrival_time,
             metrics={"preemptions": seq.num_preemptions, "cached_tokens": seq.num_cached_tokens,
+                     "relay_system_tokens": seq.position_offset if seq.system is not None else 0,
                      **(turn.stats(len(seq.prompt_token_ids)) if turn is not None else {})},
         )
 

@@ -13,7 +13,7 @@ from .attention import AttentionMetadata, RelayMetadata, set_attention_backend
 from .checkpoint import Checkpoint
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, PrefillGraphs, graphs_enabled
-from .fusion import FusionMode, FusionStats, Segment, SelectionPolicy, fuse_prefill
+from .fusion import FusionMode, FusionStats, Segment, SelectionPolicy, SystemPart, fuse_prefill
 from .kv_cache import KVCache
 from .models import KVHook, LlamaForCausalLM, build_model
 from .sampling import sample
@@ -157,11 +157,19 @@ class ModelRunner:
         return self.forward(ids, pos, meta, hook, keep=True)
 
     def fused_prefill(
-        self, block_table: list[int], segments: list[Segment], mode: FusionMode | str, policy: SelectionPolicy
+        self, block_table: list[int], segments: list[Segment], mode: FusionMode | str, policy: SelectionPolicy,
+        system: int | None = None,
     ) -> tuple[torch.Tensor, FusionStats]:
-        """Cache fusion into ``block_table``'s pages; returns the last token's logits and stats."""
+        """Cache fusion into ``block_table``'s pages; returns the last token's logits and stats.
+        ``system``: a registered system prompt the prompt follows (relay attention)."""
         assert self.kv_cache is not None, "allocate_cache first"
-        return fuse_prefill(self.model, self.kv_cache.layers, block_table, segments, mode, policy)
+        part = None
+        if system is not None:
+            systems = self.systems
+            assert systems is not None
+            part = SystemPart(systems.get(system).num_tokens, lambda n: RelayMetadata.build(
+                [system] * n, self._tokens_per_tile(), systems.tables, systems.lens, systems.max_len, self.device))
+        return fuse_prefill(self.model, self.kv_cache.layers, block_table, segments, mode, policy, part)
 
     def capture_kv(
         self, token_lists: list[list[int]], block_tables: list[list[int]]
