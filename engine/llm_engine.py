@@ -423,7 +423,8 @@ class LLMEngine:
         self, turn: SessionTurn, params: SamplingParams, request_id: str | None
     ) -> tuple[str, FusionStats]:
         """A turn whose staged history is a cached prefix: written into the cache layer by layer
-        (``HistoryWriter``) while only the new tokens run through the model."""
+        (``HistoryWriter``, between the layers' graph replays) while only the new tokens run through
+        the model."""
         ids = self.tokenize(turn.plan.token_ids)
         if len(ids) >= self.max_model_len:
             raise RequestError(f"prompt of {len(ids)} tokens exceeds the context of {self.max_model_len}")
@@ -440,7 +441,7 @@ class LLMEngine:
             writer = HistoryWriter(turn.source, self.runner.kv_cache.layers, table, self.config.block_size,
                                    self.runner.model.model.rotary)
             with torch.inference_mode():
-                hidden = self.runner.forward_continuation(ids[n_hist:], n_hist, table, writer)
+                hidden = self.runner.forward_continuation(ids[n_hist:], n_hist, table, before_layer=writer)
                 logits = self.runner.model.compute_logits(hidden[-1:])[0]
             torch.cuda.synchronize(self.device)
             total = time.perf_counter() - t

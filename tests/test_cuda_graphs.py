@@ -148,15 +148,21 @@ def test_prefill_graph_matches_eager_and_padding_writes_nothing(monkeypatch: pyt
             replayed = graphs.run(ids, pos, meta).clone()
             after_graph = runner.kv_cache.storage.clone()
             runner.kv_cache.storage.copy_(before)
+            calls: list[int] = []  # one graph per layer, the host called back before each
+            layered = graphs.run_layers(ids, pos, meta, calls.append).clone()
+            after_layers = runner.kv_cache.storage.clone()
+            runner.kv_cache.storage.copy_(before)
             eager = runner.model(ids, pos, runner.kv_cache.layers, meta)
-        assert prefill_bucket(n) == 128 and set(graphs.graphs) == {128}
-        assert (replayed - eager).abs().max().item() < 1e-4 * eager.abs().max().item()
-        changed = (after_graph != before).flatten(4).any(-1)  # [layers, k/v, blocks, block offsets]
-        expect = torch.zeros_like(changed)
+        assert prefill_bucket(n) == 128 and set(graphs.graphs) == {128} and set(graphs.layer_graphs) == {128}
+        assert calls == list(range(SHAPE["num_hidden_layers"]))
+        for out in (replayed, layered):
+            assert (out - eager).abs().max().item() < 1e-4 * eager.abs().max().item()
+        expect = torch.zeros_like((before != before).flatten(4).any(-1))  # [layers, k/v, blocks, block offsets]
         for p in range(start, start + n):
             expect[:, :, table[p // bs], p % bs] = True
-        assert torch.equal(changed, expect)
-    assert graphs.replays == 2
+        for after in (after_graph, after_layers):
+            assert torch.equal((after != before).flatten(4).any(-1), expect)
+    assert graphs.replays == 2 and graphs.layer_replays == 2
 
 
 @pytest.mark.gpu

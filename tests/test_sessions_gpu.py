@@ -1,5 +1,6 @@
 """Sessions on CUDA (random weights, float32): the side-stream snapshot stores K without position
-exactly as ``compute_kv`` computes it, and a restored turn answers as recomputing the history."""
+exactly as ``compute_kv`` computes it, and a restored turn answers as recomputing the history (from
+host memory: its new tokens replayed one prefill graph per layer, the history written in between)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,11 @@ def test_cuda_session_turn_matches_recompute(tmp_path, where: str) -> None:
     torch.testing.assert_close(k, k_ref.cpu(), atol=2e-4, rtol=1e-4)  # un-rotated K = K before RoPE
     torch.testing.assert_close(v, v_ref.cpu(), atol=2e-4, rtol=1e-4)
     conversation = history + first.token_ids + new
+    graphs = eng.runner.prefill_graphs
+    layered = graphs.layer_replays if graphs is not None else 0
     out = finish(eng.add_session_request("g", conversation, sp))
     assert out.metrics["session_tier"] == where and out.metrics["session_tokens_reused"] == rec.num_rows
+    if where == "cpu" and graphs is not None:  # the history written between the layers' graph replays
+        assert graphs.layer_replays == layered + 1
     assert out.token_ids == finish(eng.add_request(conversation, sp)).token_ids
     store.close()
