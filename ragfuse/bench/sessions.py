@@ -116,8 +116,9 @@ def _ttft_engine(args: argparse.Namespace, longest: int) -> Any:
     mc = ModelConfig.from_dict(cfg)
     n = longest + args.new_tokens + 64
     budget = int(mc.kv_bytes_per_token(torch.bfloat16 if args.device == "cuda" else torch.float32) * (n + 512) * 2)
+    # the prefix tree off: the RE baseline recomputes the whole history every time (repeats included)
     return LLMEngine(EngineConfig(device=args.device, kv_cache_bytes=budget, max_num_batched_tokens=n,
-                                  max_model_len=min(mc.max_position_embeddings, max(n + 64, 4096))),
+                                  max_model_len=min(mc.max_position_embeddings, max(n + 64, 4096)), prefix_tree=False),
                      random_weights=mc), shape
 
 
