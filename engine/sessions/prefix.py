@@ -1,17 +1,22 @@
 """A session turn on CUDA as a cached-prefix prefill: the history is written into the sequence's
-cache pages one layer at a time, just before that layer runs, and only the new tokens run through
-the model. The writer is the forward's ``before_layer``: where a prefill graph fits, the new tokens'
-forward is replayed one captured graph per layer, so a 256-token turn of a 7B model costs its GPU
-time (~10 ms on an H100) instead of its ~500 launches from Python (~25-30 ms).
+cache pages and only the new tokens run through the model, from the prefill CUDA graphs where they
+fit (a 256-token turn of a 7B model then costs its GPU time, ~11 ms on an H100, instead of its ~500
+launches from Python, ~25-35 ms).
 
 The history was staged (``SessionSource.stage``): every layer's copy is queued on a side stream at
-once, so the copy engine streams them back to back while the compute stream runs the new tokens;
-before layer i's attention the compute stream waits *on the device* for layer i's copy event. No
-loader threads and no host waits: with the read buffer filled ahead (staged while the previous job
-ran) the history costs nothing but the re-rotation and the cache write.
+once, so the copy engine streams them back to back. Two ways to write it, picked when the turn starts:
 
-Stalls are measured exactly with timed events: before layer i the compute stream records ``ready_i``;
-it stalls for ``done_i - ready_i`` when the copy of layer i ends later (``done_i``).
+- still copying (the usual case when the history comes from host memory now): layer by layer, as the
+  forward's ``before_layer``. Before layer i the compute stream waits *on the device* for layer i's
+  copy, re-rotates it and writes it into the pages, then replays layer i's graph; later layers'
+  copies run meanwhile (AttentionStore's layer-wise pre-loading).
+- already copied (the read buffer was filled while the previous job ran): every layer at once (one
+  rotation and one scatter of K and V over all layers), then one graph for the whole forward; the
+  per-layer launches would cost more than the writes themselves.
+
+No loader threads and no host waits. Stalls are measured exactly with timed events: before layer i
+the compute stream records ``ready_i``; it stalls for ``done_i - ready_i`` when the copy of layer i
+ends later (``done_i``).
 """
 
 from __future__ import annotations
@@ -21,22 +26,22 @@ import torch
 from ragfuse.kernels.paged_attention import sequence_slots
 
 from ..attention import write_kv
+from ..kv_cache import KVCache
 from ..layers import RotaryEmbedding
 from .source import SessionSource
 
 
 class HistoryWriter:
-    """Called with i before layer i runs: writes layer i of the staged history (re-rotated to
-    positions 0..n-1) into the cache pages, on the compute stream once that layer's copy is done."""
+    """Writes the staged history (re-rotated to positions 0..n-1) into a sequence's cache pages: one
+    layer per call (``writer(i)`` before layer i runs), or all layers at once (``write_all``)."""
 
     def __init__(
-        self, source: SessionSource, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], block_table: list[int],
-        block_size: int, rotary: RotaryEmbedding,
+        self, source: SessionSource, cache: KVCache, block_table: list[int], block_size: int, rotary: RotaryEmbedding
     ) -> None:
-        device = kv_layers[0][0].device
+        device = cache.storage.device
         table = torch.tensor(block_table, dtype=torch.int32, device=device)
         self.source = source
-        self.kv_layers = kv_layers
+        self.cache = cache
         self.rotary = rotary
         self.slots = sequence_slots(table, source.num_tokens, block_size)
         self.positions = torch.arange(source.num_tokens, device=device)
@@ -46,8 +51,21 @@ class HistoryWriter:
         ready = torch.cuda.Event(enable_timing=True)
         ready.record()
         k_st, v_st, done = self.source.layer_on_device(layer)
-        kc, vc = self.kv_layers[layer]
+        kc, vc = self.cache.layers[layer]
         write_kv(self.rotary(k_st, self.positions), v_st, kc, vc, self.slots)
+        self._marks.append((ready, done))
+
+    def write_all(self) -> None:
+        """Every layer in one pass: K of all layers rotated as one [layers * tokens] batch, then K and V
+        scattered into the pages of all layers at once."""
+        ready = torch.cuda.Event(enable_timing=True)
+        ready.record()
+        k, v, done = self.source.all_on_device()  # [layers, tokens, kv_heads, head_dim]
+        layers, n = k.shape[:2]
+        k = self.rotary(k.reshape(layers * n, *k.shape[2:]), self.positions.repeat(layers)).view_as(v)
+        pages = self.cache.storage.flatten(2, 3)  # [layers, K/V, slots, kv_heads, head_dim]
+        pages[:, 0].index_copy_(1, self.slots, k.to(pages.dtype))
+        pages[:, 1].index_copy_(1, self.slots, v.to(pages.dtype))
         self._marks.append((ready, done))
 
     def timings(self) -> tuple[float, float]:
