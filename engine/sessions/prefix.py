@@ -7,9 +7,10 @@ The history was staged (``SessionSource.stage``): every layer's copy is queued o
 once, so the copy engine streams them back to back. Two ways to write it, picked when the turn starts:
 
 - still copying (the usual case when the history comes from host memory now): layer by layer, as the
-  forward's ``before_layer``. Before layer i the compute stream waits *on the device* for layer i's
-  copy, re-rotates it and writes it into the pages, then replays layer i's graph; later layers'
-  copies run meanwhile (AttentionStore's layer-wise pre-loading).
+  forward's ``before_layer``. A write stream waits *on the device* for layer i's copy, re-rotates it
+  and writes it into the pages; the compute stream waits for that write, then replays layer i's
+  graph. Later layers' copies and writes run meanwhile (AttentionStore's layer-wise pre-loading),
+  and the compute stream runs nothing but the graphs back to back.
 - already copied (the read buffer was filled while the previous job ran): every layer at once (one
   rotation and one scatter of K and V over all layers), then one graph for the whole forward; the
   per-layer launches would cost more than the writes themselves.
@@ -45,14 +46,20 @@ class HistoryWriter:
         self.rotary = rotary
         self.slots = sequence_slots(table, source.num_tokens, block_size)
         self.positions = torch.arange(source.num_tokens, device=device)
+        self.stream = torch.cuda.Stream(device)  # the layer-by-layer writes
+        self.stream.wait_stream(torch.cuda.current_stream(device))  # the pages and slots are ready
         self._marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def __call__(self, layer: int) -> None:
         ready = torch.cuda.Event(enable_timing=True)
         ready.record()
-        k_st, v_st, done = self.source.layer_on_device(layer)
-        kc, vc = self.cache.layers[layer]
-        write_kv(self.rotary(k_st, self.positions), v_st, kc, vc, self.slots)
+        written = torch.cuda.Event()
+        with torch.cuda.stream(self.stream):
+            k_st, v_st, done = self.source.layer_on_device(layer)  # this stream waits for the copy
+            kc, vc = self.cache.layers[layer]
+            write_kv(self.rotary(k_st, self.positions), v_st, kc, vc, self.slots)
+            written.record(self.stream)
+        torch.cuda.current_stream(self.slots.device).wait_event(written)
         self._marks.append((ready, done))
 
     def write_all(self) -> None:
