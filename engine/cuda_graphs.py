@@ -26,7 +26,9 @@ only when it changes (a new batch or new sharing), not at every step.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,8 +43,11 @@ EAGER_SIZES = (1, 2, 4, 8, 16, 32, 64)  # captured when the cache is allocated
 MAX_GRAPH_BATCH = 256  # larger decode batches run eagerly
 GRAPH_SYSTEMS = 4  # distinct system prompts (counting "none") a relay graph's tiles have room for
 # Prefill token buckets, captured on first use. Longer prefills are matmul-bound (launching is
-# hidden behind the GPU work) and may take the cuDNN attention path, which takes no lengths.
-PREFILL_BUCKETS = (64, 128, 256, 512, 1024)
+# hidden behind the GPU work) and may take the cuDNN attention path, which takes no lengths. Steps of
+# 32 up to 512: a new chat turn is often just past a power of two (a 256-token message after the
+# previous answer's last token is 257 tokens); padded to 512 its matmuls would double, to 320 they
+# cost 1.5 ms more than at 256 on an H100 (Mistral-7B shape).
+PREFILL_BUCKETS = (*range(64, 513, 32), 768, 1024)
 # Two-phase plan capacities of a tree graph: the smallest that holds the plan is used. Item rows past
 # the plan's cost one early-exiting program each; partial slots size a float32 buffer per layer.
 PLAN_ITEMS = (16, 32, 64, 128, 256)
@@ -74,8 +79,8 @@ class _Captured:
 
 
 @torch.inference_mode()
-def capture_forward(model: nn.Module, args: tuple, pool: tuple) -> _Captured:
-    """Capture ``model(*args)`` into a graph drawing on ``pool``.
+def capture_call(fn: Callable[..., Any], args: tuple, pool: tuple) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Capture ``fn(*args)`` into a graph drawing on ``pool``; returns the graph and the output.
 
     The first run happens outside the graph on a side stream: it compiles the Triton kernels and
     lets cuBLAS pick its algorithms, none of which may happen during capture.
@@ -83,12 +88,17 @@ def capture_forward(model: nn.Module, args: tuple, pool: tuple) -> _Captured:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        model(*args)
+        fn(*args)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
-        hidden = model(*args)
-    return _Captured(graph, hidden)
+        out = fn(*args)
+    return graph, out
+
+
+def capture_forward(model: nn.Module, args: tuple, pool: tuple) -> _Captured:
+    """Capture the whole forward ``model(*args)``."""
+    return _Captured(*capture_call(model, args, pool))
 
 
 class DecodeGraphs:
@@ -281,6 +291,11 @@ class PrefillGraphs:
     rows are real: the attention kernel reads the query count from ``cu_seqlens_q = [0, n]`` on the
     device, so rows ``n..N`` attend to nothing, and their ``slot = -1`` writes nothing. Every other op
     is row-wise, so whatever the padding rows hold never reaches a real row.
+
+    A bucket may also be captured as one graph per layer (``run_layers``): the caller then gets the
+    host between layers, to put work on the stream before layer i reads the cache (a session turn
+    writes layer i of its stored history into the pages there, while later layers' history is still
+    on its way from host memory). Each layer graph reads the previous one's output buffers.
     """
 
     def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
@@ -299,7 +314,10 @@ class PrefillGraphs:
         self.cu_seqlens_q = torch.zeros(2, dtype=torch.int32, device=device)
         self.pool = pool
         self.graphs: dict[int, _Captured] = {}
+        self.layer_graphs: dict[int, list[_Captured]] = {}  # by bucket: one graph per layer
         self.replays = 0
+        self.layer_replays = 0  # forwards served by the per-layer graphs (for tests and metrics)
+        self._held: list[torch.Tensor] = []
 
     def accepts(self, meta: AttentionMetadata) -> bool:
         return (
@@ -312,12 +330,43 @@ class PrefillGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [n, hidden] of the sequence's ``n`` new tokens, by graph replay."""
-        n = input_ids.shape[0]
-        size = prefill_bucket(n)
-        assert size is not None, "accepts() first"
+        size = self._bucket(input_ids)
         captured = self.graphs.get(size)
-        if captured is None:
-            captured = self.graphs[size] = self._capture(size)
+        if captured is None:  # before the inputs are loaded: capturing makes them inert
+            captured = self.graphs[size] = capture_forward(
+                self.model, (self.input_ids[:size], self.positions[:size], self.kv_caches, self._meta(size)), self.pool
+            )
+        n = self._load_inputs(input_ids, positions, meta)
+        captured.graph.replay()
+        self.replays += 1
+        return captured.hidden[:n]
+
+    def run_layers(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        before_layer: Callable[[int], None],
+    ) -> torch.Tensor:
+        """As ``run``, one layer's graph at a time, calling ``before_layer(i)`` before layer i's replay."""
+        size = self._bucket(input_ids)
+        layers = self.layer_graphs.get(size)
+        if layers is None:
+            layers = self.layer_graphs[size] = self._capture_layers(size)
+        n = self._load_inputs(input_ids, positions, meta)
+        for i, captured in enumerate(layers):
+            before_layer(i)
+            captured.graph.replay()
+        self.layer_replays += 1
+        return captured.hidden[:n]
+
+    @staticmethod
+    def _bucket(input_ids: torch.Tensor) -> int:
+        size = prefill_bucket(input_ids.shape[0])
+        assert size is not None, "accepts() first"
+        return size
+
+    def _load_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> int:
+        """Copy the step into the static inputs (rows past it made inert); returns its token count."""
+        n = input_ids.shape[0]
+        size = self._bucket(input_ids)
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
@@ -325,11 +374,23 @@ class PrefillGraphs:
         self.block_tables[:, : meta.block_tables.shape[1]].copy_(meta.block_tables)
         self.seq_lens.copy_(meta.seq_lens)
         self.cu_seqlens_q.copy_(meta.cu_seqlens_q)
-        captured.graph.replay()
-        self.replays += 1
-        return captured.hidden[:n]
+        return n
 
-    def _capture(self, size: int) -> _Captured:
+    def _capture_layers(self, size: int) -> list[_Captured]:
+        meta = self._meta(size)
+        ids, pos = self.input_ids[:size], self.positions[:size]
+        hidden = residual = None
+        out: list[_Captured] = []
+        for i in range(len(self.kv_caches)):
+            graph, (hidden, residual) = capture_call(
+                self.model.forward_layer, (i, ids, pos, self.kv_caches, meta, hidden, residual), self.pool
+            )
+            out.append(_Captured(graph, hidden))
+            self._held.append(residual)  # every layer's outputs stay allocated: later captures must not reuse them
+        return out
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        """Static metadata of a bucket's graphs (made inert for the warm-up and capture runs)."""
         meta = AttentionMetadata(
             is_prefill=True,
             slot_mapping=self.slot_mapping[:size],
@@ -344,5 +405,4 @@ class PrefillGraphs:
         self.slot_mapping.fill_(-1)
         self.seq_lens.zero_()
         self.cu_seqlens_q.zero_()
-        return capture_forward(self.model, (self.input_ids[:size], self.positions[:size], self.kv_caches, meta),
-                               self.pool)
+        return meta

@@ -417,11 +417,13 @@ class LLMEngine:
         chunks, after the history). A session whose KV fails its checksum is dropped and the turn
         recomputed (with a note)."""
         segments = turn.segments(tail)
+        # staged before the turn started: the read buffer, filled while the previous job ran
+        buffered = turn.source is not None and turn.source.staged
         if turn.source is not None and self._snapshot_stream is not None:
             turn.source.stage(self.device, self._load_stream)
         try:
             if tail is None and turn.source is not None and turn.source.staged:
-                rid, turn.fusion = self._add_after_history(turn, params, request_id)
+                rid, turn.fusion = self._add_after_history(turn, params, request_id, buffered)
             elif tail is not None or any(s.kv is not None for s in segments):
                 rid, turn.fusion = self.add_fused_request(segments, params, mode, policy, request_id)
             else:
@@ -440,10 +442,12 @@ class LLMEngine:
         return rid
 
     def _add_after_history(
-        self, turn: SessionTurn, params: SamplingParams, request_id: str | None
+        self, turn: SessionTurn, params: SamplingParams, request_id: str | None, buffered: bool
     ) -> tuple[str, FusionStats]:
-        """A turn whose staged history is a cached prefix: written into the cache layer by layer
-        (``HistoryWriter``) while only the new tokens run through the model."""
+        """A turn whose staged history is a cached prefix (``HistoryWriter``): written into the cache
+        all at once before one graph replay when the read buffer (``buffered``: staged before the
+        turn) already holds all of it, else layer by layer between the layers' graph replays while
+        the copy runs; only the new tokens run through the model."""
         ids = self.tokenize(turn.plan.token_ids)
         params, rid = self._admit(len(ids), params, request_id)
         assert turn.source is not None and self.runner.kv_cache is not None
@@ -451,10 +455,14 @@ class LLMEngine:
 
         def prefill(table: list[int]) -> tuple[torch.Tensor, FusionStats]:
             t = time.perf_counter()
-            writer = HistoryWriter(turn.source, self.runner.kv_cache.layers, table, self.config.block_size,
+            writer = HistoryWriter(turn.source, self.runner.kv_cache, table, self.config.block_size,
                                    self.runner.model.model.rotary)
             with torch.inference_mode():
-                hidden = self.runner.forward_continuation(ids[n_hist:], n_hist, table, writer)
+                if buffered and turn.source.copied():
+                    writer.write_all()
+                    hidden = self.runner.forward_continuation(ids[n_hist:], n_hist, table)
+                else:
+                    hidden = self.runner.forward_continuation(ids[n_hist:], n_hist, table, before_layer=writer)
                 logits = self.runner.model.compute_logits(hidden[-1:])[0]
             torch.cuda.synchronize(self.device)
             total = time.perf_counter() - t
