@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("langchain_classic", reason="the baselines need ragfuse[langchain]")
@@ -12,11 +10,9 @@ from ragfuse.baselines import BaselineChains, ScoredAnswerParser, chat_template 
 from ragfuse.engine import LLM, SamplingParams  # noqa: E402
 from ragfuse.engine.fusion import SelectionPolicy  # noqa: E402
 from ragfuse.eval_qa import evaluate, load_dataset  # noqa: E402
+from ragfuse.shared_data import shared_data
 
-# shared/ sits beside the checkout (CI, main) or beside the folder of worktrees
-_ROOT = Path(__file__).resolve().parents[1]
-_CANDIDATES = [d / "shared" / "data" / "musique_dev.json" for d in (_ROOT.parent, _ROOT.parents[1])]
-DATA = next((p for p in _CANDIDATES if p.exists()), _CANDIDATES[0])
+DATA = shared_data("musique_dev.json")
 
 
 @pytest.fixture(scope="module")

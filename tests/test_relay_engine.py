@@ -16,6 +16,7 @@ import torch
 
 from ragfuse.engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams
 from ragfuse.engine.errors import RequestError
+from ragfuse.shared_data import shared_data
 
 QUESTIONS = [
     "Who is mentioned first?", "Summarise the first passage.", "What year is given?", "Name one place.",
@@ -26,7 +27,7 @@ QUESTIONS = [
 
 def knowledge(tokenizer, n_tokens: int) -> str:
     """About ``n_tokens`` tokens of MuSiQue passages: a knowledge document as system prompt."""
-    with open("/work/shared/data/musique_dev.json") as f:
+    with open(shared_data("musique_dev.json")) as f:
         cases = json.load(f)
     text = "Answer from these passages.\n" + "\n".join(c["text"] for case in cases[:3] for c in case["ctxs"])
     return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:n_tokens])

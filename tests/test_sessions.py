@@ -5,14 +5,14 @@ an evicted or corrupt session is recomputed and says so."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from ragfuse.engine import SamplingParams
 from ragfuse.engine.sessions import SessionStore
+from ragfuse.shared_data import shared_data
 
-DATA = Path("/work/shared/data/sharegpt_multiturn_dev.jsonl")
+DATA = shared_data("sharegpt_multiturn_dev.jsonl")
 TURNS = 3
 SP = SamplingParams(max_tokens=8)
 

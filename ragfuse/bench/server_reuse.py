@@ -34,11 +34,13 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from ragfuse.shared_data import shared_data
+
 from .report import machine_info, write_report
 from .server import _free_port, _wait_ready
 
-SHAREGPT = Path("/work/shared/data/sharegpt_multiturn_dev.jsonl")
-MUSIQUE = Path("/work/shared/data/musique_dev.json")
+SHAREGPT = shared_data("sharegpt_multiturn_dev.jsonl")
+MUSIQUE = shared_data("musique_dev.json")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
