@@ -163,31 +163,28 @@ async def _chat(http: Any, args: argparse.Namespace, messages: list[dict[str, st
     return {"ttft_s": (first or time.perf_counter()) - start, "text": "".join(text), "usage": usage}
 
 
-def _report(args: argparse.Namespace, turns: list[dict[str, Any]], relays: list[dict[str, Any]]) -> int:
+def _compare(part: str, turn: int | None, pairs: list[dict[str, Any]], reuse: str, plain: str, reused_key: str
+             ) -> dict[str, Any]:
+    """One table row: medians over request pairs sent with reuse (``reuse``) and without (``plain``)."""
     med = statistics.median
-    rows = []
-    for t in range(1, args.turns + 1):
-        these = [x for x in turns if x["turn"] == t]
-        s_ttft, p_ttft = med(x["session"]["ttft_s"] for x in these), med(x["stateless"]["ttft_s"] for x in these)
-        rows.append({
-            "part": "sessions", "turn": t, "n": len(these),
-            "prompt_tokens": med(x["session"]["usage"]["prompt_tokens"] for x in these),
-            "ttft_session_s": s_ttft, "ttft_stateless_s": p_ttft, "speedup": p_ttft / s_ttft,
-            "session_reused_tokens": med(x["session"]["usage"]["ragfuse"]["session_tokens_reused"] for x in these),
-            "stateless_prefix_cached_tokens": med(
-                x["stateless"]["usage"]["prompt_tokens_details"]["cached_tokens"] for x in these),
-            "same_answers": sum(x["session"]["text"] == x["stateless"]["text"] for x in these),
-        })
-    on, off = med(x["relay"]["ttft_s"] for x in relays), med(x["no_relay"]["ttft_s"] for x in relays)
-    rows.append({
-        "part": "relay", "turn": None, "n": len(relays),
-        "prompt_tokens": med(x["relay"]["usage"]["prompt_tokens"] for x in relays),
+    on, off = med(x[reuse]["ttft_s"] for x in pairs), med(x[plain]["ttft_s"] for x in pairs)
+    return {
+        "part": part, "turn": turn, "n": len(pairs),
+        "prompt_tokens": med(x[reuse]["usage"]["prompt_tokens"] for x in pairs),
         "ttft_session_s": on, "ttft_stateless_s": off, "speedup": off / on,
-        "session_reused_tokens": med(x["relay"]["usage"]["ragfuse"]["relay_system_tokens"] for x in relays),
-        "stateless_prefix_cached_tokens": med(
-            x["no_relay"]["usage"]["prompt_tokens_details"]["cached_tokens"] for x in relays),
-        "same_answers": sum(x["relay"]["text"] == x["no_relay"]["text"] for x in relays),
-    })
+        "session_reused_tokens": med(x[reuse]["usage"]["ragfuse"][reused_key] for x in pairs),
+        "stateless_prefix_cached_tokens": med(x[plain]["usage"]["prompt_tokens_details"]["cached_tokens"]
+                                              for x in pairs),
+        "same_answers": sum(x[reuse]["text"] == x[plain]["text"] for x in pairs),
+    }
+
+
+def _report(args: argparse.Namespace, turns: list[dict[str, Any]], relays: list[dict[str, Any]]) -> int:
+    rows = [
+        _compare("sessions", t, [x for x in turns if x["turn"] == t], "session", "stateless", "session_tokens_reused")
+        for t in range(1, args.turns + 1)
+    ]
+    rows.append(_compare("relay", None, relays, "relay", "no_relay", "relay_system_tokens"))
     tree = "on" if args.prefix_tree else "off (baselines are full prefill)"
     notes = (f"`ragfuse serve` ({args.model}, {args.device}), prefix tree {tree}, greedy, {args.max_tokens} tokens "
              "per answer, medians. "
