@@ -168,6 +168,7 @@ def fuse_prefill(
     bounds_all = torch.tensor([[0, a, n] for a in sizes], dtype=torch.int32).to(device)
     base = system.num_tokens if system is not None else 0  # page position p is model position base + p
     relays = [system.relay(a) for a in sizes] if system is not None else None
+    stored_at = stored_pos + base  # model positions, made once (base is 0 without a system prompt)
 
     checks = list(zip(policy.check_layers, lay.check_sizes, strict=False))
     block = model.model
@@ -176,6 +177,7 @@ def fuse_prefill(
     hidden = block.embed_tokens(ids_d.index_select(0, active_idx))
     residual: torch.Tensor | None = None
     pos, act_slots = active_idx, slots.index_select(0, active_idx)
+    pos_at = pos + base
     size_i, candidates = 0, lay.candidates
     counts: list[int] = []
     with LayerPrefetcher(sources, model.config.num_layers, device) as loader, torch.inference_mode():
@@ -185,13 +187,13 @@ def fuse_prefill(
             if sources:
                 k_st, v_st = (t[:num_stored] for t in loader.get(li))
                 # every stored token's KV goes in first; the active tokens' fresh KV overwrites it below
-                write_kv(rotary(k_st, stored_pos + base), v_st, kc, vc, stored_slots)
+                write_kv(rotary(k_st, stored_at), v_st, kc, vc, stored_slots)
             if residual is None:
                 residual, h = hidden, layer.input_layernorm(hidden)
             else:
                 h, residual = layer.input_layernorm(hidden, residual)
             q, k_raw, v = layer.self_attn.project(h)
-            q, k = ops.apply_rope_qk(q, k_raw, pos + base if base else pos, rotary.cos, rotary.sin)
+            q, k = ops.apply_rope_qk(q, k_raw, pos_at, rotary.cos, rotary.sin)
             write_kv(k, v, kc, vc, act_slots)
             if checks and li == checks[0][0]:
                 _, (cand, kept) = checks.pop(0)
@@ -200,7 +202,7 @@ def fuse_prefill(
                                forced, row_of, cand, kept, lay.num_forced, num_fusable)
                 q, residual = q.index_select(0, rows), residual.index_select(0, rows)
                 pos = active_idx = active_idx.index_select(0, rows)
-                act_slots = slots.index_select(0, pos)
+                act_slots, pos_at = slots.index_select(0, pos), pos + base
                 size_i, candidates = size_i + 1, kept
             a = pos.shape[0]
             assert a == sizes[size_i], "active-set size differs from the planned launch size"  # host ints: no sync
