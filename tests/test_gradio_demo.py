@@ -19,6 +19,7 @@ pytest.importorskip("gradio", reason="the demo needs ragfuse[demo]")
 # pandas 3 deprecations inside gradio's queue, not ours
 pytestmark = pytest.mark.filterwarnings("ignore::pandas.errors.Pandas4Warning")
 
+from ragfuse.bench.serve_process import free_port  # noqa: E402
 from ragfuse.connectors.gradio_demo import DemoBackend, Turn  # noqa: E402
 from ragfuse.engine import RagfuseError, RequestError  # noqa: E402
 
@@ -120,12 +121,6 @@ def test_demo_command_rejects_bad_arguments_before_loading(tmp_path, capsys):
 # ---- the page in a real browser -------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def browser():
     if not Path(CHROMIUM).exists():
@@ -142,7 +137,7 @@ def browser():
 def demo_url(tmp_path_factory):
     """``ragfuse demo`` as a user starts it, on a new (empty) store, on loopback."""
     tmp = tmp_path_factory.mktemp("demo-cli")
-    port = _free_port()
+    port = free_port()
     log = (tmp / "demo.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "ragfuse.cli", "demo", "--store", str(tmp / "store"), "--host", "127.0.0.1",

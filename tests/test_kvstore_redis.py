@@ -10,14 +10,9 @@ import time
 
 import pytest
 
+from ragfuse.bench.serve_process import free_port
 from ragfuse.engine.kvstore import DiskTier, KVStoreError, MemoryTier, RedisTier, TieredKVStore
 from tests.kvstore_helpers import make_entry, same
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +22,7 @@ def redis_url():
         if os.environ.get("CI"):
             pytest.fail("redis-server is not installed (scripts/setup.sh installs it in CI)")
         pytest.skip("redis-server is not installed")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 10
@@ -99,4 +94,4 @@ def test_as_remote_tier_below_memory_and_disk(redis_url, tmp_path):
 
 def test_unreachable_server_is_a_clear_error():
     with pytest.raises(KVStoreError, match="not reachable"):
-        RedisTier(f"redis://127.0.0.1:{_free_port()}/0", 1 << 20)
+        RedisTier(f"redis://127.0.0.1:{free_port()}/0", 1 << 20)

@@ -12,12 +12,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import secrets
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -27,6 +23,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from .report import machine_info, write_report
+from .serve_process import served
 
 TOPICS = ["rivers", "volcanoes", "bread", "bicycles", "owls", "glass", "tides", "chess", "copper", "maps",
           "tea", "clocks", "bees", "comets", "salt", "violins"]
@@ -60,51 +57,11 @@ def run(args: argparse.Namespace) -> int:
         raise RagfuseError("--clients, --seconds and --max-tokens must be positive")
     key = secrets.token_hex(16)
     with tempfile.TemporaryDirectory(prefix="ragfuse-bench-server-") as tmp:
-        port = _free_port()
-        cmd = [sys.executable, "-m", "ragfuse.cli", "serve", "--store", args.store or str(Path(tmp) / "store"),
-               "--model", args.model, "--device", args.device, "--port", str(port), "--no-gate",
-               "--max-tokens", str(args.max_tokens), "--log-level", "warning"]
-        log = open(Path(tmp) / "server.log", "w")  # noqa: SIM115 (closed below, after the server)
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ,
-                                                                                   "RAGFUSE_API_KEY": key})
-        try:
-            url = f"http://127.0.0.1:{port}"
-            _wait_ready(url, server, Path(tmp) / "server.log")
-            load = asyncio.run(_drive(url, key, server.pid, args))
-        finally:
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-            log.close()
+        serve_args = ["--store", args.store or str(Path(tmp) / "store"), "--model", args.model, "--device",
+                      args.device, "--no-gate", "--max-tokens", str(args.max_tokens), "--log-level", "warning"]
+        with served(serve_args, key, Path(tmp)) as server:
+            load = asyncio.run(_drive(server.url, key, server.process.pid, args))
     return _report(args, load)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(url: str, server: subprocess.Popen, log: Path, timeout: float = 300.0) -> None:
-    import httpx
-
-    from ragfuse.engine.errors import RagfuseError
-
-    print("starting ragfuse serve (model load, store) ...", file=sys.stderr)
-    deadline = time.monotonic() + timeout
-    while True:
-        if server.poll() is not None:
-            raise RagfuseError(f"ragfuse serve exited with {server.returncode}: {log.read_text()[-500:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RagfuseError(f"ragfuse serve did not answer /health within {timeout:.0f} s")
-        time.sleep(0.5)
 
 
 async def _drive(url: str, key: str, pid: int, args: argparse.Namespace) -> Load:

@@ -22,11 +22,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import secrets
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,7 +34,7 @@ from tqdm.auto import tqdm
 from ragfuse.shared_data import shared_data
 
 from .report import machine_info, write_report
-from .server import _free_port, _wait_ready
+from .serve_process import served
 
 SHAREGPT = shared_data("sharegpt_multiturn_dev.jsonl")
 MUSIQUE = shared_data("musique_dev.json")
@@ -67,24 +64,10 @@ def run(args: argparse.Namespace) -> int:
     conversations = _conversations(args.conversations, args.turns, args.message_chars)
     key = secrets.token_hex(16)
     with tempfile.TemporaryDirectory(prefix="ragfuse-bench-reuse-") as tmp:
-        port = _free_port()
-        cmd = [sys.executable, "-m", "ragfuse.cli", "serve", "--store", str(Path(tmp) / "store"), "--model",
-               args.model, "--device", args.device, "--port", str(port), "--no-gate", "--log-level", "warning",
-               *([] if args.prefix_tree else ["--no-prefix-tree"])]
-        log = open(Path(tmp) / "server.log", "w")  # noqa: SIM115 (closed below, after the server)
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                  env={**os.environ, "RAGFUSE_API_KEY": key})
-        try:
-            url = f"http://127.0.0.1:{port}"
-            _wait_ready(url, server, Path(tmp) / "server.log")
-            turns, relays = asyncio.run(_drive(url, key, conversations, args))
-        finally:
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-            log.close()
+        serve_args = ["--store", str(Path(tmp) / "store"), "--model", args.model, "--device", args.device, "--no-gate",
+                      "--log-level", "warning", *([] if args.prefix_tree else ["--no-prefix-tree"])]
+        with served(serve_args, key, Path(tmp)) as server:
+            turns, relays = asyncio.run(_drive(server.url, key, conversations, args))
     return _report(args, turns, relays)
 
 
