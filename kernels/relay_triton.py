@@ -16,6 +16,7 @@ it costs no pass of its own. Nothing reads device values on the host (CUDA-graph
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -70,12 +71,16 @@ def _relay_decode_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_st, stride_bt,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, CTX_G: tl.constexpr, TILE_T: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    CTX_N: tl.constexpr, PREC: tl.constexpr,
+    CTX_N: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
 ):
     """System programs (the longer ones, first) and context programs in one launch, so the two
     parts share the GPU instead of each leaving a tail; partials land at splits [0, ctx_splits)
-    (context) and [ctx_splits, ctx_splits + sys_splits) (system) for one reduction."""
+    (context) and [ctx_splits, ctx_splits + sys_splits) (system) for one reduction.
+
+    ``PDL``: the reduction (a programmatic dependent launch) may be scheduled from the start."""
     pid = tl.program_id(0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     if pid < sys_programs:
         per_tile = num_kv_heads * sys_splits
         rem = pid % per_tile
@@ -242,6 +247,70 @@ def system_attention_triton(
     return out, lse
 
 
+@dataclass(frozen=True)
+class RelayTuning:
+    """Launch parameters of relay decode; the defaults are the best measured on an H100
+    (kernels/NOTES.md, ``python -m ragfuse.bench.relay_profile``)."""
+
+    num_warps: int = 4
+    num_stages: int = 3
+    sys_block_n: int = _SYSTEM_BLOCK_N
+    ctx_block_n: int = _DECODE_BLOCK_N
+    half_partials: bool = False  # partials stored in the model's 16-bit dtype: half the bytes of float32
+    pdl: bool = False  # the reduction launched as a programmatic dependent of the partials (Hopper+)
+
+
+DEFAULT_TUNING = RelayTuning()
+
+
+def relay_partials_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sys_tables: torch.Tensor,
+    sys_lens: torch.Tensor,
+    tile_tokens: torch.Tensor,
+    tile_system: torch.Tensor,
+    scale: float,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    num_splits: int,
+    sys_splits: int,
+    tuning: RelayTuning,
+    only: str | None = None,
+) -> None:
+    """The context partials (splits ``[0, num_splits)``) and the system partials (the
+    ``sys_splits`` after them) of relay decode, in one launch. ``only`` ("system" or "context")
+    launches just that part's programs: for timing where the time goes, not for results."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_tiles = tile_system.shape[0]
+    sys_programs = num_tiles * num_kv_heads * sys_splits
+    ctx_programs = num_seqs * num_kv_heads * num_splits
+    if only == "context":
+        sys_programs = 0
+    elif only == "system":
+        ctx_programs = 0
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    cuda = q.is_cuda
+    _relay_decode_kernel[(sys_programs + ctx_programs,)](
+        q, k_cache, v_cache, part_out, part_lse, tile_tokens, tile_system, sys_tables, sys_lens, block_tables,
+        seq_lens, scale * _LOG2E, num_kv_heads, sys_splits, num_splits, sys_programs,
+        q.stride(0), q.stride(1), part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        *_cache_strides(k_cache), *_cache_strides(v_cache), sys_tables.stride(0), block_tables.stride(0),
+        GROUP=group, BLOCK_G=triton.next_power_of_2(group), CTX_G=max(16, triton.next_power_of_2(group)),
+        TILE_T=tile_tokens.shape[0] // max(1, num_tiles), HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        PAGE=k_cache.shape[1], BLOCK_N=tuning.sys_block_n if cuda else 16, CTX_N=tuning.ctx_block_n if cuda else 16,
+        PREC=_dot_precision(q.dtype), PDL=tuning.pdl and cuda, num_warps=tuning.num_warps,
+        num_stages=tuning.num_stages if cuda else 1,
+    )
+
+
 def relay_decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -257,6 +326,7 @@ def relay_decode_attention_triton(
     max_sys_len: int,
     num_splits: int | None = None,
     sys_splits: int | None = None,
+    tuning: RelayTuning | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token per sequence over its system prompt and its own paged context, exactly:
     equals ``merge_attention_ref(system_attention_ref(...), paged_decode_attention_ref(...))``.
@@ -270,26 +340,14 @@ def relay_decode_attention_triton(
     lse = torch.empty((num_seqs, num_heads), dtype=torch.float32, device=q.device)
     if num_seqs == 0:
         return out, lse
+    tuning = tuning or DEFAULT_TUNING
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
     if sys_splits is None:
         sys_splits = system_num_splits(tile_system.shape[0], num_kv_heads, max_sys_len, q.device)
-    part_out, part_lse = split_buffers(num_seqs, num_splits + sys_splits, num_heads, head_dim, q.device)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    group = num_heads // num_kv_heads
-    num_tiles = tile_system.shape[0]
-    sys_programs = num_tiles * num_kv_heads * sys_splits
-    _relay_decode_kernel[(sys_programs + num_seqs * num_kv_heads * num_splits,)](
-        q, k_cache, v_cache, part_out, part_lse, tile_tokens, tile_system, sys_tables, sys_lens, block_tables,
-        seq_lens, scale * _LOG2E, num_kv_heads, sys_splits, num_splits, sys_programs,
-        q.stride(0), q.stride(1), part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        *_cache_strides(k_cache), *_cache_strides(v_cache), sys_tables.stride(0), block_tables.stride(0),
-        GROUP=group, BLOCK_G=triton.next_power_of_2(group), CTX_G=max(16, triton.next_power_of_2(group)),
-        TILE_T=tile_tokens.shape[0] // max(1, num_tiles), HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        PAGE=k_cache.shape[1], BLOCK_N=_SYSTEM_BLOCK_N if q.is_cuda else 16,
-        CTX_N=_DECODE_BLOCK_N if q.is_cuda else 16, PREC=_dot_precision(q.dtype), num_warps=4,
-    )
-    reduce_splits_triton(part_out, part_lse, out, lse)
+    part_out, part_lse = split_buffers(num_seqs, num_splits + sys_splits, num_heads, head_dim, q.device,
+                                       q.dtype if tuning.half_partials and q.dtype != torch.float32 else None)
+    relay_partials_triton(q, k_cache, v_cache, block_tables, seq_lens, sys_tables, sys_lens, tile_tokens,
+                          tile_system, scale, part_out, part_lse, num_splits, sys_splits, tuning)
+    reduce_splits_triton(part_out, part_lse, out, lse, pdl=tuning.pdl and q.is_cuda)
     return out, lse

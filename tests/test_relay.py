@@ -52,8 +52,8 @@ class Batch:
         self.own_lens, self.q_lens, self.systems, self.page = own_lens, q_lens, systems, page
         self.scale = d**-0.5
 
-    def tiles(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, systems = system_tiles(self.token_system, tile_tokens_for(group))
+    def tiles(self, group: int, rows: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, systems = system_tiles(self.token_system, tile_tokens_for(group, rows))
         dev = self.q.device
         return torch.tensor(tokens, dtype=torch.int32, device=dev), torch.tensor(systems, dtype=torch.int32, device=dev)
 
@@ -180,3 +180,28 @@ def test_relay_decode_triton_matches_reference(where, heads, kvh, d, splits) -> 
         )
         assert rel_err(out, ref) < TOL[dtype], dtype
         assert rel_err(lse, ref_lse) < 1e-4, dtype
+
+
+@pytest.mark.parametrize("tuning,rows", [
+    ({"half_partials": True}, 64),
+    ({"sys_block_n": 32, "ctx_block_n": 32, "num_stages": 2}, 64),
+    ({"pdl": True, "num_warps": 8, "sys_block_n": 128}, 128),
+])
+def test_relay_decode_tunings_match_reference(where, tuning, rows) -> None:
+    """Every launch parameter the profile tries keeps relay decode exact: 16-bit partials, other key
+    tiles and pipeline depths, the reduction as a programmatic dependent launch, larger system tiles."""
+    from ragfuse.kernels.relay_triton import RelayTuning, relay_decode_attention_triton
+
+    heads, kvh, d = 8, 2, 64
+    for dtype in where[1]:
+        b = case(where, heads, kvh, d, dtype, prefill=False)
+        ref, ref_lse = relay_ref(b, prefill=False)
+        tokens, systems = b.tiles(heads // kvh, rows)
+        for _ in range(2):  # a second call on the same buffers: nothing carried over from the first
+            out, lse = relay_decode_attention_triton(
+                b.q, b.k, b.v, b.tables, b.seq_lens, b.sys_tables, b.sys_lens, tokens, systems, b.scale,
+                max(b.own_lens), int(b.sys_lens.max()), tuning=RelayTuning(**tuning),
+            )
+            tol = TOL[dtype] * (2 if tuning.get("half_partials") and dtype != torch.float32 else 1)
+            assert rel_err(out, ref) < tol, dtype
+            assert rel_err(lse, ref_lse) < 1e-4, dtype
