@@ -258,13 +258,15 @@ def _sm_count(device: torch.device) -> int:
     return 4  # the Triton interpreter on CPU: small, but enough to exercise several splits
 
 
-def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Splits per sequence so the grid has about two programs per multiprocessor.
+def decode_num_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device, per_sm: float = 2.0
+) -> int:
+    """Splits per sequence so the grid has about ``per_sm`` programs per multiprocessor.
 
     Depends only on host ints: a CUDA graph captured with ``max_seq_len`` = the model's context
     keeps a valid split count for every shorter sequence it later replays.
     """
-    want = math.ceil(2 * _sm_count(device) / max(1, num_seqs * num_kv_heads))
+    want = math.ceil(per_sm * _sm_count(device) / max(1, num_seqs * num_kv_heads))
     return max(1, min(_MAX_SPLITS, want, math.ceil(max_seq_len / _DECODE_BLOCK_N)))
 
 

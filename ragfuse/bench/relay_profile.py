@@ -36,7 +36,12 @@ def record(**row: Any) -> None:
 def profile_point(shape: str, heads: int, kvh: int, s: int, c: int, b: int, bw: float, sweep: bool) -> None:
     """Baselines, relay and its parts at one point; with ``sweep`` also relay's launch parameters."""
     from ragfuse.kernels.paged_attention_triton import decode_num_splits, reduce_splits_triton, split_buffers
-    from ragfuse.kernels.relay_triton import RelayTuning, relay_partials_triton, system_num_splits
+    from ragfuse.kernels.relay_triton import (
+        DEFAULT_TUNING,
+        RELAY_PROGRAMS_PER_SM,
+        relay_partials_triton,
+        system_num_splits,
+    )
 
     device, d = torch.device("cuda"), 128
     timer = _timer(device)
@@ -44,16 +49,16 @@ def profile_point(shape: str, heads: int, kvh: int, s: int, c: int, b: int, bw: 
     one = shared[0]
     want = one.reference()
     point = {"shape": shape, "s": s, "c": c, "b": b, "copies_of_data": len(shared)}
-    floor = one.relay_bytes / bw * 1e3
     p = theoretical_speedup(s, c, b, heads // kvh)
     t_copies = timer(cycling([x.paged_copies for x in with_copies]))
+    read_rate = max(bw, one.paged_bytes / (t_copies * 1e-3))  # the paged kernel streams copies at about this
+    floor = one.relay_bytes / read_rate * 1e3
     record(**point, what="floor", ms=floor, relay_mb=one.relay_bytes / 1e6, paged_mb=one.paged_bytes / 1e6,
-           theoretical=p, copies_floor_ms=one.paged_bytes / bw * 1e3)
+           theoretical=p, read_gbs=read_rate / 1e9)
     record(**point, what="paged_copies", ms=t_copies)
-    for splits in (None, 1, 2, 4, 8):
+    for splits in (None, 1, 2, 4, 8) if sweep else (None,):
         record(**point, what=f"paged_shared splits={splits}", ms=timer(cycling([
             lambda x=x, n=splits: x.paged(n) for x in shared])))
-    record(**point, what="paged_shared warm L2", ms=timer(one.paged))
 
     def relay_time(label: str, **options: Any) -> float:
         try:
@@ -66,13 +71,12 @@ def profile_point(shape: str, heads: int, kvh: int, s: int, c: int, b: int, bw: 
                of_theoretical=t_copies / t / p, rel_err=err)
         return t
 
-    base = RelayTuning()
+    base = DEFAULT_TUNING
     relay_time("relay default")
-    record(**point, what="relay default warm L2", ms=timer(one.relay))
     # parts of the default launch, on the same buffers
     m = one.relay_meta
-    ctx_splits = decode_num_splits(b, kvh, c, device)
-    sys_splits = system_num_splits(m.tile_system.shape[0], kvh, s, device)
+    ctx_splits = decode_num_splits(b, kvh, c, device, RELAY_PROGRAMS_PER_SM)
+    sys_splits = system_num_splits(m.tile_system.shape[0], kvh, s, device, RELAY_PROGRAMS_PER_SM)
     parts = [(x, *split_buffers(b, ctx_splits + sys_splits, heads, d, device)) for x in shared]
 
     def partials(only: str | None) -> Iterator[Callable[[], Any]]:
@@ -88,10 +92,15 @@ def profile_point(shape: str, heads: int, kvh: int, s: int, c: int, b: int, bw: 
     outs = [(torch.empty_like(x.q), torch.empty(b, heads, device=device)) for x in shared]
     record(**point, what="reduce only", ms=timer(cycling([
         lambda po=po, pl=pl, o=o: reduce_splits_triton(po, pl, *o) for (_, po, pl), o in zip(parts, outs)])))
+    from ragfuse.kernels.paged_attention_triton import decode_partials_triton
+
+    record(**point, what="context alone (paged decode kernel)", ms=timer(cycling([
+        lambda x=x, po=po, pl=pl: decode_partials_triton(x.q, x.k, x.v, x.own, x.own_lens, x.scale, None, po, pl,
+                                                         ctx_splits) for x, po, pl in parts])))
+    for variant in ({"fused_reduce": True}, {"streams": 2}, {"fused_reduce": True, "num_stages": 3},
+                    {"fused_reduce": True, "num_warps": 8}, {"pdl": True}):
+        relay_time(f"relay {variant}", tuning=replace(base, **variant))
     if not sweep:
-        tuned = BEST.get((shape, s, 128, 32))
-        if tuned is not None:
-            relay_time("relay best of the goal's point", tuning=tuned)
         return
     # one parameter at a time, then the best of each together
     best: dict[str, Any] = {}
@@ -184,6 +193,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--e2e", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="also sweep launch parameters and split counts")
     parser.add_argument("--skip-op", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -194,7 +204,7 @@ def main() -> None:
         if not args.skip_op:
             for shape, (heads, kvh) in LAYOUTS.items():
                 for i, (s, c, b) in enumerate(POINTS):
-                    profile_point(shape, heads, kvh, s, c, b, bw, sweep=i == 0)
+                    profile_point(shape, heads, kvh, s, c, b, bw, sweep=args.sweep and i == 0)
                     with open(args.out, "w") as f:
                         json.dump(ROWS, f, indent=1)
         if args.e2e:
