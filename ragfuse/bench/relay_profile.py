@@ -194,6 +194,8 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--e2e", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also sweep launch parameters and split counts")
+    parser.add_argument("--points", default=",".join(f"{s}:{c}:{b}" for s, c, b in POINTS),
+                        help="system:context:batch points, comma-separated (the first is swept)")
     parser.add_argument("--skip-op", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -203,7 +205,7 @@ def main() -> None:
     try:
         if not args.skip_op:
             for shape, (heads, kvh) in LAYOUTS.items():
-                for i, (s, c, b) in enumerate(POINTS):
+                for i, (s, c, b) in enumerate(tuple(map(int, x.split(":"))) for x in args.points.split(",")):
                     profile_point(shape, heads, kvh, s, c, b, bw, sweep=args.sweep and i == 0)
                     with open(args.out, "w") as f:
                         json.dump(ROWS, f, indent=1)
