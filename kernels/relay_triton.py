@@ -146,9 +146,9 @@ def _relay_decode_kernel(
             tile = pid // per_tile
             offs_r = tl.arange(0, TILE_T * BLOCK_G)
             g = offs_r % BLOCK_G
-            token = tl.load(tile_tokens_ptr + tile * TILE_T + offs_r // BLOCK_G).to(tl.int64)
+            row_token = tl.load(tile_tokens_ptr + tile * TILE_T + offs_r // BLOCK_G).to(tl.int64)
             _arrive_and_reduce(
-                tl.maximum(token, 0), (rem // sys_splits) * GROUP + g, (token >= 0) & (g < GROUP), counts_ptr,
+                tl.maximum(row_token, 0), (rem // sys_splits) * GROUP + g, (row_token >= 0) & (g < GROUP), counts_ptr,
                 num_heads, num_parts, part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
                 stride_pt, stride_ps, stride_ph, stride_plt, stride_pls, stride_ot, stride_oh, stride_lt,
                 HEAD_DIM, BLOCK_D,
@@ -167,10 +167,10 @@ def _relay_decode_kernel(
         )
         if FUSED:  # a padding row of a captured batch (no tokens, in no tile) counts nothing
             offs_g = tl.arange(0, CTX_G)
-            token = tl.full([CTX_G], 0, tl.int64) + seq
+            seq_rows = tl.full([CTX_G], 0, tl.int64) + seq
             has_tokens = (tl.full([CTX_G], 0, tl.int32) + tl.load(seq_lens_ptr + seq)) > 0
             _arrive_and_reduce(
-                token, (rem // ctx_splits) * GROUP + offs_g, (offs_g < GROUP) & has_tokens,
+                seq_rows, (rem // ctx_splits) * GROUP + offs_g, (offs_g < GROUP) & has_tokens,
                 counts_ptr, num_heads, num_parts, part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
                 stride_pt, stride_ps, stride_ph, stride_plt, stride_pls, stride_ot, stride_oh, stride_lt,
                 HEAD_DIM, BLOCK_D,

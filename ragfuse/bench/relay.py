@@ -48,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--contexts", type=int_list, default=[128, 256], help="op: context lengths")
     p.add_argument("--batches", type=int_list, default=[4, 8, 16, 32, 64], help="op: batch sizes")
     p.add_argument("--e2e-systems", type=int_list, default=[1024, 2048], help="end to end: system lengths")
+    p.add_argument("--e2e-shapes", default=None, help="end to end: comma-separated shapes (default: --shapes)")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--max-prompt", type=int, default=512)
@@ -341,6 +342,10 @@ def run(args: argparse.Namespace) -> int:
         configs = {name: shape_config(name) for name in shapes}
     except KeyError as exc:
         raise RagfuseError(str(exc.args[0])) from exc
+    e2e_shapes = [x.strip() for x in args.e2e_shapes.split(",") if x.strip()] if args.e2e_shapes else shapes
+    unknown = [x for x in e2e_shapes if x not in configs]
+    if unknown:
+        raise RagfuseError(f"--e2e-shapes {','.join(unknown)}: not among --shapes")
     if not Path(args.data).is_file():
         raise RagfuseError(f"--data {args.data}: no such file")
     bad = [s for s in args.systems if s % 16]
@@ -373,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
     # written after each part, so a later part's failure keeps the earlier figures
     write_report(out, "ragfuse bench relay", results, rows, lambda fig: _plot(fig, rows), notes)
     if not args.skip_e2e:
-        for name, cfg in configs.items():
+        for name, cfg in ((x, configs[x]) for x in e2e_shapes):
             rows += bench_e2e(args, name, cfg, device)
             write_report(out, "ragfuse bench relay", results, rows, lambda fig, rows=rows: _plot(fig, rows), notes)
     print((Path(out) / "results.md").read_text())
