@@ -33,6 +33,20 @@ def record(**row: Any) -> None:
     print(json.dumps(row), flush=True)
 
 
+def relay_variants(shape: str, heads: int, kvh: int, s: int, c: int, b: int) -> None:
+    """Relay alone at one point: the default and the structural options (quick: no baselines)."""
+    from ragfuse.kernels.relay_triton import DEFAULT_TUNING
+
+    timer = _timer(torch.device("cuda"))
+    shared, _ = cases(heads, kvh, 128, s, c, b, torch.device("cuda"), torch.bfloat16)
+    want = shared[0].reference()
+    for variant in ({}, {"fused_reduce": True}, {"streams": 2}):
+        tuning = replace(DEFAULT_TUNING, **variant)
+        err = rel_err(shared[0].relay(tuning=tuning), want)
+        record(shape=shape, s=s, c=c, b=b, what=f"relay {variant or 'default'}", rel_err=err,
+               ms=timer(cycling([lambda x=x, t=tuning: x.relay(tuning=t) for x in shared])))
+
+
 def profile_point(shape: str, heads: int, kvh: int, s: int, c: int, b: int, bw: float, sweep: bool) -> None:
     """Baselines, relay and its parts at one point; with ``sweep`` also relay's launch parameters."""
     from ragfuse.kernels.paged_attention_triton import decode_num_splits, reduce_splits_triton, split_buffers
@@ -196,6 +210,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep launch parameters and split counts")
     parser.add_argument("--points", default=",".join(f"{s}:{c}:{b}" for s, c, b in POINTS),
                         help="system:context:batch points, comma-separated (the first is swept)")
+    parser.add_argument("--variants-only", action="store_true", help="relay's structural options alone")
     parser.add_argument("--skip-op", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -206,7 +221,10 @@ def main() -> None:
         if not args.skip_op:
             for shape, (heads, kvh) in LAYOUTS.items():
                 for i, (s, c, b) in enumerate(tuple(map(int, x.split(":"))) for x in args.points.split(",")):
-                    profile_point(shape, heads, kvh, s, c, b, bw, sweep=args.sweep and i == 0)
+                    if args.variants_only:
+                        relay_variants(shape, heads, kvh, s, c, b)
+                    else:
+                        profile_point(shape, heads, kvh, s, c, b, bw, sweep=args.sweep and i == 0)
                     with open(args.out, "w") as f:
                         json.dump(ROWS, f, indent=1)
         if args.e2e:
