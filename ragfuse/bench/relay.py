@@ -299,8 +299,9 @@ def bench_e2e(args: argparse.Namespace, shape: str, cfg: dict[str, Any], device:
     need = max(args.e2e_systems) + args.max_prompt + args.max_output + 16
     cfg["max_position_embeddings"] = max(min(cfg["max_position_embeddings"], 32768), need)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
-    eng = LLMEngine(EngineConfig(device=device.type, dtype=dtype, max_num_seqs=args.concurrency, max_model_len=need),
-                    random_weights=ModelConfig.from_dict(cfg))
+    # no prefix tree: it would find the system prompt cached by the warm-up and share it in "none" mode too
+    eng = LLMEngine(EngineConfig(device=device.type, dtype=dtype, max_num_seqs=args.concurrency, max_model_len=need,
+                                 prefix_tree=False), random_weights=ModelConfig.from_dict(cfg))
     sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
     g = torch.Generator().manual_seed(0)
     vocab = cfg["vocab_size"]

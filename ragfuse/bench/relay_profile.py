@@ -159,7 +159,7 @@ def profile_e2e(tuning: Any) -> None:
 
     cfg = shape_config("mistral-7b")
     cfg["max_position_embeddings"] = 2048 + 512 + 128 + 16
-    eng = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=64,
+    eng = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=64, prefix_tree=False,
                                  max_model_len=cfg["max_position_embeddings"]),
                     random_weights=ModelConfig.from_dict(cfg))
     g = torch.Generator().manual_seed(0)
