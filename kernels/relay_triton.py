@@ -420,8 +420,11 @@ def relay_decode_attention_triton(
     """One decode token per sequence over its system prompt and its own paged context, exactly:
     equals ``merge_attention_ref(system_attention_ref(...), paged_decode_attention_ref(...))``.
 
-    ``seq_lens`` count each sequence's own tokens (its context, after the system prompt). Two
-    launches: the context and system partials together, then one reduction of both (the relay fusion).
+    ``seq_lens`` count each sequence's own tokens (its context, after the system prompt). By default
+    two launches: the context and system partials together, then one reduction of both (the relay
+    fusion). ``tuning`` may fold the reduction into the first launch (``fused_reduce``: every sequence
+    with tokens must then sit in exactly one tile, as ``relay.system_tiles`` makes them) or run the two
+    parts as two kernels on two streams (``streams=2``); kernels/NOTES.md has their H100 timings.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
