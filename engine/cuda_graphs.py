@@ -39,7 +39,9 @@ from ragfuse.kernels.two_phase import TwoPhasePlan
 from .attention import AttentionMetadata, RelayMetadata
 
 GRAPHS_ENV = "RAGFUSE_CUDA_GRAPHS"  # "0" turns decode graphs off
-EAGER_SIZES = (1, 2, 4, 8, 16, 32, 64)  # captured when the cache is allocated
+# captured when the cache is allocated; 48 too, or a batch shrinking from 64 to 48 (requests finishing)
+# captures in the middle of serving
+EAGER_SIZES = (1, 2, 4, 8, 16, 32, 48, 64)
 MAX_GRAPH_BATCH = 256  # larger decode batches run eagerly
 GRAPH_SYSTEMS = 4  # distinct system prompts (counting "none") a relay graph's tiles have room for
 # Prefill token buckets, captured on first use. Longer prefills are matmul-bound (launching is
@@ -232,7 +234,7 @@ class DecodeGraphs:
 
     def _static_relay(self, size: int, relay: RelayMetadata) -> RelayMetadata:
         """Views of the static relay inputs for a graph of ``size`` rows (created on first use)."""
-        from ragfuse.kernels.relay_triton import system_num_splits
+        from ragfuse.kernels.relay_triton import RELAY_PROGRAMS_PER_SM, system_num_splits
 
         per_tile = self._per_tile(relay)
         self._make_static_relay(per_tile, relay.sys_tables, relay.sys_lens)
@@ -241,7 +243,8 @@ class DecodeGraphs:
         tiles = self._tiles(size, relay)
         # splits sized for the tiles that hold tokens (the padding tiles only exit): a fixed host int
         busy = -(-size // per_tile)
-        splits = system_num_splits(busy, self.kv_caches[0][0].shape[2], self.max_model_len, relay.sys_lens.device)
+        splits = system_num_splits(busy, self.kv_caches[0][0].shape[2], self.max_model_len, relay.sys_lens.device,
+                                   RELAY_PROGRAMS_PER_SM)
         return RelayMetadata(
             token_system=[], tile_tokens=self.relay.tile_tokens[: tiles * per_tile],
             tile_system=self.relay.tile_system[:tiles], sys_tables=self.relay.sys_tables,

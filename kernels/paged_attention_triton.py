@@ -219,11 +219,16 @@ def decode_program(
 def _reduce_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
     num_splits, stride_pt, stride_ps, stride_ph, stride_plt, stride_pls, stride_ot, stride_oh, stride_lt,
-    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (sequence, head): merge the ``num_splits`` partial attentions by their lse."""
+    """Program (sequence, head): merge the ``num_splits`` partial attentions by their lse.
+
+    ``PDL``: launched as a programmatic dependent of the kernel writing the partials, it is
+    scheduled while that one drains and waits for its results here."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_splits
@@ -235,7 +240,7 @@ def _reduce_splits_kernel(
     total_safe = tl.where(total == 0.0, 1.0, total)
     part = tl.load(part_out_ptr + seq * stride_pt + offs_s[:, None] * stride_ps + head * stride_ph + offs_d[None, :],
                    mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    out = tl.sum(part * (w / total_safe)[:, None], 0)
+    out = tl.sum(part.to(tl.float32) * (w / total_safe)[:, None], 0)
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
     tl.store(lse_ptr + seq * stride_lt + head, tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total)))
@@ -253,13 +258,15 @@ def _sm_count(device: torch.device) -> int:
     return 4  # the Triton interpreter on CPU: small, but enough to exercise several splits
 
 
-def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Splits per sequence so the grid has about two programs per multiprocessor.
+def decode_num_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device, per_sm: float = 2.0
+) -> int:
+    """Splits per sequence so the grid has about ``per_sm`` programs per multiprocessor.
 
     Depends only on host ints: a CUDA graph captured with ``max_seq_len`` = the model's context
     keeps a valid split count for every shorter sequence it later replays.
     """
-    want = math.ceil(2 * _sm_count(device) / max(1, num_seqs * num_kv_heads))
+    want = math.ceil(per_sm * _sm_count(device) / max(1, num_seqs * num_kv_heads))
     return max(1, min(_MAX_SPLITS, want, math.ceil(max_seq_len / _DECODE_BLOCK_N)))
 
 
@@ -359,10 +366,11 @@ def paged_decode_attention_triton(
 
 
 def split_buffers(
-    tokens: int, splits: int, heads: int, head_dim: int, device: torch.device
+    tokens: int, splits: int, heads: int, head_dim: int, device: torch.device, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 partial outputs [tokens, splits, heads, head_dim] and their lse [tokens, splits, heads]."""
-    return (torch.empty((tokens, splits, heads, head_dim), dtype=torch.float32, device=device),
+    """Partial outputs [tokens, splits, heads, head_dim] (float32 unless ``dtype``) and their float32
+    lse [tokens, splits, heads]."""
+    return (torch.empty((tokens, splits, heads, head_dim), dtype=dtype or torch.float32, device=device),
             torch.empty((tokens, splits, heads), dtype=torch.float32, device=device))
 
 
@@ -400,7 +408,7 @@ def decode_partials_triton(
 
 
 def reduce_splits_triton(
-    part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+    part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, pdl: bool = False
 ) -> None:
     """Merge every split of ``part_out``/``part_lse`` by lse into ``out`` [tokens, heads, head_dim]
     and ``lse`` [tokens, heads]: an empty split (lse = -inf) contributes nothing."""
@@ -410,7 +418,7 @@ def reduce_splits_triton(
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
         BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4,
+        PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}),
     )
 
 

@@ -21,11 +21,11 @@ from .paged_attention import _sdpa_lse, sequence_slots
 TILE_ROWS = 64  # query rows (tokens x query heads of one KV head) per program of the Triton kernel
 
 
-def tile_tokens_for(group: int) -> int:
+def tile_tokens_for(group: int, rows: int = TILE_ROWS) -> int:
     """Tokens per tile of the Triton system kernel for ``group`` query heads per KV head: the rows of
-    a tile are its tokens times the group (padded to a power of two) and number ``TILE_ROWS``."""
+    a tile are its tokens times the group (padded to a power of two) and number ``rows``."""
     padded = 1 << max(0, (group - 1).bit_length())
-    return max(1, TILE_ROWS // padded)
+    return max(1, rows // padded)
 
 
 def system_tiles(token_system: list[int], tokens_per_tile: int, min_tiles: int = 0) -> tuple[list[int], list[int]]:

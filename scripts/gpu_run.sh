@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks on a CUDA machine (the image's python3: torch, triton, transformers).
-# Usage: bash scripts/gpu_run.sh PART [OUT]   PART: tests | engine | store | fusion | all | relay | tree | sessions
+# Usage: bash scripts/gpu_run.sh PART [OUT]   PART: tests | engine | store | fusion | all | relay | relay-profile | tree | sessions
 # Results land in OUT (default $OUT, else gpu-results): one folder per benchmark, plus logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +26,8 @@ case "$part" in
       tests/test_cuda_graphs.py tests/test_kernels.py -k "relay or system or graph or decode or merge or layer" \
       | tee "$out/gpu-tests.log" | tail -15
     run python3 -m ragfuse.cli bench relay --device cuda --out "$out/relay" | tail -40 ;;
+  relay-profile)  # where relay decode's time goes (parts, floor, launch parameters), and per-step e2e times
+    run python3 -m ragfuse.bench.relay_profile "$out/relay-profile.json" --sweep --e2e | tail -60 ;;
   tree)  # two-phase decode vs our paged kernel over a shared prefix, and the engine with the tree on/off
     run python3 -m ragfuse.cli bench tree --device cuda --e2e --out "$out/tree" | tail -40 ;;
   sessions)

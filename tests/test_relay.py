@@ -52,8 +52,8 @@ class Batch:
         self.own_lens, self.q_lens, self.systems, self.page = own_lens, q_lens, systems, page
         self.scale = d**-0.5
 
-    def tiles(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, systems = system_tiles(self.token_system, tile_tokens_for(group))
+    def tiles(self, group: int, rows: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, systems = system_tiles(self.token_system, tile_tokens_for(group, rows))
         dev = self.q.device
         return torch.tensor(tokens, dtype=torch.int32, device=dev), torch.tensor(systems, dtype=torch.int32, device=dev)
 
@@ -180,3 +180,57 @@ def test_relay_decode_triton_matches_reference(where, heads, kvh, d, splits) -> 
         )
         assert rel_err(out, ref) < TOL[dtype], dtype
         assert rel_err(lse, ref_lse) < 1e-4, dtype
+
+
+@pytest.mark.parametrize("tuning,rows", [
+    ({"half_partials": True}, 64),
+    ({"sys_block_n": 32, "ctx_block_n": 32, "num_stages": 2}, 64),
+    ({"pdl": True, "num_warps": 8, "sys_block_n": 128}, 128),
+    ({"fused_reduce": True}, 64),
+    ({"fused_reduce": True, "num_stages": 3}, 32),
+    ({"streams": 2}, 64),
+])
+def test_relay_decode_tunings_match_reference(where, tuning, rows) -> None:
+    """Every launch parameter the profile tries keeps relay decode exact: 16-bit partials, other key
+    tiles and pipeline depths, the reduction as a programmatic dependent launch, larger system tiles."""
+    from ragfuse.kernels.relay_triton import RelayTuning, relay_decode_attention_triton
+
+    heads, kvh, d = 8, 2, 64
+    for dtype in where[1]:
+        b = case(where, heads, kvh, d, dtype, prefill=False)
+        ref, ref_lse = relay_ref(b, prefill=False)
+        tokens, systems = b.tiles(heads // kvh, rows)
+        for _ in range(2):  # a second call on the same buffers: nothing carried over from the first
+            out, lse = relay_decode_attention_triton(
+                b.q, b.k, b.v, b.tables, b.seq_lens, b.sys_tables, b.sys_lens, tokens, systems, b.scale,
+                max(b.own_lens), int(b.sys_lens.max()), tuning=RelayTuning(**tuning),
+            )
+            tol = TOL[dtype] * (2 if tuning.get("half_partials") and dtype != torch.float32 else 1)
+            assert rel_err(out, ref) < tol, dtype
+            assert rel_err(lse, ref_lse) < 1e-4, dtype
+
+
+def test_fused_relay_decode_ignores_padding_rows_and_leaves_no_count_behind(where) -> None:
+    """A captured batch's padding rows (no tokens, in no tile) count nothing, so when such a row
+    later holds a real sequence its reduction waits for all of its partials."""
+    from ragfuse.kernels.relay_triton import RelayTuning, relay_decode_attention_triton
+
+    heads, kvh, d = 8, 2, 64
+    tuning = RelayTuning(fused_reduce=True)
+    for dtype in where[1]:
+        b = case(where, heads, kvh, d, dtype, prefill=False)
+        ref, _ = relay_ref(b, prefill=False)
+        n = len(b.own_lens)
+        padded = b.seq_lens.clone()
+        padded[n // 2:] = 0
+        real = [s if t < n // 2 else -2 for t, s in enumerate(b.token_system)]  # -2: left out of every tile
+        tokens, systems = system_tiles([s for s in real if s != -2], tile_tokens_for(heads // kvh))
+        dev = b.q.device
+        args = (b.q, b.k, b.v, b.tables)
+        tail = (b.sys_tables, b.sys_lens, torch.tensor(tokens, dtype=torch.int32, device=dev),
+                torch.tensor(systems, dtype=torch.int32, device=dev), b.scale, max(b.own_lens), int(b.sys_lens.max()))
+        out, _ = relay_decode_attention_triton(*args, padded, *tail, tuning=tuning)
+        assert rel_err(out[: n // 2], ref[: n // 2]) < TOL[dtype], dtype
+        tokens, systems = b.tiles(heads // kvh)
+        out, _ = relay_decode_attention_triton(*args, b.seq_lens, *tail[:2], tokens, systems, *tail[4:], tuning=tuning)
+        assert rel_err(out, ref) < TOL[dtype], dtype

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -46,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--contexts", type=int_list, default=[128, 256], help="op: context lengths")
     p.add_argument("--batches", type=int_list, default=[4, 8, 16, 32, 64], help="op: batch sizes")
     p.add_argument("--e2e-systems", type=int_list, default=[1024, 2048], help="end to end: system lengths")
+    p.add_argument("--e2e-shapes", default=None, help="end to end: comma-separated shapes (default: --shapes)")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--max-prompt", type=int, default=512)
@@ -65,7 +68,7 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
     if device.type == "cuda":
         import triton.testing
 
-        return lambda fn: float(triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median"))
+        return lambda fn: float(triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median"))
 
     def wall(fn: Callable[[], Any]) -> float:
         fn()
@@ -79,87 +82,173 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
     return wall
 
 
-def op_functions(
-    heads: int, kvh: int, d: int, s: int, c: int, b: int, device: torch.device, dtype: torch.dtype
-) -> tuple[Callable[[], Any], Callable[[], Any], Callable[[], Any], Callable[[], Any]]:
-    """(paged decode over [shared system blocks + own], paged decode over [a copy of the system
-    blocks per request + own], relay, the torch reference of relay): every request's own ``c``
-    tokens after one system prompt of ``s`` tokens, the same K/V values in all four.
+def copy_bandwidth(timer: Callable[[Callable[[], Any]], float], device: torch.device) -> float:
+    """Bytes/s of a 1 GiB device-to-device copy, read + write: the floor's yardstick."""
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / (timer(lambda: dst.copy_(src)) * 1e-3)
 
-    The shared-block baseline reads the same system blocks for every request, so the GPU's L2
-    cache serves part of those reads; the per-request copies are the paper's baseline (no prefix
-    sharing: every read goes to DRAM)."""
-    from ragfuse.engine.attention import RelayMetadata
-    from ragfuse.kernels.merge import merge_attention_ref
-    from ragfuse.kernels.paged_attention import paged_decode_attention_ref
-    from ragfuse.kernels.relay import system_attention_ref, tile_tokens_for
 
-    page = 16
-    sys_blocks, own_blocks = -(-s // page), -(-c // page)
-    blocks = sys_blocks + b * own_blocks
-    k_cache = torch.randn(blocks, page, kvh, d, device=device, dtype=dtype)
-    v_cache = torch.randn_like(k_cache)
-    perm = torch.randperm(blocks, device=device, dtype=torch.int32)
-    sys_table = perm[:sys_blocks]
-    own = perm[sys_blocks:].view(b, own_blocks)
-    q = torch.randn(b, heads, d, device=device, dtype=dtype)
-    scale = d**-0.5
-    full_tables = torch.cat([sys_table.expand(b, -1), own], dim=1).contiguous()  # s is a multiple of the page
-    full_lens = torch.full((b,), s + c, dtype=torch.int32, device=device)
-    own_lens = torch.full((b,), c, dtype=torch.int32, device=device)
-    copies = torch.arange(b * sys_blocks, device=device, dtype=torch.int32).view(b, sys_blocks) + blocks
-    copy_tables = torch.cat([copies, own], dim=1).contiguous()
-    k_copies = torch.cat([k_cache, k_cache[sys_table.long()].repeat(b, 1, 1, 1)])
-    v_copies = torch.cat([v_cache, v_cache[sys_table.long()].repeat(b, 1, 1, 1)])
-    relay = RelayMetadata.build([0] * b, tile_tokens_for(heads // kvh), sys_table[None].contiguous(),
-                                torch.tensor([s], dtype=torch.int32, device=device), s, device)
-
-    def ref_relay() -> Any:
-        sys = system_attention_ref(q, k_cache, v_cache, relay.sys_tables, relay.sys_lens, relay.token_system, scale)
-        return merge_attention_ref(*sys, *paged_decode_attention_ref(q, k_cache, v_cache, own, own_lens, scale))
-
+def rotations(working_set: int, device: torch.device) -> int:
+    """Copies of a case's data to cycle through so that each call finds its K/V out of the L2 cache,
+    as a layer's attention does in a real decode step (31 other layers' weights and KV passed
+    through the cache since its last call): at least three L2 sizes between two uses of one copy."""
     if device.type != "cuda":
-        return ((lambda: paged_decode_attention_ref(q, k_cache, v_cache, full_tables, full_lens, scale)),
-                (lambda: paged_decode_attention_ref(q, k_copies, v_copies, copy_tables, full_lens, scale)),
-                ref_relay, ref_relay)
-    from ragfuse.kernels.paged_attention_triton import paged_decode_attention_triton
-    from ragfuse.kernels.relay_triton import relay_decode_attention_triton
-
-    def paged() -> Any:
-        return paged_decode_attention_triton(q, k_cache, v_cache, full_tables, full_lens, scale, max_seq_len=s + c)
-
-    def paged_copies() -> Any:
-        return paged_decode_attention_triton(q, k_copies, v_copies, copy_tables, full_lens, scale, max_seq_len=s + c)
-
-    def relayed() -> Any:
-        return relay_decode_attention_triton(q, k_cache, v_cache, own, own_lens, relay.sys_tables, relay.sys_lens,
-                                             relay.tile_tokens, relay.tile_system, scale, c, s)
-
-    return paged, paged_copies, relayed, ref_relay
+        return 1
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(1, min(8, math.ceil(3 * l2 / max(1, working_set))))
 
 
-def bench_op(args: argparse.Namespace, shape: str, cfg: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
+class OpCase:
+    """One decode step's attention (one layer) on one set of cache data: every request's own ``c``
+    tokens after one system prompt of ``s`` tokens.
+
+    paged: our paged decode kernel (the engine's) over [shared system blocks + own blocks];
+    paged_copies: the same kernel over a copy of the system blocks per request (the paper's baseline,
+    no prefix sharing); relay: system part once per batch + context per request + fused reduction.
+    The shared-block baseline reads the same system blocks for every request, so the GPU's L2 cache
+    serves part of those reads. All read the same K/V values."""
+
+    def __init__(self, heads: int, kvh: int, d: int, s: int, c: int, b: int, device: torch.device,
+                 dtype: torch.dtype, copies: bool, tile_rows: int | None = None) -> None:
+        page = 16
+        self.s, self.c, self.b, self.kvh, self.d = s, c, b, kvh, d
+        sys_blocks, own_blocks = -(-s // page), -(-c // page)
+        blocks = sys_blocks + b * own_blocks
+        self.k = torch.randn(blocks, page, kvh, d, device=device, dtype=dtype)
+        self.v = torch.randn_like(self.k)
+        perm = torch.randperm(blocks, device=device, dtype=torch.int32)
+        sys_table = perm[:sys_blocks]
+        self.own = perm[sys_blocks:].view(b, own_blocks)
+        self.q = torch.randn(b, heads, d, device=device, dtype=dtype)
+        self.scale = d**-0.5
+        self.full_tables = torch.cat([sys_table.expand(b, -1), self.own], dim=1).contiguous()  # s: whole pages
+        self.full_lens = torch.full((b,), s + c, dtype=torch.int32, device=device)
+        self.own_lens = torch.full((b,), c, dtype=torch.int32, device=device)
+        if copies:
+            block_ids = torch.arange(b * sys_blocks, device=device, dtype=torch.int32).view(b, sys_blocks) + blocks
+            self.copy_tables = torch.cat([block_ids, self.own], dim=1).contiguous()
+            self.k_copies = torch.cat([self.k, self.k[sys_table.long()].repeat(b, 1, 1, 1)])
+            self.v_copies = torch.cat([self.v, self.v[sys_table.long()].repeat(b, 1, 1, 1)])
+        self.sys_table, self.group = sys_table, heads // kvh
+        self.relay_meta = self.relay_metadata(tile_rows)
+
+    def relay_metadata(self, tile_rows: int | None = None) -> Any:
+        """The batch's relay metadata, with system tiles of ``tile_rows`` query rows (default: the engine's)."""
+        from ragfuse.engine.attention import RelayMetadata
+        from ragfuse.kernels.relay import TILE_ROWS, tile_tokens_for
+
+        return RelayMetadata.build([0] * self.b, tile_tokens_for(self.group, tile_rows or TILE_ROWS),
+                                   self.sys_table[None].contiguous(),
+                                   torch.tensor([self.s], dtype=torch.int32, device=self.q.device), self.s,
+                                   self.q.device)
+
+    def kv_bytes(self, tokens: int) -> int:
+        return tokens * self.kvh * self.d * 2 * self.k.element_size()
+
+    @property
+    def relay_bytes(self) -> int:
+        """Bytes relay must read: the system K/V once, each request's own K/V."""
+        return self.kv_bytes(self.s + self.b * self.c)
+
+    @property
+    def paged_bytes(self) -> int:
+        """Bytes the paged kernel asks for: the system K/V once per request, plus its own."""
+        return self.kv_bytes(self.b * (self.s + self.c))
+
+    def reference(self) -> Any:
+        from ragfuse.kernels.merge import merge_attention_ref
+        from ragfuse.kernels.paged_attention import paged_decode_attention_ref
+        from ragfuse.kernels.relay import system_attention_ref
+
+        m = self.relay_meta
+        sys = system_attention_ref(self.q, self.k, self.v, m.sys_tables, m.sys_lens, m.token_system, self.scale)
+        return merge_attention_ref(
+            *sys, *paged_decode_attention_ref(self.q, self.k, self.v, self.own, self.own_lens, self.scale))
+
+    def paged(self, num_splits: int | None = None) -> Any:
+        if self.q.device.type != "cuda":
+            from ragfuse.kernels.paged_attention import paged_decode_attention_ref
+
+            return paged_decode_attention_ref(self.q, self.k, self.v, self.full_tables, self.full_lens, self.scale)
+        from ragfuse.kernels.paged_attention_triton import paged_decode_attention_triton
+
+        return paged_decode_attention_triton(self.q, self.k, self.v, self.full_tables, self.full_lens, self.scale,
+                                             max_seq_len=self.s + self.c, num_splits=num_splits)
+
+    def paged_copies(self) -> Any:
+        if self.q.device.type != "cuda":
+            from ragfuse.kernels.paged_attention import paged_decode_attention_ref
+
+            return paged_decode_attention_ref(self.q, self.k_copies, self.v_copies, self.copy_tables, self.full_lens,
+                                              self.scale)
+        from ragfuse.kernels.paged_attention_triton import paged_decode_attention_triton
+
+        return paged_decode_attention_triton(self.q, self.k_copies, self.v_copies, self.copy_tables, self.full_lens,
+                                             self.scale, max_seq_len=self.s + self.c)
+
+    def relay(self, **options: Any) -> Any:
+        """Relay decode; ``options`` go to ``relay_decode_attention_triton`` (splits, tuning)."""
+        if self.q.device.type != "cuda":
+            return self.reference()
+        from ragfuse.kernels.relay_triton import relay_decode_attention_triton
+
+        m = self.relay_meta
+        return relay_decode_attention_triton(self.q, self.k, self.v, self.own, self.own_lens, m.sys_tables,
+                                             m.sys_lens, m.tile_tokens, m.tile_system, self.scale, self.c, self.s,
+                                             **options)
+
+
+def cases(heads: int, kvh: int, d: int, s: int, c: int, b: int, device: torch.device,
+          dtype: torch.dtype) -> tuple[list[OpCase], list[OpCase]]:
+    """(cases for the paged-shared and relay timings, cases holding per-request copies): as many data
+    copies as ``rotations`` asks for each, so every call starts with a cold L2 cache."""
+    one = OpCase(heads, kvh, d, s, c, b, device, dtype, copies=True)
+    shared = [one] + [OpCase(heads, kvh, d, s, c, b, device, dtype, copies=False)
+                      for _ in range(rotations(one.relay_bytes, device) - 1)]
+    with_copies = [one] + [OpCase(heads, kvh, d, s, c, b, device, dtype, copies=True)
+                           for _ in range(rotations(one.paged_bytes, device) - 1)]
+    return shared, with_copies
+
+
+def cycling(fns: list[Callable[[], Any]]) -> Callable[[], Any]:
+    """A call that runs the next of ``fns`` each time (captured into one graph, each keeps its data)."""
+    it = itertools.cycle(fns)
+    return lambda: next(it)()
+
+
+def rel_err(got: Any, want: Any) -> float:
+    return float((got[0].float() - want[0].float()).norm() / want[0].float().norm())
+
+
+def bench_op(args: argparse.Namespace, shape: str, cfg: dict[str, Any], device: torch.device,
+             bandwidth: float | None) -> list[dict[str, Any]]:
     heads, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or cfg["hidden_size"] // heads
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     timer = _timer(device)
     rows = []
-    cases = [(s, c, b) for s in args.systems for c in args.contexts for b in args.batches]
-    for s, c, b in tqdm(cases, desc=f"relay op {shape}"):
-        paged, paged_copies, relayed, ref = op_functions(heads, kvh, d, s, c, b, device, dtype)
-        want, got, base = ref(), relayed(), paged_copies()
-        err = float((got[0].float() - want[0].float()).norm() / want[0].float().norm())
-        err_base = float((base[0].float() - want[0].float()).norm() / want[0].float().norm())
-        t_paged, t_copies, t_relay = timer(paged), timer(paged_copies), timer(relayed)
+    combos = [(s, c, b) for s in args.systems for c in args.contexts for b in args.batches]
+    for s, c, b in tqdm(combos, desc=f"relay op {shape}"):
+        shared, with_copies = cases(heads, kvh, d, s, c, b, device, dtype)
+        one = shared[0]
+        want = one.reference()
+        err, err_base = rel_err(one.relay(), want), rel_err(one.paged_copies(), want)
+        t_paged = timer(cycling([x.paged for x in shared]))
+        t_copies = timer(cycling([x.paged_copies for x in with_copies]))
+        t_relay = timer(cycling([x.relay for x in shared]))
         p = theoretical_speedup(s, c, b, heads // kvh)
         rows.append({
             "part": "op", "shape": shape, "heads": f"{heads}q/{kvh}kv", "system": s, "context": c, "batch": b,
             "paged_shared_ms": t_paged, "paged_copies_ms": t_copies, "relay_ms": t_relay,
+            # relay's bytes at the faster of the copy rate and the rate the paged kernel read the copies at
+            "relay_floor_ms": one.relay_bytes / max(bandwidth, one.paged_bytes / t_copies * 1e3) * 1e3
+            if bandwidth else None,
             "speedup": t_paged / t_relay, "speedup_vs_copies": t_copies / t_relay, "theoretical": p,
             "of_theoretical": t_paged / t_relay / p, "copies_of_theoretical": t_copies / t_relay / p,
             "rel_err": err, "rel_err_paged": err_base,
         })
-        del paged, paged_copies, relayed, ref
+        del shared, with_copies, one
     return rows
 
 
@@ -210,8 +299,9 @@ def bench_e2e(args: argparse.Namespace, shape: str, cfg: dict[str, Any], device:
     need = max(args.e2e_systems) + args.max_prompt + args.max_output + 16
     cfg["max_position_embeddings"] = max(min(cfg["max_position_embeddings"], 32768), need)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
-    eng = LLMEngine(EngineConfig(device=device.type, dtype=dtype, max_num_seqs=args.concurrency, max_model_len=need),
-                    random_weights=ModelConfig.from_dict(cfg))
+    # no prefix tree: it would find the system prompt cached by the warm-up and share it in "none" mode too
+    eng = LLMEngine(EngineConfig(device=device.type, dtype=dtype, max_num_seqs=args.concurrency, max_model_len=need,
+                                 prefix_tree=False), random_weights=ModelConfig.from_dict(cfg))
     sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
     g = torch.Generator().manual_seed(0)
     vocab = cfg["vocab_size"]
@@ -253,6 +343,10 @@ def run(args: argparse.Namespace) -> int:
         configs = {name: shape_config(name) for name in shapes}
     except KeyError as exc:
         raise RagfuseError(str(exc.args[0])) from exc
+    e2e_shapes = [x.strip() for x in args.e2e_shapes.split(",") if x.strip()] if args.e2e_shapes else shapes
+    unknown = [x for x in e2e_shapes if x not in configs]
+    if unknown:
+        raise RagfuseError(f"--e2e-shapes {','.join(unknown)}: not among --shapes")
     if not Path(args.data).is_file():
         raise RagfuseError(f"--data {args.data}: no such file")
     bad = [s for s in args.systems if s % 16]
@@ -262,23 +356,30 @@ def run(args: argparse.Namespace) -> int:
     results = {"benchmark": "relay", "machine": machine_info(str(device)), "shapes": shapes,
                "goals": {"op": "speedup >= 0.9 p at b=32, s=2048, c=128 (of_theoretical, copies_of_theoretical)",
                          "e2e": "s=2048: llama-2-7b relay >= 2.2x none and >= 1.5x shared; mistral-7b >= 1.3x shared"}}
+    bandwidth = copy_bandwidth(_timer(device), device) if device.type == "cuda" and not args.skip_op else None
+    if bandwidth:
+        results["copy_bandwidth_gbs"] = round(bandwidth / 1e9, 1)
     notes = (
         f"Device: {results['machine'].get('gpu', device)}. Op rows: one decode step's attention (one layer), "
-        "paged_shared = our paged decode kernel reading the shared system blocks per request (L2 serves part of "
-        "those reads); paged_copies = the same kernel over a copy of the system KV per request (the paper's "
-        "baseline); relay = system part once "
-        "per batch + context per request + one fused reduction; theoretical = (s+c+2g)/(s/b+c+7g). "
+        "medians of CUDA-graph replays with the K/V out of L2 at every call (data copies cycled, as in a real "
+        "step where the other layers' weights pass through the cache between two calls of a layer); "
+        "paged_shared = our paged decode kernel (the engine's) reading the shared system blocks per request "
+        "(L2 serves part of those reads within a call); paged_copies = the same kernel over a copy of the system "
+        "KV per request (the paper's baseline); relay = system part once per batch + context per request + one "
+        "fused reduction; relay_floor = relay's bytes (system K/V once + each request's own) at the faster of the "
+        f"copy bandwidth ({results.get('copy_bandwidth_gbs', '-')} GB/s, read + write) and the rate the paged kernel "
+        "read the per-request copies at; theoretical = (s+c+2g)/(s/b+c+7g). "
         "E2E rows: output tokens/s, random-weight models, ShareGPT first-turn lengths."
     )
     out = args.out or f"bench-results/relay-{args.device}"
     rows: list[dict[str, Any]] = []
     for name, cfg in configs.items():
         if not args.skip_op:
-            rows += bench_op(args, name, cfg, device)
+            rows += bench_op(args, name, cfg, device, bandwidth)
     # written after each part, so a later part's failure keeps the earlier figures
     write_report(out, "ragfuse bench relay", results, rows, lambda fig: _plot(fig, rows), notes)
     if not args.skip_e2e:
-        for name, cfg in configs.items():
+        for name, cfg in ((x, configs[x]) for x in e2e_shapes):
             rows += bench_e2e(args, name, cfg, device)
             write_report(out, "ragfuse bench relay", results, rows, lambda fig, rows=rows: _plot(fig, rows), notes)
     print((Path(out) / "results.md").read_text())
