@@ -13,7 +13,9 @@ Safety rules, each for a fault the tests inject:
 
 Files are valid safetensors (tensor ``layer.0000`` ... holding ``[2, tokens, heads, dim]``, metadata
 ``ragfuse_kv``). The reader parses the header itself and ``readinto``s each layer straight into its
-destination buffer (page-locked when the data goes to a GPU): one copy, and layer by layer.
+destination buffer (page-locked when the data goes to a GPU): one copy, and layer by layer. Reads
+into CPU memory land in buffers of a ``HostBufferPool`` (see there: fresh memory costs a page fault
+per 4 KiB inside the read, reused memory does not).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 from filelock import FileLock
 from safetensors.torch import save as safetensors_save
 
+from .buffer_pool import HostBufferPool, shared_pool
 from .entry import CorruptEntryError, EntryMeta, KVStoreError, StoredKV, tensor_bytes
 from .tier import Tier, TierStats
 
@@ -161,14 +164,19 @@ class DiskEntryReader:
 
 
 class DiskTier(Tier):
-    """Entries as files under ``root``, listed in ``root/manifest.sqlite``, LRU by last access."""
+    """Entries as files under ``root``, listed in ``root/manifest.sqlite``, LRU by last access.
+
+    Reads to CPU fill buffers from ``read_pool`` (default: the process-wide ``shared_pool()``).
+    """
 
     persistent = True
 
     def __init__(
-        self, root: str | Path, capacity_bytes: int, name: str = "disk", reserve_bytes: int = 64 << 20
+        self, root: str | Path, capacity_bytes: int, name: str = "disk", reserve_bytes: int = 64 << 20,
+        read_pool: HostBufferPool | None = None,
     ) -> None:
         self.name = name
+        self.read_pool = read_pool if read_pool is not None else shared_pool()
         self.root = Path(root)
         self.capacity_bytes = int(capacity_bytes)
         self.reserve_bytes = reserve_bytes
@@ -250,10 +258,9 @@ class DiskTier(Tier):
                 return None
         return StoredKV(reader.meta, layers)
 
-    @staticmethod
-    def _read_to_cpu(reader: DiskEntryReader) -> list[torch.Tensor]:
+    def _read_to_cpu(self, reader: DiskEntryReader) -> list[torch.Tensor]:
         meta = reader.meta
-        whole = torch.empty((meta.num_layers, *meta.layer_shape), dtype=meta.dtype)  # one allocation
+        whole = self.read_pool.take(meta.nbytes).view(meta.dtype).view(meta.num_layers, *meta.layer_shape)
         return list(reader.read_all(whole).unbind(0))
 
     def _read_to_gpu(self, reader: DiskEntryReader, device: torch.device) -> list[torch.Tensor]:
