@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     nothing = lambda: None  # noqa: E731 - used as "no preparation"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()  # the machine may be shared: say how busy it was
     notes: list[str] = []
     rows: list[dict[str, Any]] = []
 
@@ -219,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
         "bench": "store", "machine": machine_info(str(device)), "model_shape": "Mistral-7B (32 layers, 8 kv heads, "
         "head_dim 128, bf16)", "kv_bytes_per_token": mc.kv_bytes_per_token(dtype), "chunks": args.chunks,
         "tokens_per_chunk": args.tokens, "total_bytes": total, "repeats": args.repeats, "notes": notes,
+        "load_average_before": load_before, "load_average_after": os.getloadavg(),
     }
 
     def plot(fig: Any) -> None:
@@ -230,6 +232,9 @@ def run(args: argparse.Namespace) -> int:
         ax.set_xticks(list(xs), [r["path"] for r in measured], rotation=20, ha="right", fontsize=8)
         ax.set_ylabel("GB/s")
         ax.set_title(f"KV of {args.chunks} x {args.tokens} tokens (Mistral-7B shape, {total / 2**20:.0f} MiB)")
+        for x, r in zip(xs, measured):
+            if r["ratio"]:
+                ax.annotate(f"{r['ratio']:.0%}", (x - 0.2, r["GB/s"]), ha="center", va="bottom", fontsize=8)
         ax.legend()
 
     write_report(out, "KV store read bandwidth", results, rows, plot, notes="\n".join(f"- {n}" for n in notes))
