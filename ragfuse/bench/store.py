@@ -67,8 +67,8 @@ def _median_time(fn: Callable[[], Any], before: Callable[[], None], sync: Callab
 
 def _side_by_side(
     fns: dict[str, Callable[[], Any]], before: Callable[[], None], sync: Callable[[], None], repeats: int,
-) -> dict[str, tuple[float, float]]:
-    """Median seconds and median minor page faults of each function, timed in turns.
+) -> dict[str, tuple[list[float], list[int]]]:
+    """Seconds and minor page faults of every pass of each function, timed in turns.
 
     Each repeat runs every function once, in an order rotated by one per repeat, so neither a burst
     of load from other processes nor a drift of the machine favours one of them.
@@ -78,8 +78,7 @@ def _side_by_side(
     names = list(fns)
     for fn in fns.values():
         fn()  # warm-up: allocator, buffer pool, connections
-    times: dict[str, list[float]] = {n: [] for n in names}
-    faults: dict[str, list[int]] = {n: [] for n in names}
+    passes: dict[str, tuple[list[float], list[int]]] = {n: ([], []) for n in names}
     for r in tqdm(range(repeats), desc=f"bench store [{', '.join(names)}]"):
         for name in names[r % len(names):] + names[:r % len(names)]:
             before()
@@ -88,9 +87,9 @@ def _side_by_side(
             t0 = time.perf_counter()
             fns[name]()
             sync()
-            times[name].append(time.perf_counter() - t0)
-            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-    return {n: (statistics.median(times[n]), statistics.median(faults[n])) for n in names}
+            passes[name][0].append(time.perf_counter() - t0)
+            passes[name][1].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    return passes
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
     load_before = os.getloadavg()  # the machine may be shared: say how busy it was
     notes: list[str] = []
     rows: list[dict[str, Any]] = []
+    samples_ms: dict[str, dict[str, list[float]]] = {}  # every pass of the disk rows, in the order run
 
     def row(path: str, seconds: float | None, raw_name: str, raw_s: float | None, goal: float | None,
             faults: tuple[float, float] | None = None) -> None:
@@ -158,18 +158,21 @@ def run(args: argparse.Namespace) -> int:
         if device.type == "cpu":  # the same store, read into fresh buffers: what the pool saves
             unpooled = DiskTier(Path(tmp), cap * 2, reserve_bytes=0, read_pool=HostBufferPool(0))
             reads["fresh"] = lambda: [unpooled.get(e.key, device) for e in entries]
-        cold = _side_by_side(reads, drop_all, sync, args.repeats)
         raw_name = f"sequential file read ({RAW_BLOCK >> 10} KiB reads)"
-        row(f"disk -> {device.type}", cold["tier"][0], raw_name, cold["raw"][0], GOALS["disk"],
-            (cold["tier"][1], cold["raw"][1]))
+
+        def disk_row(path: str, passes: dict, name: str, raw: str, goal: float | None) -> None:
+            (t, f), (raw_t, raw_f) = passes[name], passes["raw"]
+            row(path, statistics.median(t), raw, statistics.median(raw_t), goal,
+                (statistics.median(f), statistics.median(raw_f)))
+            samples_ms[path] = {"tier": [x * 1e3 for x in t], "raw": [x * 1e3 for x in raw_t]}
+
+        cold = _side_by_side(reads, drop_all, sync, args.repeats)
+        disk_row(f"disk -> {device.type}", cold, "tier", raw_name, GOALS["disk"])
         if device.type == "cpu":
-            row("disk -> cpu, fresh buffers (no pool)", cold["fresh"][0], raw_name, cold["raw"][0], None,
-                (cold["fresh"][1], cold["raw"][1]))
+            disk_row("disk -> cpu, fresh buffers (no pool)", cold, "fresh", raw_name, None)
             warm = _side_by_side(reads, nothing, sync, args.repeats)
-            for name, path in (("tier", "disk -> cpu, page cache warm"),
-                               ("fresh", "disk -> cpu, page cache warm, fresh buffers")):
-                row(path, warm[name][0], "file read, page cache warm", warm["raw"][0], None,
-                    (warm[name][1], warm["raw"][1]))
+            disk_row("disk -> cpu, page cache warm", warm, "tier", "file read, page cache warm", None)
+            disk_row("disk -> cpu, page cache warm, fresh buffers", warm, "fresh", "file read, page cache warm", None)
             notes.append("disk rows: page cache dropped before every pass of both the tier and the raw read, "
                          "unless the row says warm (then both read from a warm page cache)")
             unpooled.close()
@@ -220,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
         "bench": "store", "machine": machine_info(str(device)), "model_shape": "Mistral-7B (32 layers, 8 kv heads, "
         "head_dim 128, bf16)", "kv_bytes_per_token": mc.kv_bytes_per_token(dtype), "chunks": args.chunks,
         "tokens_per_chunk": args.tokens, "total_bytes": total, "repeats": args.repeats, "notes": notes,
-        "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        "load_average_before": load_before, "load_average_after": os.getloadavg(), "samples_ms": samples_ms,
     }
 
     def plot(fig: Any) -> None:
