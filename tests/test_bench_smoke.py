@@ -18,6 +18,8 @@ import pytest
      "--e2e-systems", "64", "--requests", "3", "--max-prompt", "8", "--max-output", "3"],
     ["tree", "--shape", "tiny-llama", "--shared", "64", "--batches", "3", "--private", "5", "--repeats", "1", "--e2e",
      "--e2e-prefix", "40", "--e2e-requests", "3", "--e2e-tokens", "3"],
+    # one 64 MiB entry: bigger than glibc ever serves from its heap, so fresh buffers really fault
+    ["store", "--chunks", "1", "--tokens", "512", "--repeats", "2", "--redis", "redis://127.0.0.1:1/0"],
     ["server", "--clients", "2", "--seconds", "3", "--max-tokens", "4"],  # the real default model, served
     ["server-reuse", "--conversations", "1", "--turns", "2", "--message-chars", "200", "--questions", "2",
      "--system-chars", "600", "--max-tokens", "6"],
@@ -34,6 +36,12 @@ def test_bench_writes_results_table_and_plot(args, tmp_path):
     if args[0] == "server":
         (row,) = results["rows"]
         assert row["errors"] == 0 and row["requests"] >= 2 and row["rss_end_mib"] > 100
+    if args[0] == "store":
+        rows = {r["path"]: r for r in results["rows"]}
+        pooled, fresh = rows["disk -> cpu"], rows["disk -> cpu, fresh buffers (no pool)"]
+        assert pooled["ratio"] > 0 and pooled["goal"] == 0.7 and fresh["ratio"] > 0
+        assert pooled["page faults"] * 10 < fresh["page faults"]  # the pool's buffers are already touched
+        assert any("Redis tier skipped" in n for n in results["notes"])
     if args[0] == "server-reuse":
         turn1, turn2, relay = results["rows"]
         assert turn1["session_reused_tokens"] == 0 and turn2["session_reused_tokens"] > turn1["prompt_tokens"]
