@@ -26,7 +26,6 @@ import torch
 from ragfuse.kernels.paged_attention import sequence_slots
 
 from .. import ops
-from ..attention import write_kv
 from ..models import LlamaForCausalLM
 from .prefetch import LayerPrefetcher
 from .segments import Segment
@@ -157,18 +156,19 @@ def fuse_prefill(
     with LayerPrefetcher(sources, model.config.num_layers, device) as loader, torch.inference_mode():
         for li, layer in enumerate(block.layers):
             kc, vc = kv_layers[li]
+            attn = layer.self_attn.attn
             k_st = v_st = None
             if sources:
                 k_st, v_st = (t[:num_stored] for t in loader.get(li))
                 # every stored token's KV goes in first; the active tokens' fresh KV overwrites it below
-                write_kv(rotary(k_st, stored_pos), v_st, kc, vc, stored_slots)
+                attn.store(rotary(k_st, stored_pos), v_st, (kc, vc), stored_slots)
             if residual is None:
                 residual, h = hidden, layer.input_layernorm(hidden)
             else:
                 h, residual = layer.input_layernorm(hidden, residual)
             q, k_raw, v = layer.self_attn.project(h)
             q, k = ops.apply_rope_qk(q, k_raw, pos, rotary.cos, rotary.sin)
-            write_kv(k, v, kc, vc, act_slots)
+            attn.store(k, v, (kc, vc), act_slots)
             if checks and li == checks[0][0]:
                 _, (cand, kept) = checks.pop(0)
                 assert k_st is not None and v_st is not None
@@ -180,7 +180,7 @@ def fuse_prefill(
                 size_i, candidates = size_i + 1, kept
             a = pos.shape[0]
             counts.append(a)
-            out, _ = layer.self_attn.attn.attend(
+            out, _ = attn.attend(
                 q, None if a == n else pos, (kc, vc), table, n, slots, bounds_all[size_i]
             )
             h = layer.self_attn.o_proj(out.reshape(a, -1))
@@ -252,5 +252,5 @@ def _narrow(
     keep_n = keep_count(policy.keep_share(check_index), num_fusable)
     chosen = choose(dev, keep_n, forced.index_select(0, cand_pos), num_forced)
     keep = ~is_cand  # tokens without stored KV always stay
-    keep[cand_rows.index_select(0, chosen)] = True
+    keep.index_fill_(0, cand_rows.index_select(0, chosen), True)  # (an indexed assignment would copy True over)
     return _first_true(keep, pos.shape[0] - candidates + kept)
