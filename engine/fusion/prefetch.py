@@ -50,6 +50,8 @@ class LayerPrefetcher:
         self._next_issue = 0
 
     def __enter__(self) -> LayerPrefetcher:
+        if self._stream is not None:  # KV just computed on the device (not yet finished) is read on the side stream
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         if self._pool is not None:
             for i in range(min(self.depth + 1, self.num_layers)):
                 self._reads[i] = self._pool.submit(self._read, i)
@@ -136,11 +138,9 @@ class LayerPrefetcher:
             return self._issued.pop(layer)
         compute = torch.cuda.current_stream(self.device)
         asks, has = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        asks.record(compute)  # fires when the previous layer's work is done
+        asks.record(compute)  # fires when the previous layer's work is done: its ring slot is free again
         if layer > 0:
-            freed = torch.cuda.Event()
-            freed.record(compute)
-            self._freed[layer - 1] = freed
+            self._freed[layer - 1] = asks
         self._issue_ready(layer + self.depth, wait_for=layer)
         compute.wait_event(self._copy_events[layer][1])
         has.record(compute)
