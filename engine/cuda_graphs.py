@@ -16,17 +16,25 @@ host inside the forward.
 A decode batch behind registered system prompts (relay attention) replays its own graph per size,
 whose static inputs also hold the batch's system tiles (padded with empty tiles: they read and write
 nothing); the system prompts' block tables are the registry's fixed device tensors.
+
+A decode batch whose sequences share prefix-tree blocks (two-phase attention) replays a graph per
+size and plan capacity (item rows, partial slots: ``plan_capacity``), with or without relay. Its
+plan lives in fixed device buffers padded with inert rows; the tree's current plan is copied there
+only when it changes (a new batch or new sharing), not at every step.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from ragfuse.kernels.relay import max_system_tiles
+from ragfuse.kernels.two_phase import TwoPhasePlan
 
 from .attention import AttentionMetadata, RelayMetadata
 
@@ -35,12 +43,26 @@ EAGER_SIZES = (1, 2, 4, 8, 16, 32, 64)  # captured when the cache is allocated
 MAX_GRAPH_BATCH = 256  # larger decode batches run eagerly
 GRAPH_SYSTEMS = 4  # distinct system prompts (counting "none") a relay graph's tiles have room for
 # Prefill token buckets, captured on first use. Longer prefills are matmul-bound (launching is
-# hidden behind the GPU work) and may take the cuDNN attention path, which takes no lengths.
-PREFILL_BUCKETS = (64, 128, 256, 512, 1024)
+# hidden behind the GPU work) and may take the cuDNN attention path, which takes no lengths. Steps of
+# 32 up to 512: a new chat turn is often just past a power of two (a 256-token message after the
+# previous answer's last token is 257 tokens); padded to 512 its matmuls would double, to 320 they
+# cost 1.5 ms more than at 256 on an H100 (Mistral-7B shape).
+PREFILL_BUCKETS = (*range(64, 513, 32), 768, 1024)
+# Two-phase plan capacities of a tree graph: the smallest that holds the plan is used. Item rows past
+# the plan's cost one early-exiting program each; partial slots size a float32 buffer per layer.
+PLAN_ITEMS = (16, 32, 64, 128, 256)
+PLAN_PARTS = (4, 16, 64)
 
 
 def graphs_enabled() -> bool:
     return os.environ.get(GRAPHS_ENV, "1") != "0"
+
+
+def plan_capacity(plan: TwoPhasePlan) -> tuple[int, int] | None:
+    """(item rows, partial slots) of the tree graph a plan replays in, or None when none is big enough."""
+    items = next((c for c in PLAN_ITEMS if c >= plan.num_items), None)
+    parts = next((c for c in PLAN_PARTS if c >= plan.max_parts), None)
+    return None if items is None or parts is None else (items, parts)
 
 
 def padded_size(n: int) -> int:
@@ -57,8 +79,8 @@ class _Captured:
 
 
 @torch.inference_mode()
-def capture_forward(model: nn.Module, args: tuple, pool: tuple) -> _Captured:
-    """Capture ``model(*args)`` into a graph drawing on ``pool``.
+def capture_call(fn: Callable[..., Any], args: tuple, pool: tuple) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Capture ``fn(*args)`` into a graph drawing on ``pool``; returns the graph and the output.
 
     The first run happens outside the graph on a side stream: it compiles the Triton kernels and
     lets cuBLAS pick its algorithms, none of which may happen during capture.
@@ -66,12 +88,17 @@ def capture_forward(model: nn.Module, args: tuple, pool: tuple) -> _Captured:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        model(*args)
+        fn(*args)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
-        hidden = model(*args)
-    return _Captured(graph, hidden)
+        out = fn(*args)
+    return graph, out
+
+
+def capture_forward(model: nn.Module, args: tuple, pool: tuple) -> _Captured:
+    """Capture the whole forward ``model(*args)``."""
+    return _Captured(*capture_call(model, args, pool))
 
 
 class DecodeGraphs:
@@ -105,16 +132,24 @@ class DecodeGraphs:
         self.graphs: dict[int, _Captured] = {}  # by padded size
         self.relay_graphs: dict[int, _Captured] = {}  # by padded size, for batches behind system prompts
         self.relay: RelayMetadata | None = None  # static relay inputs, made at the first relay batch
+        # two-phase decode: graphs by (size, item rows, partial slots, relay), over one set of plan buffers
+        self.tree_graphs: dict[tuple[int, int, int, bool], _Captured] = {}
+        self.plan_items = torch.zeros(PLAN_ITEMS[-1], 5, dtype=torch.int32, device=device)
+        self.plan_order = torch.zeros(n, dtype=torch.int32, device=device)
+        self.plan_shared_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.plan_num_parts = torch.zeros(n, dtype=torch.int32, device=device)
+        self._loaded: tuple[TwoPhasePlan, int, tuple[int, int]] | None = None  # plan in the buffers, for which graph
         self.replays = 0  # steps served by a graph (for tests and metrics)
+        self.tree_replays = 0  # of which two-phase
 
     def accepts(self, meta: AttentionMetadata) -> bool:
-        """Whether this step can replay a graph: plain decode only (two-phase decode over shared
-        blocks runs eagerly: its launch grid follows the tree), within the captured sizes."""
+        """Whether this step can replay a graph: a decode step within the captured sizes (and, over
+        shared tree blocks, a two-phase plan within the largest capacity)."""
         fits = (
             not meta.is_prefill
-            and meta.two_phase is None
             and meta.num_seqs <= MAX_GRAPH_BATCH
             and meta.block_tables.shape[1] <= self.max_blocks
+            and (meta.two_phase is None or plan_capacity(meta.two_phase) is not None)
         )
         if not fits or meta.relay is None:
             return fits
@@ -130,11 +165,23 @@ class DecodeGraphs:
         """Final hidden states [n, hidden] of a decode step of ``n`` sequences, by graph replay."""
         n = input_ids.shape[0]
         size = padded_size(n)
-        relay = meta.relay
-        graphs = self.graphs if relay is None else self.relay_graphs
-        captured = graphs.get(size)
-        if captured is None:
-            captured = graphs[size] = self._capture(size, relay)
+        relay, plan = meta.relay, meta.two_phase
+        if plan is not None:
+            capacity = plan_capacity(plan)
+            assert capacity is not None, "accepts() first"
+            key = (size, *capacity, relay is not None)
+            captured = self.tree_graphs.get(key)
+            if captured is None:
+                captured = self.tree_graphs[key] = self._capture(size, relay, capacity)
+            if self._loaded is None or self._loaded[0] is not plan or self._loaded[1:] != (size, capacity):
+                plan.load_into(self._padded_plan(size, capacity))  # device copies, once per plan
+                self._loaded = (plan, size, capacity)
+            self.tree_replays += 1
+        else:
+            graphs = self.graphs if relay is None else self.relay_graphs
+            captured = graphs.get(size)
+            if captured is None:
+                captured = graphs[size] = self._capture(size, relay)
         if relay is not None:
             static = self.relay
             assert static is not None
@@ -201,7 +248,19 @@ class DecodeGraphs:
             sys_lens=self.relay.sys_lens, max_sys_len=self.max_model_len, num_splits=splits,
         )
 
-    def _capture(self, size: int, relay: RelayMetadata | None) -> _Captured:
+    def _padded_plan(self, size: int, capacity: tuple[int, int]) -> TwoPhasePlan:
+        """The plan a tree graph of ``size`` rows and ``capacity`` reads: views of the plan buffers."""
+        items, parts = capacity
+        return TwoPhasePlan.padded(size, self.plan_items[:items], self.plan_order[:size],
+                                   self.plan_shared_lens[:size], self.plan_num_parts[:size], parts)
+
+    def _capture(self, size: int, relay: RelayMetadata | None, capacity: tuple[int, int] | None = None) -> _Captured:
+        two_phase = None
+        if capacity is not None:  # the warm-up and capture runs share nothing: every plan row inert
+            for buf in (self.plan_items, self.plan_shared_lens, self.plan_num_parts):
+                buf.zero_()
+            self._loaded = None
+            two_phase = self._padded_plan(size, capacity)
         meta = AttentionMetadata(
             is_prefill=False,
             slot_mapping=self.slot_mapping[:size],
@@ -212,6 +271,7 @@ class DecodeGraphs:
             max_seq_len=self.max_model_len,  # split counts must hold for any length a replay sees
             block_size=self.block_size,
             relay=None if relay is None else self._static_relay(size, relay),
+            two_phase=two_phase,
         )
         self.slot_mapping[:size].fill_(-1)  # the warm-up and capture runs touch no cache slot
         self.seq_lens[:size].zero_()
@@ -231,6 +291,11 @@ class PrefillGraphs:
     rows are real: the attention kernel reads the query count from ``cu_seqlens_q = [0, n]`` on the
     device, so rows ``n..N`` attend to nothing, and their ``slot = -1`` writes nothing. Every other op
     is row-wise, so whatever the padding rows hold never reaches a real row.
+
+    A bucket may also be captured as one graph per layer (``run_layers``): the caller then gets the
+    host between layers, to put work on the stream before layer i reads the cache (a session turn
+    writes layer i of its stored history into the pages there, while later layers' history is still
+    on its way from host memory). Each layer graph reads the previous one's output buffers.
     """
 
     def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
@@ -249,7 +314,10 @@ class PrefillGraphs:
         self.cu_seqlens_q = torch.zeros(2, dtype=torch.int32, device=device)
         self.pool = pool
         self.graphs: dict[int, _Captured] = {}
+        self.layer_graphs: dict[int, list[_Captured]] = {}  # by bucket: one graph per layer
         self.replays = 0
+        self.layer_replays = 0  # forwards served by the per-layer graphs (for tests and metrics)
+        self._held: list[torch.Tensor] = []
 
     def accepts(self, meta: AttentionMetadata) -> bool:
         return (
@@ -262,12 +330,43 @@ class PrefillGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [n, hidden] of the sequence's ``n`` new tokens, by graph replay."""
-        n = input_ids.shape[0]
-        size = prefill_bucket(n)
-        assert size is not None, "accepts() first"
+        size = self._bucket(input_ids)
         captured = self.graphs.get(size)
-        if captured is None:
-            captured = self.graphs[size] = self._capture(size)
+        if captured is None:  # before the inputs are loaded: capturing makes them inert
+            captured = self.graphs[size] = capture_forward(
+                self.model, (self.input_ids[:size], self.positions[:size], self.kv_caches, self._meta(size)), self.pool
+            )
+        n = self._load_inputs(input_ids, positions, meta)
+        captured.graph.replay()
+        self.replays += 1
+        return captured.hidden[:n]
+
+    def run_layers(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        before_layer: Callable[[int], None],
+    ) -> torch.Tensor:
+        """As ``run``, one layer's graph at a time, calling ``before_layer(i)`` before layer i's replay."""
+        size = self._bucket(input_ids)
+        layers = self.layer_graphs.get(size)
+        if layers is None:
+            layers = self.layer_graphs[size] = self._capture_layers(size)
+        n = self._load_inputs(input_ids, positions, meta)
+        for i, captured in enumerate(layers):
+            before_layer(i)
+            captured.graph.replay()
+        self.layer_replays += 1
+        return captured.hidden[:n]
+
+    @staticmethod
+    def _bucket(input_ids: torch.Tensor) -> int:
+        size = prefill_bucket(input_ids.shape[0])
+        assert size is not None, "accepts() first"
+        return size
+
+    def _load_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> int:
+        """Copy the step into the static inputs (rows past it made inert); returns its token count."""
+        n = input_ids.shape[0]
+        size = self._bucket(input_ids)
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
@@ -275,11 +374,23 @@ class PrefillGraphs:
         self.block_tables[:, : meta.block_tables.shape[1]].copy_(meta.block_tables)
         self.seq_lens.copy_(meta.seq_lens)
         self.cu_seqlens_q.copy_(meta.cu_seqlens_q)
-        captured.graph.replay()
-        self.replays += 1
-        return captured.hidden[:n]
+        return n
 
-    def _capture(self, size: int) -> _Captured:
+    def _capture_layers(self, size: int) -> list[_Captured]:
+        meta = self._meta(size)
+        ids, pos = self.input_ids[:size], self.positions[:size]
+        hidden = residual = None
+        out: list[_Captured] = []
+        for i in range(len(self.kv_caches)):
+            graph, (hidden, residual) = capture_call(
+                self.model.forward_layer, (i, ids, pos, self.kv_caches, meta, hidden, residual), self.pool
+            )
+            out.append(_Captured(graph, hidden))
+            self._held.append(residual)  # every layer's outputs stay allocated: later captures must not reuse them
+        return out
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        """Static metadata of a bucket's graphs (made inert for the warm-up and capture runs)."""
         meta = AttentionMetadata(
             is_prefill=True,
             slot_mapping=self.slot_mapping[:size],
@@ -294,5 +405,4 @@ class PrefillGraphs:
         self.slot_mapping.fill_(-1)
         self.seq_lens.zero_()
         self.cu_seqlens_q.zero_()
-        return capture_forward(self.model, (self.input_ids[:size], self.positions[:size], self.kv_caches, meta),
-                               self.pool)
+        return meta

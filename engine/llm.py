@@ -88,34 +88,55 @@ class LLM:
 
     def relay_chat_ids(self, messages: list[dict[str, str]], system: str) -> tuple[int | None, list[int]]:
         """(registered system prompt id, the chat's remaining token ids): the chat template renders
-        the system message as a prefix, which is registered once and served by relay attention.
+        the system message as a prefix, which is registered once (``engine.relay_prompts``: bounded,
+        least recently used released) and served by relay attention.
 
-        Returns (None, all ids) where relay cannot apply: a model with a sliding window, or a
-        template whose rendering of the system message alone is not a token prefix of the chat.
+        Returns (None, all ids) where relay cannot apply: a model with a sliding window, a template
+        whose rendering of the system message alone is not a token prefix of the chat, or every
+        registered prompt busy at the bound.
         """
-        full = self.chat_ids(messages, system)
+        return self._relay_split(self.chat_ids(messages, system), system)
+
+    def _relay_split(self, ids: list[int], system: str) -> tuple[int | None, list[int]]:
         head = self.engine.chat_token_ids([{"role": "system", "content": system}], add_generation_prompt=False)
-        if not self.engine.supports_relay or len(head) >= len(full) or full[: len(head)] != head:
-            return None, full
-        return self.engine.register_system(head), full[len(head) :]
+        if not self.engine.supports_relay or len(head) >= len(ids) or ids[: len(head)] != head:
+            return None, ids
+        sid = self.engine.relay_prompts.acquire(head)
+        return (None, ids) if sid is None else (sid, ids[len(head) :])
 
     def chat(
         self, messages: list[dict[str, str]], params: SamplingParams | None = None, system: str | None = None,
-        session_id: str | None = None,
+        session_id: str | None = None, relay: bool = False,
     ) -> RequestOutput:
         """Answer the conversation ``messages``. With ``session_id`` the conversation's KV is kept
         between calls (``enable_sessions``): send the whole conversation each turn, as with any
         chat API; only what is new since the stored KV is prefilled. ``metrics`` says how much was
-        reused, from where, and how much of the loading was hidden."""
+        reused, from where, and how much of the loading was hidden. With ``relay`` a leading system
+        prompt is served by relay attention (see ``add_chat_request``)."""
+        return self._collect([self.add_chat_request(messages, params, system, session_id, relay)])[0]
+
+    def add_chat_request(
+        self, messages: list[dict[str, str]], params: SamplingParams | None = None, system: str | None = None,
+        session_id: str | None = None, relay: bool = False, request_id: str | None = None,
+    ) -> str:
+        """Queue a chat without stepping the engine (for a caller whose own loop steps it, like the
+        server's); returns the request id. ``relay``: a system prompt (``system``, or the chat's
+        leading system message) is registered once and followed by relay attention. A session turn
+        never uses relay: the session's stored KV holds the system prompt with the rest of the
+        history, and the whole of it is one stored prefix, loaded as such."""
         ids = self.chat_ids(messages, system)
-        if session_id is None:
-            return self.generate([ids], params)[0]
-        if self.engine.sessions is None:
-            self.enable_sessions()
-        return self._collect([self.engine.add_session_request(
-            session_id, ids, params, new_tokens=self._last_message_tokens(messages, system, ids),
-            keep_first=self._system_tokens(messages, system),
-        )])[0]
+        if session_id is not None:
+            if self.engine.sessions is None:
+                self.enable_sessions()
+            return self.engine.add_session_request(
+                session_id, ids, params, new_tokens=self._last_message_tokens(messages, system, ids),
+                keep_first=self._system_tokens(messages, system), request_id=request_id,
+            )
+        leading = system if system is not None else messages[0]["content"] if messages[0]["role"] == "system" else None
+        sid = None
+        if relay and leading is not None:
+            sid, ids = self._relay_split(ids, leading)
+        return self.engine.add_request(ids, params, request_id, system=sid)
 
     def chat_sessions(
         self, turns: list[tuple[str, list[dict[str, str]]]], params: SamplingParams | None = None

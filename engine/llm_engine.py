@@ -27,6 +27,7 @@ from .kv_cache import KVCache
 from .model_runner import ModelRunner
 from .models import KVHook
 from .prefix_tree import PrefixTree
+from .relay_prompts import RelayPrompts
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
@@ -83,6 +84,7 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, self.config.block_size)
         self.systems = SystemPrompts(MAX_SYSTEM_PROMPTS, self.max_model_len, self.config.block_size, self.device)
         self.runner.systems = self.systems
+        self.relay_prompts = RelayPrompts(self, MAX_SYSTEM_PROMPTS)  # registered on demand, LRU-bounded
         self.tree = PrefixTree(self.blocks) if self.config.prefix_tree else None
         self.scheduler = Scheduler(
             self.blocks, self.config.max_num_seqs, max(self.config.max_num_batched_tokens, 1), self.tree
@@ -162,16 +164,11 @@ class LLMEngine:
                 shared = self.blocks.share(sp.block_table[:full])
                 head = sp.token_ids
                 system = None
-        total = offset + len(head) + len(ids)
-        if total + params.max_tokens > self.max_model_len:
-            if total >= self.max_model_len:
-                self.blocks.release(shared)
-                raise RequestError(f"prompt of {total} tokens exceeds the context of {self.max_model_len}")
-            params = SamplingParams(**{**params.__dict__, "max_tokens": self.max_model_len - total})
-        rid = request_id or f"req-{next(self._ids)}"
-        if rid in self._seqs:
+        try:
+            params, rid = self._admit(offset + len(head) + len(ids), params, request_id)
+        except RequestError:
             self.blocks.release(shared)
-            raise RequestError(f"request id {rid!r} is already in use")
+            raise
         seq = Sequence(rid, head + ids, params, block_table=shared, system=system, position_offset=offset,
                        num_computed_tokens=len(shared) * self.blocks.block_size)
         try:
@@ -183,6 +180,20 @@ class LLMEngine:
         if self.tokenizer is not None:
             self._detok[rid] = IncrementalDetokenizer(self.tokenizer, params.stop)
         return rid
+
+    def _admit(
+        self, prompt_tokens: int, params: SamplingParams, request_id: str | None
+    ) -> tuple[SamplingParams, str]:
+        """Check a new request against the context and the live ids: ``max_tokens`` is cut to what
+        the context leaves; a prompt that fills it, or an id in use, is refused."""
+        if prompt_tokens >= self.max_model_len:
+            raise RequestError(f"prompt of {prompt_tokens} tokens exceeds the context of {self.max_model_len}")
+        if prompt_tokens + params.max_tokens > self.max_model_len:
+            params = SamplingParams(**{**params.__dict__, "max_tokens": self.max_model_len - prompt_tokens})
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._seqs:
+            raise RequestError(f"request id {rid!r} is already in use")
+        return params, rid
 
     # ---- system prompts (relay attention) ------------------------------------------------------
 
@@ -216,12 +227,16 @@ class LLMEngine:
     def release_system(self, system_id: int) -> None:
         """Free a system prompt's blocks; refused while an unfinished request follows it."""
         sp = self.systems.get(system_id)
-        if any(s.system == system_id for s in self._seqs.values() if not s.finished):
+        if self.system_busy(system_id):
             raise RequestError(f"system prompt {system_id} still has unfinished requests")
         self.systems.remove(sp.slot)
         self.blocks.release(sp.block_table)
         if self.tree is not None:
             self.tree.drop_system(sp.slot)
+
+    def system_busy(self, system_id: int) -> bool:
+        """Whether an unfinished request follows this system prompt."""
+        return any(s.system == system_id for s in self._seqs.values() if not s.finished)
 
     def abort(self, request_id: str) -> None:
         self._session_turns.pop(request_id, None)  # an unfinished turn is not saved
@@ -312,34 +327,39 @@ class LLMEngine:
         mode: FusionMode | str = FusionMode.FUSE,
         policy: SelectionPolicy | None = None,
         request_id: str | None = None,
+        system: int | None = None,
     ) -> tuple[str, FusionStats]:
         """Prefill a prompt made of ``segments`` with cache fusion, then decode it like any request.
 
         The fused prefill runs now (its KV lands in the request's cache pages and its first token is
-        sampled); the first output comes with the next ``step``.
+        sampled); the first output comes with the next ``step``. With ``system`` (an id from
+        ``register_system``) the prompt continues that system prompt through relay attention, in
+        the fused prefill and in decode.
         """
         params = params or SamplingParams()
         ids = self.tokenize([t for seg in segments for t in seg.token_ids])
-        if len(ids) >= self.max_model_len:
-            raise RequestError(f"prompt of {len(ids)} tokens exceeds the context of {self.max_model_len}")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            params = SamplingParams(**{**params.__dict__, "max_tokens": self.max_model_len - len(ids)})
-        rid = request_id or f"req-{next(self._ids)}"
-        if rid in self._seqs:
-            raise RequestError(f"request id {rid!r} is already in use")
+        offset = 0
+        if system is not None:
+            if not self.supports_relay:
+                raise RequestError("relay attention needs a model without a sliding window")
+            offset = self.systems.get(system).num_tokens
+        params, rid = self._admit(offset + len(ids), params, request_id)
         policy = policy or SelectionPolicy()
         return self._add_prefilled(
-            ids, params, rid, lambda table: self.runner.fused_prefill(table, segments, mode, policy)
+            ids, params, rid, lambda table: self.runner.fused_prefill(table, segments, mode, policy, system),
+            system,
         )
 
     def _add_prefilled(
         self, ids: list[int], params: SamplingParams, rid: str,
-        prefill: Callable[[list[int]], tuple[torch.Tensor, FusionStats]],
+        prefill: Callable[[list[int]], tuple[torch.Tensor, FusionStats]], system: int | None = None,
     ) -> tuple[str, FusionStats]:
         """Register a request whose whole prompt ``prefill`` puts in its cache pages now (returning
-        the last token's logits): its first token is sampled here and reported by the next step."""
+        the last token's logits): its first token is sampled here and reported by the next step.
+        ``system``: the registered system prompt the prompt follows (relay)."""
         # fused or session KV is not the exact KV of these tokens, so its blocks never join the prefix tree
-        seq = Sequence(rid, ids, params, cacheable=False, tree_open=False)
+        offset = self.systems.get(system).num_tokens if system is not None else 0
+        seq = Sequence(rid, ids, params, cacheable=False, tree_open=False, system=system, position_offset=offset)
         self.blocks.grow(seq.block_table, len(ids))
         try:
             logits, stats = prefill(seq.block_table)
@@ -397,11 +417,13 @@ class LLMEngine:
         chunks, after the history). A session whose KV fails its checksum is dropped and the turn
         recomputed (with a note)."""
         segments = turn.segments(tail)
+        # staged before the turn started: the read buffer, filled while the previous job ran
+        buffered = turn.source is not None and turn.source.staged
         if turn.source is not None and self._snapshot_stream is not None:
             turn.source.stage(self.device, self._load_stream)
         try:
             if tail is None and turn.source is not None and turn.source.staged:
-                rid, turn.fusion = self._add_after_history(turn, params, request_id)
+                rid, turn.fusion = self._add_after_history(turn, params, request_id, buffered)
             elif tail is not None or any(s.kv is not None for s in segments):
                 rid, turn.fusion = self.add_fused_request(segments, params, mode, policy, request_id)
             else:
@@ -420,27 +442,27 @@ class LLMEngine:
         return rid
 
     def _add_after_history(
-        self, turn: SessionTurn, params: SamplingParams, request_id: str | None
+        self, turn: SessionTurn, params: SamplingParams, request_id: str | None, buffered: bool
     ) -> tuple[str, FusionStats]:
-        """A turn whose staged history is a cached prefix: written into the cache layer by layer
-        (``HistoryWriter``) while only the new tokens run through the model."""
+        """A turn whose staged history is a cached prefix (``HistoryWriter``): written into the cache
+        all at once before one graph replay when the read buffer (``buffered``: staged before the
+        turn) already holds all of it, else layer by layer between the layers' graph replays while
+        the copy runs; only the new tokens run through the model."""
         ids = self.tokenize(turn.plan.token_ids)
-        if len(ids) >= self.max_model_len:
-            raise RequestError(f"prompt of {len(ids)} tokens exceeds the context of {self.max_model_len}")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            params = SamplingParams(**{**params.__dict__, "max_tokens": self.max_model_len - len(ids)})
-        rid = request_id or f"req-{next(self._ids)}"
-        if rid in self._seqs:
-            raise RequestError(f"request id {rid!r} is already in use")
+        params, rid = self._admit(len(ids), params, request_id)
         assert turn.source is not None and self.runner.kv_cache is not None
         n_hist = turn.reused
 
         def prefill(table: list[int]) -> tuple[torch.Tensor, FusionStats]:
             t = time.perf_counter()
-            writer = HistoryWriter(turn.source, self.runner.kv_cache.layers, table, self.config.block_size,
+            writer = HistoryWriter(turn.source, self.runner.kv_cache, table, self.config.block_size,
                                    self.runner.model.model.rotary)
             with torch.inference_mode():
-                hidden = self.runner.forward_continuation(ids[n_hist:], n_hist, table, writer)
+                if buffered and turn.source.copied():
+                    writer.write_all()
+                    hidden = self.runner.forward_continuation(ids[n_hist:], n_hist, table)
+                else:
+                    hidden = self.runner.forward_continuation(ids[n_hist:], n_hist, table, before_layer=writer)
                 logits = self.runner.model.compute_logits(hidden[-1:])[0]
             torch.cuda.synchronize(self.device)
             total = time.perf_counter() - t
@@ -530,6 +552,7 @@ class LLMEngine:
             ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
             total_s=end - seq.arrival_time,
             metrics={"preemptions": seq.num_preemptions, "cached_tokens": seq.num_cached_tokens,
+                     "relay_system_tokens": seq.position_offset if seq.system is not None else 0,
                      **(turn.stats(len(seq.prompt_token_ids)) if turn is not None else {})},
         )
 

@@ -4,6 +4,8 @@ prompt."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ragfuse.kernels.relay import tile_tokens_for
@@ -13,7 +15,7 @@ from .attention import AttentionMetadata, RelayMetadata, set_attention_backend
 from .checkpoint import Checkpoint
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, PrefillGraphs, graphs_enabled
-from .fusion import FusionMode, FusionStats, Segment, SelectionPolicy, fuse_prefill
+from .fusion import FusionMode, FusionStats, Segment, SelectionPolicy, SystemPart, fuse_prefill
 from .kv_cache import KVCache
 from .models import KVHook, LlamaForCausalLM, build_model
 from .sampling import sample
@@ -63,19 +65,43 @@ class ModelRunner:
         meta: AttentionMetadata,
         hook: KVHook | None = None,
         keep: bool = False,
+        before_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """The model's forward over the paged cache, replayed from a CUDA graph where one fits.
 
         A graph's output buffer is reused by the next replay, so a caller that holds the result past
-        the next forward passes ``keep`` and gets a copy.
+        the next forward passes ``keep`` and gets a copy. ``before_layer(i)`` is called before layer
+        i is launched (a prefill of one sequence then replays one graph per layer).
         """
         assert self.kv_cache is not None, "allocate_cache first"
         if hook is None:
-            for graphs in (self.graphs, self.prefill_graphs):
-                if graphs is not None and graphs.accepts(meta):
-                    hidden = graphs.run(input_ids, positions, meta)
-                    return hidden.clone() if keep else hidden
-        return self.model(input_ids, positions, self.kv_cache.layers, meta, hook)
+            hidden = self._replay(input_ids, positions, meta, before_layer)
+            if hidden is not None:
+                return hidden.clone() if keep else hidden
+        if before_layer is None:
+            return self.model(input_ids, positions, self.kv_cache.layers, meta, hook)
+        hidden = residual = None
+        for i in range(self.config.num_layers):
+            before_layer(i)
+            hidden, residual = self.model.forward_layer(
+                i, input_ids, positions, self.kv_cache.layers, meta, hidden, residual, hook
+            )
+        assert hidden is not None
+        return hidden
+
+    def _replay(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        before_layer: Callable[[int], None] | None,
+    ) -> torch.Tensor | None:
+        """The forward by graph replay, or None where no captured graph fits."""
+        if before_layer is not None:
+            if self.prefill_graphs is not None and self.prefill_graphs.accepts(meta):
+                return self.prefill_graphs.run_layers(input_ids, positions, meta, before_layer)
+            return None
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None and graphs.accepts(meta):
+                return graphs.run(input_ids, positions, meta)
+        return None
 
     def _tokens_per_tile(self) -> int:
         return tile_tokens_for(self.config.num_heads // self.config.num_kv_heads)
@@ -144,24 +170,33 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_continuation(
-        self, token_ids: list[int], start: int, block_table: list[int], hook: KVHook | None = None
+        self, token_ids: list[int], start: int, block_table: list[int],
+        before_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Run ``token_ids`` at positions ``start...`` of a sequence whose first ``start`` tokens are
-        cached in ``block_table`` (or written there by ``hook``, layer by layer); returns their final
-        hidden states."""
+        cached in ``block_table`` (or written there layer by layer by ``before_layer``, see
+        ``forward``); returns their final hidden states."""
         assert self.kv_cache is not None, "allocate_cache first"
         n = len(token_ids)
         meta = AttentionMetadata.build([n], [start + n], [block_table], self.block_size, self.device)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.arange(start, start + n, device=self.device)
-        return self.forward(ids, pos, meta, hook, keep=True)
+        return self.forward(ids, pos, meta, keep=True, before_layer=before_layer)
 
     def fused_prefill(
-        self, block_table: list[int], segments: list[Segment], mode: FusionMode | str, policy: SelectionPolicy
+        self, block_table: list[int], segments: list[Segment], mode: FusionMode | str, policy: SelectionPolicy,
+        system: int | None = None,
     ) -> tuple[torch.Tensor, FusionStats]:
-        """Cache fusion into ``block_table``'s pages; returns the last token's logits and stats."""
+        """Cache fusion into ``block_table``'s pages; returns the last token's logits and stats.
+        ``system``: a registered system prompt the prompt follows (relay attention)."""
         assert self.kv_cache is not None, "allocate_cache first"
-        return fuse_prefill(self.model, self.kv_cache.layers, block_table, segments, mode, policy)
+        part = None
+        if system is not None:
+            systems = self.systems
+            assert systems is not None
+            part = SystemPart(systems.get(system).num_tokens, lambda n: RelayMetadata.build(
+                [system] * n, self._tokens_per_tile(), systems.tables, systems.lens, systems.max_len, self.device))
+        return fuse_prefill(self.model, self.kv_cache.layers, block_table, segments, mode, policy, part)
 
     def capture_kv(
         self, token_lists: list[list[int]], block_tables: list[list[int]]

@@ -58,6 +58,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             sorted_p, order = probs.sort(descending=True)
             # keep the smallest prefix whose mass reaches top_p (the first token always stays)
             drop = sorted_p.cumsum(-1) - sorted_p >= p.top_p
+            drop[0] = False  # also when top_p is below float32's range (5e-324 compares as 0)
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
         gen = generators[i]

@@ -48,6 +48,13 @@ class SystemPrompts:
         """Tokens of the longest registered prompt (a host bound for kernel split counts)."""
         return max((p.num_tokens for p in self._prompts.values()), default=0)
 
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+    @property
+    def free_count(self) -> int:
+        return self.capacity - len(self._prompts)
+
     def find(self, token_ids: list[int]) -> int | None:
         """The id of an already registered prompt with exactly these tokens."""
         return self._by_tokens.get(tuple(token_ids))

@@ -38,6 +38,12 @@ class TwoPhasePlan:
     there) share keys ``key_start..key_end-1``, and write that partial to their partial slot
     ``slot``. Sequence ``s`` has ``num_parts[s]`` partials and its own keys start at
     ``shared_lens[s]``. Device tensors for the kernels, host lists for the reference.
+
+    ``num_items``, ``max_item_seqs`` and ``max_parts`` size the kernels' launch grids and partial
+    buffers. A built plan has them exact; a CUDA graph's plan (``padded``) has fixed capacities
+    instead, and the rows past the real ones are inert (an item with ``lo == hi`` covers no query,
+    a sequence with ``num_parts = 0`` folds in nothing), so one captured graph serves every plan
+    that fits.
     """
 
     num_seqs: int
@@ -50,10 +56,31 @@ class TwoPhasePlan:
     host_shared_lens: list[int]
     max_parts: int  # most partial slots of any sequence
     max_item_seqs: int  # most sequences of any item
+    num_items: int  # item rows the chunk-first grid covers
 
-    @property
-    def num_items(self) -> int:
-        return len(self.host_items)
+    @classmethod
+    def padded(cls, num_seqs: int, items: torch.Tensor, order: torch.Tensor, shared_lens: torch.Tensor,
+               num_parts: torch.Tensor, max_parts: int) -> TwoPhasePlan:
+        """A plan over fixed device buffers (a CUDA graph's inputs) of ``items.shape[0]`` item rows
+        and ``max_parts`` partial slots, for any batch of up to ``num_seqs`` sequences; the caller
+        fills the buffers with a built plan before each use (``load_into``). No host lists: the
+        torch reference cannot run it."""
+        return cls(num_seqs=num_seqs, items=items, order=order, shared_lens=shared_lens, num_parts=num_parts,
+                   host_items=[], host_order=[], host_shared_lens=[], max_parts=max_parts,
+                   max_item_seqs=num_seqs, num_items=items.shape[0])
+
+    def load_into(self, padded: TwoPhasePlan) -> None:
+        """Copy this plan into ``padded``'s buffers (on the device) and make the rest inert."""
+        n, k = self.num_seqs, self.num_items
+        if k > padded.num_items or self.max_parts > padded.max_parts or n > padded.num_seqs:
+            raise ValueError(f"plan of {k} items, {self.max_parts} partials, {n} sequences exceeds the padded "
+                             f"plan's {padded.num_items}, {padded.max_parts}, {padded.num_seqs}")
+        padded.items[:k].copy_(self.items)
+        padded.items[k:].zero_()
+        padded.order[:n].copy_(self.order)  # positions past n are read by no item
+        for dst, src in ((padded.shared_lens, self.shared_lens), (padded.num_parts, self.num_parts)):
+            dst[:n].copy_(src)
+            dst[n:].zero_()
 
     @property
     def shared_tokens(self) -> int:
@@ -165,7 +192,7 @@ def build_two_phase_plan(
     return TwoPhasePlan(
         num_seqs=n, items=dev(items), order=dev(order), shared_lens=dev(shared_lens), num_parts=dev(num_parts),
         host_items=items, host_order=order, host_shared_lens=shared_lens,
-        max_parts=max(num_parts), max_item_seqs=max(hi - lo for lo, hi, *_ in items),
+        max_parts=max(num_parts), max_item_seqs=max(hi - lo for lo, hi, *_ in items), num_items=len(items),
     )
 
 

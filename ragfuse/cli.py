@@ -22,6 +22,7 @@ COMMANDS = {
     "ask": "ask",
     "eval": "eval",
     "serve": "serve",
+    "demo": "demo",
 }
 
 

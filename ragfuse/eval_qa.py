@@ -4,6 +4,9 @@ Each example's passages are stored alone (as ingest stores chunks), then fused i
 behind the instruction prefix, with the question last. Every mode runs one fused prefill; on that
 cache it is scored teacher-forced along full prefill's own answer (``kl_tf``: one early difference
 does not compound), then it answers greedily (``agreement``, ``f1_full``, ``f1``).
+
+The baseline modes (LangChain's MapReduce and MapRerank chains, ``ragfuse.baselines``) never build
+one prompt of all passages, so they have no KL; they are scored on their answers and TTFT only.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from ragfuse.prompt import RagPromptBuilder
 from ragfuse.quality import Case, build_case, kl_rows
 
 FUSION_MODES = ("full", "prefix", "reuse", "fuse", "fuse-paper")
+BASELINE_MODES = ("mapreduce", "maprerank")
 SWEEP = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 
 
@@ -108,13 +112,35 @@ def run_mode(
     }
 
 
-def summarize(per_case: list[dict[str, Any]], reuse_kl: float | None) -> dict[str, float]:
-    n = len(per_case)
-    kl_tf = sum(r["kl_tf"] for r in per_case) / n
+def baseline_chains(engine: LLMEngine, max_tokens: int) -> Any:
+    """LangChain's chains over ``engine`` (imported here: LangChain is an optional extra)."""
+    try:
+        from ragfuse.baselines import BaselineChains
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith(("langchain", "pydantic")):
+            raise
+        raise RagfuseError(f"modes {', '.join(BASELINE_MODES)} need LangChain: pip install 'ragfuse[langchain]'") \
+            from exc
+    return BaselineChains(engine, max_tokens=max_tokens)
+
+
+def run_baseline(chains: Any, example: Example, mode: str) -> dict[str, Any]:
+    """One LangChain chain on the example's passages; no KL (there is no single prompt to score)."""
+    r = chains.run(mode, example.passages, example.question)
     return {
-        "kl_first": sum(r["kl_first"] for r in per_case) / n,
+        "kl_first": None, "kl_tf": None, "answer": r.answer, "ttft_s": r.ttft_s,
+        "recompute_ratio": 1.0,  # every passage is prefilled anew, in its own prompt
+        "prompt_tokens": r.prompt_tokens, "llm_calls": r.llm_calls,
+    }
+
+
+def summarize(per_case: list[dict[str, Any]], reuse_kl: float | None) -> dict[str, float | None]:
+    n = len(per_case)
+    kl_tf = None if per_case[0]["kl_tf"] is None else sum(r["kl_tf"] for r in per_case) / n
+    return {
+        "kl_first": None if kl_tf is None else sum(r["kl_first"] for r in per_case) / n,
         "kl_tf": kl_tf,
-        "gap_closed": (1.0 - kl_tf / reuse_kl) if reuse_kl else float("nan"),
+        "gap_closed": None if kl_tf is None else (1.0 - kl_tf / reuse_kl) if reuse_kl else float("nan"),
         "agreement": sum(normalize(r["answer"]) == normalize(r["full_answer"]) for r in per_case) / n,
         "f1_full": sum(token_f1(r["answer"], r["full_answer"]) for r in per_case) / n,
         "f1": sum(max(token_f1(r["answer"], a) for a in r["gold"]) for r in per_case) / n,
@@ -139,10 +165,12 @@ def evaluate(
     modes = list(modes)
     sweep = list(sweep)
     sweep_modes = list(sweep_modes) if sweep else []
-    bad = [m for m in modes + sweep_modes if m not in FUSION_MODES]
+    bad = [m for m in modes if m not in FUSION_MODES + BASELINE_MODES]
+    bad += [m for m in sweep_modes if m not in FUSION_MODES]
     if bad:
-        raise RagfuseError(f"unknown eval mode(s) {bad} ({', '.join(FUSION_MODES)})")
+        raise RagfuseError(f"unknown eval mode(s) {bad} ({', '.join(FUSION_MODES + BASELINE_MODES)})")
     builder = RagPromptBuilder(engine.tokenizer)
+    chains = baseline_chains(engine, max_tokens) if set(modes) & set(BASELINE_MODES) else None
     # (row key, eval mode, ratio): the main modes at ``ratio``, then the sweep's points
     jobs = [(m, m, ratio) for m in modes] + [(f"{m}@{r:g}", m, r) for m in sweep_modes for r in sweep]
     rows: dict[str, list[dict[str, Any]]] = {}
@@ -153,11 +181,17 @@ def evaluate(
         done: dict[tuple[str, float], dict[str, Any]] = {}
         for key, name, r in jobs:
             if (name, r) not in done:
-                mode, pol = policy_for(name, r, policy)
-                done[(name, r)] = {**run_mode(engine, case, mode, pol, max_tokens),
-                                   "full_answer": full_answer, "gold": ex.answers}
+                if name in BASELINE_MODES:
+                    out = run_baseline(chains, ex, name)
+                else:
+                    mode, pol = policy_for(name, r, policy)
+                    out = run_mode(engine, case, mode, pol, max_tokens)
+                done[(name, r)] = {**out, "full_answer": full_answer, "gold": ex.answers}
             rows.setdefault(key, []).append(done[(name, r)])
-        if progress is not None:
+        if progress is not None:  # running F1 and TTFT per mode: a long run shows its figures as it goes
+            running = {k: summarize(v, None) for k, v in rows.items() if "@" not in k}
+            progress.set_postfix_str("; ".join(f"{k} f1 {m['f1']:.3f} ttft {m['ttft_s']:.2f}s"
+                                               for k, m in running.items()), refresh=False)
             progress.update(1)
     reuse_kl = _reuse_kl(rows)
     return {

@@ -4,6 +4,14 @@ Every stored piece of the prompt (the instruction prefix and each retrieved chun
 from the fastest tier that holds it; a missing or corrupt entry is recomputed (and stored) instead,
 never served. The recompute ratio comes from the loading controller (measured delays) and never
 goes below the accuracy gate's calibrated r* for this model, unless the caller sets one.
+
+The instruction prefix is the same for every question, so in the ``fuse`` and ``reuse`` modes it is
+served as a registered system prompt (relay attention, ``engine.relay_prompts``): its KV sits once
+in the registry's blocks, the fused rest of the prompt follows it at positions after it, and no
+request loads, rotates or holds a copy of it. ``prefix`` mode keeps it as its stored first segment
+(that mode *is* prefix caching), ``full`` computes everything (the reference), and a session turn
+keeps it inside the session's history, where it already is a reused prefix. Without relay (the
+model has a sliding window, ``relay=False``) it is a stored segment reused as an exact prefix.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ragfuse.engine import LLMEngine, RequestOutput, SamplingParams
@@ -55,6 +63,7 @@ class AskResult:
     notes: list[str] = field(default_factory=list)
     session: dict[str, Any] | None = None  # with a session id: its reuse stats (RequestOutput.metrics)
     session_tokens_reused: int = 0  # history tokens whose KV came from the session, apart from chunk reuse
+    relay_system_tokens: int = 0  # instruction tokens served by relay (counted in prompt and reused tokens)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,6 +81,15 @@ class Prepared:
     ratio: float
     decision: dict[str, Any] | None
     notes: list[str]
+    relay_tokens: int = 0  # set when the instruction prefix ran as a relay system prompt
+
+    def kv_tiers(self) -> list[str]:
+        """Where each stored piece's KV came from, in prompt order; "relay" for an instruction
+        prefix served as a registered system prompt (its stored copy was not loaded)."""
+        tiers = [s.tier for s in self.sources]
+        if self.relay_tokens and self.segments[0].kv is not None:
+            tiers[0] = "relay"
+        return tiers
 
 
 @dataclass
@@ -97,7 +115,10 @@ class RagPipeline:
         policy: SelectionPolicy | None = None,
         r_star: float | None = None,
         controller: Any = None,
+        relay: bool = True,
     ) -> None:
+        """``relay``: serve the instruction prefix as a relay system prompt where the mode allows
+        it (see the module's docstring); a call may say otherwise."""
         if engine.tokenizer is None:
             raise RagfuseError("the RAG pipeline needs a model with a tokenizer")
         self.engine = engine
@@ -108,6 +129,7 @@ class RagPipeline:
         self.r_star = r_star if r_star is not None else self.policy.ratio
         self.controller = controller
         self.builder = RagPromptBuilder(engine.tokenizer)
+        self.relay = relay
         with _LOCKS_LOCK:  # callers on several threads (a framework's batch) take turns on the engine
             self.lock = _ENGINE_LOCKS.setdefault(engine, threading.Lock())
 
@@ -272,15 +294,16 @@ class RagPipeline:
 
     def stream(
         self, question: str, mode: str = "fuse", ratio: float | None = None, top_k: int = 5,
-        params: SamplingParams | None = None, session_id: str | None = None,
+        params: SamplingParams | None = None, session_id: str | None = None, relay: bool | None = None,
     ) -> Iterator[RequestOutput | AskResult]:
         """Yield the answer's outputs as they come, then the ``AskResult``. With ``session_id``
         the turn follows the session's history (its KV reused, not recomputed) and the fused prompt
-        and answer become part of that history for the next turn."""
+        and answer become part of that history for the next turn. ``relay``: this call's choice
+        (default: the pipeline's)."""
         with self.lock:
             t0 = time.perf_counter()
             prep, retrieve_s = self.prepare(question, top_k, mode, ratio)
-            yield from self._answer(prep, mode, params, t0, retrieve_s, session_id)
+            yield from self._answer(prep, mode, params, t0, retrieve_s, session_id, relay)
 
     def stream_passages(
         self, question: str, passages: list[Passage], mode: str = "fuse", ratio: float | None = None,
@@ -306,10 +329,10 @@ class RagPipeline:
 
     def _answer(
         self, prep: Prepared, mode: str, params: SamplingParams | None, t0: float, retrieve_s: float,
-        session_id: str | None = None,
+        session_id: str | None = None, relay: bool | None = None,
     ) -> Iterator[RequestOutput | AskResult]:
         params = params or SamplingParams(max_tokens=64)
-        rid, stats = self._fuse(prep, mode, params, session_id)
+        rid, stats = self._fuse(prep, mode, params, session_id, relay)
         ttft = time.perf_counter() - t0 - retrieve_s  # the first token was sampled by the fused prefill
         last: RequestOutput | None = None
         try:
@@ -327,13 +350,20 @@ class RagPipeline:
         return final(self.stream(question, **kwargs))
 
     def _fuse(
-        self, prep: Prepared, mode: str, params: SamplingParams, session_id: str | None = None
+        self, prep: Prepared, mode: str, params: SamplingParams, session_id: str | None = None,
+        relay: bool | None = None,
     ) -> tuple[str, FusionStats]:
         """Run the fused prefill; an entry that fails its checksum is dropped, recomputed, retried."""
+        system = self._relay_system(prep, mode, session_id, self.relay if relay is None else relay)
         for attempt in range(len(prep.sources) + 1):
             try:
                 policy = self.policy.with_ratio(prep.ratio)
-                if session_id is None:
+                if system is not None:
+                    rid, stats = self.engine.add_fused_request(prep.segments[1:], params, mode, policy,
+                                                               system=system)
+                    prep.relay_tokens = len(prep.segments[0].token_ids)
+                    stats = _with_system(stats, prep.relay_tokens)
+                elif session_id is None:
                     rid, stats = self.engine.add_fused_request(prep.segments, params, mode, policy)
                 else:
                     rid, stats = self._session_turn(session_id, prep, mode, params, policy)
@@ -346,6 +376,14 @@ class RagPipeline:
         for src in prep.sources:
             src.finish()
         return rid, stats
+
+    def _relay_system(self, prep: Prepared, mode: str, session_id: str | None, relay: bool) -> int | None:
+        """The relay id of the instruction prefix, where it runs as a system prompt (module docstring)."""
+        first = prep.segments[0]
+        if (not relay or session_id is not None or mode not in (FusionMode.FUSE.value, FusionMode.REUSE.value)
+                or first.label != "instruction" or len(prep.segments) < 2 or not self.engine.supports_relay):
+            return None
+        return self.engine.relay_prompts.acquire(first.token_ids)
 
     def _session_turn(
         self, session_id: str, prep: Prepared, mode: str, params: SamplingParams, policy: SelectionPolicy
@@ -378,13 +416,14 @@ class RagPipeline:
 
     def start(
         self, question: str, mode: str = "fuse", ratio: float | None = None, top_k: int = 5,
-        params: SamplingParams | None = None,
+        params: SamplingParams | None = None, session_id: str | None = None, relay: bool | None = None,
     ) -> Started:
         """Retrieve, assemble and run the fused prefill (which samples the first token), without
-        stepping the engine: for callers whose own loop steps it (the server's ``AsyncEngine``)."""
+        stepping the engine: for callers whose own loop steps it (the server's ``AsyncEngine``).
+        ``session_id`` and ``relay``: as in ``stream``."""
         t0 = time.perf_counter()
         prep, retrieve_s = self.prepare(question, top_k, mode, ratio)
-        rid, stats = self._fuse(prep, mode, params or SamplingParams(max_tokens=64))
+        rid, stats = self._fuse(prep, mode, params or SamplingParams(max_tokens=64), session_id, relay)
         return Started(rid, prep, stats, mode, t0, retrieve_s, time.perf_counter() - t0 - retrieve_s)
 
     def result(self, started: Started, last: RequestOutput) -> AskResult:
@@ -418,7 +457,16 @@ class RagPipeline:
             session={k: v for k, v in last.metrics.items() if k.startswith("session") or k == "prefilled_tokens"}
             or None,
             session_tokens_reused=int(last.metrics.get("session_tokens_reused", 0)),
+            relay_system_tokens=int(last.metrics.get("relay_system_tokens", 0)),
         )
+
+
+def _with_system(stats: FusionStats, system_tokens: int) -> FusionStats:
+    """Fusion stats of a prompt behind a relay system prompt, counted over the whole prompt: the
+    system tokens are part of it, and their KV is reused (from the registry), not computed."""
+    return replace(stats, prompt_tokens=stats.prompt_tokens + system_tokens,
+                   stored_tokens=stats.stored_tokens + system_tokens,
+                   reused_tokens=stats.reused_tokens + system_tokens, tiers=sorted({*stats.tiers, "relay"}))
 
 
 def final(items: Iterator[RequestOutput | AskResult]) -> AskResult:

@@ -6,6 +6,10 @@ cd "$(dirname "$0")/.."
 if command -v apt-get >/dev/null 2>&1 && ! command -v redis-server >/dev/null 2>&1; then
   (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) || echo "warning: could not install redis-server; Redis-tier tests will fail" >&2
 fi
+if command -v apt-get >/dev/null 2>&1 && ! command -v chromium >/dev/null 2>&1; then
+  # the demo's browser test drives Debian's chromium through Playwright (no browser download)
+  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "warning: could not install chromium; the demo's browser test will skip" >&2
+fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip

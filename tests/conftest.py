@@ -15,12 +15,26 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+_LOADED: list = []  # the session's LLM once loaded
+
+
 @pytest.fixture(scope="session")
 def llm():
     """The embedded default model behind the ``LLM`` API, on CPU."""
     from ragfuse.engine import LLM
 
-    return LLM(device="cpu")
+    _LOADED.append(LLM(device="cpu"))
+    return _LOADED[0]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_relay_prompts():
+    """System prompts a module's pipelines or chats registered on demand (``engine.relay_prompts``:
+    the RAG instruction prefix, chat system messages) are released after it, so the next module
+    finds the shared engine's cache blocks all free."""
+    yield
+    for loaded in _LOADED:
+        loaded.engine.relay_prompts.release_idle()
 
 
 @pytest.fixture(scope="session")

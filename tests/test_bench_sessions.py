@@ -23,7 +23,9 @@ def test_bench_sessions_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
     ttft = [row for row in results["rows"] if row["part"] == "ttft"]
-    assert {row["tier"] for row in ttft} == {"cpu", "disk"} and all(row["ttft_session_ms"] > 0 for row in ttft)
+    assert {row["tier"] for row in ttft} == {"cpu", "disk", "disk-prefetched"}
+    assert all(row["ttft_session_ms"] > 0 for row in ttft)
+    assert all((row["prefetch_ms"] is not None) == (row["tier"] == "disk-prefetched") for row in ttft)
     replay = [row for row in results["rows"] if row["part"] == "replay"]
     assert {row["policy"] for row in replay} == {"scheduler", "lru", "fifo"}
     assert all(0 <= row["hit_rate"] <= 1 for row in replay)

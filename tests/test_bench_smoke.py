@@ -19,6 +19,8 @@ import pytest
     ["tree", "--shape", "tiny-llama", "--shared", "64", "--batches", "3", "--private", "5", "--repeats", "1", "--e2e",
      "--e2e-prefix", "40", "--e2e-requests", "3", "--e2e-tokens", "3"],
     ["server", "--clients", "2", "--seconds", "3", "--max-tokens", "4"],  # the real default model, served
+    ["server-reuse", "--conversations", "1", "--turns", "2", "--message-chars", "200", "--questions", "2",
+     "--system-chars", "600", "--max-tokens", "6"],
 ])
 def test_bench_writes_results_table_and_plot(args, tmp_path):
     out = tmp_path / args[0]
@@ -32,6 +34,11 @@ def test_bench_writes_results_table_and_plot(args, tmp_path):
     if args[0] == "server":
         (row,) = results["rows"]
         assert row["errors"] == 0 and row["requests"] >= 2 and row["rss_end_mib"] > 100
+    if args[0] == "server-reuse":
+        turn1, turn2, relay = results["rows"]
+        assert turn1["session_reused_tokens"] == 0 and turn2["session_reused_tokens"] > turn1["prompt_tokens"]
+        assert relay["part"] == "relay" and relay["session_reused_tokens"] > 50
+        assert all(row["same_answers"] == row["n"] for row in results["rows"])  # greedy: reuse changes nothing
     if args[0] == "fusion":
         modes = {row["mode"] for row in results["rows"]}
         assert {"full", "prefix", "reuse", "fuse", "fuse@controller"} <= modes

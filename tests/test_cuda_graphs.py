@@ -124,9 +124,10 @@ def test_attention_layer_fresh_prefill_matches_reference(tokens: int) -> None:
 
 @pytest.mark.gpu
 def test_prefill_graph_matches_eager_and_padding_writes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 100-token prefill, then a 70-token continuation of another sequence, both replayed from the
-    128-token bucket: hidden states equal the eager forward's, and the cache changes only at the real
-    slots (the continuation's padding rows hold the first prefill's slots until they are reset)."""
+    """A 120-token prefill, then a 100-token continuation of another sequence, both replayed from the
+    128-token bucket (whole, and one graph per layer): hidden states equal the eager forward's, and the
+    cache changes only at the real slots (the continuation's padding rows hold the first prefill's
+    slots until they are reset)."""
     from ragfuse.engine.cuda_graphs import prefill_bucket
 
     engine = cuda_engine("auto", monkeypatch)
@@ -136,8 +137,8 @@ def test_prefill_graph_matches_eager_and_padding_writes_nothing(monkeypatch: pyt
     runner.kv_cache.storage.normal_()
     g = torch.Generator().manual_seed(2)
     cases = [  # (query tokens, tokens cached before them, block table)
-        (100, 0, list(range(0, 7))),
-        (70, 30, list(range(10, 17))),
+        (120, 0, list(range(0, 8))),
+        (100, 20, list(range(10, 18))),
     ]
     for n, start, table in cases:
         meta = AttentionMetadata.build([n], [start + n], [table], bs, runner.device)
@@ -148,15 +149,21 @@ def test_prefill_graph_matches_eager_and_padding_writes_nothing(monkeypatch: pyt
             replayed = graphs.run(ids, pos, meta).clone()
             after_graph = runner.kv_cache.storage.clone()
             runner.kv_cache.storage.copy_(before)
+            calls: list[int] = []  # one graph per layer, the host called back before each
+            layered = graphs.run_layers(ids, pos, meta, calls.append).clone()
+            after_layers = runner.kv_cache.storage.clone()
+            runner.kv_cache.storage.copy_(before)
             eager = runner.model(ids, pos, runner.kv_cache.layers, meta)
-        assert prefill_bucket(n) == 128 and set(graphs.graphs) == {128}
-        assert (replayed - eager).abs().max().item() < 1e-4 * eager.abs().max().item()
-        changed = (after_graph != before).flatten(4).any(-1)  # [layers, k/v, blocks, block offsets]
-        expect = torch.zeros_like(changed)
+        assert prefill_bucket(n) == 128 and set(graphs.graphs) == {128} and set(graphs.layer_graphs) == {128}
+        assert calls == list(range(SHAPE["num_hidden_layers"]))
+        for out in (replayed, layered):
+            assert (out - eager).abs().max().item() < 1e-4 * eager.abs().max().item()
+        expect = torch.zeros_like((before != before).flatten(4).any(-1))  # [layers, k/v, blocks, block offsets]
         for p in range(start, start + n):
             expect[:, :, table[p // bs], p % bs] = True
-        assert torch.equal(changed, expect)
-    assert graphs.replays == 2
+        for after in (after_graph, after_layers):
+            assert torch.equal((after != before).flatten(4).any(-1), expect)
+    assert graphs.replays == 2 and graphs.layer_replays == 2
 
 
 @pytest.mark.gpu
@@ -167,6 +174,60 @@ def test_engine_prefills_through_graphs(monkeypatch: pytest.MonkeyPatch) -> None
     assert graphs is not None
     ps = prompts() + [torch.randint(1, 512, (1010,), generator=torch.Generator().manual_seed(3)).tolist()]
     got = [generate(fast, [p], 8)[0] for p in ps]
-    assert graphs.replays == 4 and set(graphs.graphs) == {64, 128, 1024}
+    assert graphs.replays == 4 and set(graphs.graphs) == {64, 96, 1024}
     ref = cuda_engine("torch", monkeypatch)
     assert got == [generate(ref, [p], 8)[0] for p in ps]
+
+
+@pytest.mark.gpu
+def test_two_phase_graph_replay_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode over shared blocks replayed from a tree graph: the same hidden states as the eager
+    two-phase forward and as plain paged decode, for two plans in turn (the second with fewer items,
+    so rows the first left in the plan buffers must be inert); a plan is loaded once, not per step."""
+    from ragfuse.kernels.two_phase import build_two_phase_plan
+
+    engine = cuda_engine("auto", monkeypatch)
+    runner, graphs = engine.runner, engine.runner.graphs
+    assert graphs is not None and runner.kv_cache is not None
+    mc, bs = engine.model_config, runner.block_size
+    runner.kv_cache.storage.normal_()
+    seq_lens = [70, 66, 50, 80, 20]
+    tables = [[0, 1, 2, 3, 5], [0, 1, 2, 3, 6], [0, 1, 2, 7], [0, 1, 2, 8, 9], [10, 11]]
+    cases = [  # (tree paths, split tokens): nested segments split small, then one segment whole
+        ([[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2], [0, 1, 2], []], 16),
+        ([[0, 1], [0, 1], [0, 1], [0, 1], []], None),
+    ]
+    ids = torch.tensor([3, 5, 7, 9, 11], device="cuda")
+    pos = torch.tensor([n - 1 for n in seq_lens], device="cuda")
+    for i, (paths, split) in enumerate(cases):
+        plan = build_two_phase_plan(paths, bs, mc.num_kv_heads, runner.device, split_tokens=split,
+                                    group=mc.num_heads // mc.num_kv_heads, head_dim=mc.head_dim)
+        assert plan is not None
+        meta = AttentionMetadata.build([1] * 5, seq_lens, tables, bs, runner.device)
+        meta.two_phase = plan
+        assert graphs.accepts(meta)
+        with torch.inference_mode():
+            replayed = graphs.run(ids, pos, meta).clone()
+            again = graphs.run(ids, pos, meta).clone()
+            eager = runner.model(ids, pos, runner.kv_cache.layers, meta)
+            meta.two_phase = None
+            paged = runner.model(ids, pos, runner.kv_cache.layers, meta)
+        assert graphs.tree_replays == 2 * (i + 1) and graphs._loaded[0] is plan
+        for got in (replayed, again, paged):
+            assert (got - eager).abs().max().item() < 1e-4 * eager.abs().max().item()
+    assert (8, 16, 4, False) in graphs.tree_graphs
+
+
+@pytest.mark.gpu
+def test_engine_with_tree_replays_two_phase_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests sharing a 40-token prefix (two full blocks) decode by two-phase graph replay and
+    give the torch backend's greedy tokens."""
+    g = torch.Generator().manual_seed(4)
+    common = torch.randint(1, 512, (40,), generator=g).tolist()
+    ps = [common + torch.randint(1, 512, (n,), generator=g).tolist() for n in (3, 9, 20)]
+    want = generate(cuda_engine("torch", monkeypatch), ps, 30)
+    fast = cuda_engine("auto", monkeypatch)
+    graphs = fast.runner.graphs
+    assert graphs is not None and fast.tree is not None
+    assert generate(fast, ps, 30) == want
+    assert graphs.tree_replays >= 29 and any(key[0] == 4 for key in graphs.tree_graphs)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +10,9 @@ import torch
 from ragfuse.engine import SamplingParams
 from ragfuse.engine.fusion import Segment, SelectionPolicy, TensorKV
 from ragfuse.kernels.paged_attention import attention_with_lse
+from ragfuse.shared_data import shared_data
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique_dev.json"
+DATA = shared_data("musique_dev.json")
 
 
 @pytest.fixture(scope="module")

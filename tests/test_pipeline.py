@@ -53,6 +53,26 @@ def test_reuse_modes_report_what_they_reused(pipeline):
     assert 0.19 < fuse.recompute_ratio < 0.25 and fuse.recomputed_tokens > 0
 
 
+@pytest.mark.parametrize("mode,ratio", [("fuse", 0.3), ("reuse", None)])
+def test_instruction_prefix_runs_through_relay_with_the_tokens_of_its_stored_copy(pipeline, mode, ratio):
+    """The fixed instruction prefix as a relay system prompt (registered once, in the registry's
+    blocks) gives the greedy tokens of the same prefix reused from its stored KV in the pages."""
+    from ragfuse.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=16)
+    off = pipeline.ask(QUESTION, mode=mode, ratio=ratio, top_k=2, params=params, relay=False)
+    on = pipeline.ask(QUESTION, mode=mode, ratio=ratio, top_k=2, params=params)
+    assert pipeline.relay and on.token_ids == off.token_ids
+    assert on.relay_system_tokens == len(pipeline.builder.prefix) and off.relay_system_tokens == 0
+    assert "relay" in on.tiers and "relay" not in off.tiers
+    assert (on.prompt_tokens, on.reused_tokens, on.recomputed_tokens) == (
+        off.prompt_tokens, off.reused_tokens, off.recomputed_tokens)
+    reuses = pipeline.engine.relay_prompts.reuses
+    again = pipeline.ask("Who kept the lighthouse?", mode=mode, ratio=ratio, top_k=2, params=params)
+    assert again.relay_system_tokens == len(pipeline.builder.prefix)
+    assert pipeline.engine.relay_prompts.reuses == reuses + 1  # the prefix stays registered
+
+
 def test_corrupt_entry_is_recomputed_not_served(pipeline):
     from ragfuse.engine import SamplingParams
 

@@ -16,6 +16,7 @@ import torch
 
 from ragfuse.engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams
 from ragfuse.engine.errors import RequestError
+from ragfuse.shared_data import shared_data
 
 QUESTIONS = [
     "Who is mentioned first?", "Summarise the first passage.", "What year is given?", "Name one place.",
@@ -26,7 +27,7 @@ QUESTIONS = [
 
 def knowledge(tokenizer, n_tokens: int) -> str:
     """About ``n_tokens`` tokens of MuSiQue passages: a knowledge document as system prompt."""
-    with open("/work/shared/data/musique_dev.json") as f:
+    with open(shared_data("musique_dev.json")) as f:
         cases = json.load(f)
     text = "Answer from these passages.\n" + "\n".join(c["text"] for case in cases[:3] for c in case["ctxs"])
     return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:n_tokens])
@@ -148,3 +149,88 @@ def test_relay_triton_with_graphs_matches_torch_backend(monkeypatch: pytest.Monk
     got = run_all(fast, [(p, sids[s] if s >= 0 else None, True) for p, s in requests], 30)
     assert got == want
     assert fast.runner.graphs.relay_graphs and fast.runner.graphs.replays >= 29
+
+
+@pytest.mark.gpu
+def test_relay_with_tree_graphs_matches_torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests behind one system prompt that also share a 20-token prefix of their own: two-phase
+    decode merged with the relay system part, replayed from a graph, gives the torch path's tokens."""
+    systems, _ = workload()
+    g = torch.Generator().manual_seed(5)
+    common = torch.randint(1, 256, (20,), generator=g).tolist()
+    ps = [common + torch.randint(1, 256, (n,), generator=g).tolist() for n in (2, 7, 15)]
+    monkeypatch.setenv("RAGFUSE_KERNELS", "torch")
+    want = run_all(small_engine("cuda"), [(systems[0] + p, None, True) for p in ps], 30)
+    monkeypatch.setenv("RAGFUSE_KERNELS", "auto")
+    fast = small_engine("cuda")
+    sid = fast.register_system(systems[0])
+    assert run_all(fast, [(p, sid, True) for p in ps], 30) == want
+    graphs = fast.runner.graphs
+    assert graphs is not None and graphs.tree_replays >= 29 and any(key[3] for key in graphs.tree_graphs)
+
+
+def test_relay_prompts_registered_on_demand_are_bounded_and_released_lru(engine) -> None:
+    """The registry behind server chats: same tokens -> same id; at the bound the least recently
+    used prompt without unfinished requests is released; all busy -> no relay (None)."""
+    from ragfuse.engine.relay_prompts import RelayPrompts
+
+    reg = RelayPrompts(engine, max_prompts=2)
+    a, b, c, d = ([1000 + i] * 20 for i in range(4))
+    free = engine.blocks.num_free
+    sa = reg.acquire(a)
+    assert reg.acquire(b) not in (None, sa)
+    assert reg.acquire(a) == sa and reg.reuses == 1 and reg.registered == 2
+    sc = reg.acquire(c)  # b is the least recently used now
+    assert engine.systems.find(b) is None and engine.systems.find(a) == sa and reg.releases == 1
+    busy = [engine.add_request([5, 6, 7], SamplingParams(max_tokens=2), system=s) for s in (sa, sc)]
+    assert reg.acquire(d) is None and reg.registered == 2  # both in use: the caller serves it without relay
+    for rid in busy:
+        engine.abort(rid)
+    sd = reg.acquire(d)
+    assert sd is not None and engine.systems.find(a) is None and reg.releases == 2  # a was used before c
+    engine.release_system(sd)  # released behind the registry's back: it notices
+    assert reg.registered == 1
+    busy = engine.add_request([5, 6, 7], SamplingParams(max_tokens=2), system=sc)
+    assert reg.release_idle() == 0  # a running request keeps its prompt
+    engine.abort(busy)
+    assert reg.release_idle() == 1 and reg.registered == 0 and engine.blocks.num_free == free
+
+
+RANDOM_SHAPE = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+    "max_position_embeddings": 4096, "rope_theta": 10000.0, "eos_token_id": 0,
+}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("mode,ratio", [("reuse", 0.0), ("fuse", 0.15)])
+def test_fused_prompt_behind_a_relay_system_prompt_equals_the_stored_prefix(device, mode, ratio) -> None:
+    """A fused prompt (stored chunks, selective recompute) behind a registered system prompt, in
+    the fused prefill and in decode, gives the tokens of the same system prompt as the prompt's
+    first segment with its stored KV (an exact prefix in the request's pages). On CUDA through
+    the Triton kernels (system part, merge), on CPU through the torch references."""
+    from ragfuse.engine.fusion import Segment, SelectionPolicy, TensorKV
+
+    cfg = EngineConfig(device=device, dtype="float32", kv_cache_bytes=64 << 20,
+                       attention_backend="triton" if device == "cuda" else "torch")
+    eng = LLMEngine(cfg, random_weights=ModelConfig.from_dict(RANDOM_SHAPE))
+    g = torch.Generator().manual_seed(0)
+    pieces = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in (90, 130, 77)]
+    segs = [Segment(p, TensorKV(*kv)) for p, kv in zip(pieces, eng.compute_kv(pieces), strict=True)]
+    segs.append(Segment([5, 6, 7, 8, 9]))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    policy = SelectionPolicy(ratio=ratio)
+
+    def tokens(rid: str) -> list[int]:
+        while True:
+            for out in eng.step():
+                if out.request_id == rid and out.finished:
+                    return out.token_ids
+
+    stored_rid, stored = eng.add_fused_request(segs, params, mode, policy)
+    want = tokens(stored_rid)
+    sid = eng.register_system(pieces[0])
+    relay_rid, relayed = eng.add_fused_request(segs[1:], params, mode, policy, system=sid)
+    assert tokens(relay_rid) == want
+    assert relayed.recomputed_tokens == stored.recomputed_tokens and relayed.prompt_tokens == stored.prompt_tokens - 90

@@ -30,7 +30,8 @@ def served(tmp_path_factory, llm):
     from ragfuse.engine import SamplingParams
 
     expected = llm.chat(CHAT, SamplingParams(max_tokens=12)).text  # before the server's loop owns the engine
-    pipeline = open_store_pipeline(str(tmp_path_factory.mktemp("store")), MODEL, engine=llm.engine, gate=False)
+    store = tmp_path_factory.mktemp("store")
+    pipeline = open_store_pipeline(str(store), MODEL, engine=llm.engine, gate=False)
     backend = EngineBackend(pipeline, MODEL)
     app = create_app(backend, ServerSettings(api_key=KEY, max_body_bytes=1 << 20, max_tokens=64))
     with LiveServer(app) as srv:
@@ -38,7 +39,7 @@ def served(tmp_path_factory, llm):
         r = httpx.post(f"{srv.url}/v1/documents", files=files, headers=AUTH, timeout=300)
         assert r.status_code == 200, r.text
         assert {d["name"] for d in r.json()["data"]} == {p.name for p in DEMO.iterdir()}
-        yield SimpleNamespace(url=srv.url, backend=backend, expected=expected, engine=llm.engine)
+        yield SimpleNamespace(url=srv.url, backend=backend, expected=expected, engine=llm.engine, store=store)
 
 
 @pytest.fixture
@@ -243,7 +244,9 @@ def test_rag_query_answers_from_fused_kv_with_sources_and_timing(served):
     ans = r.json()
     assert "lighthouses.md" in ans["sources"][0]["source"] and len(ans["sources"]) == 2
     assert ans["fusion"]["mode"] == "fuse" and ans["fusion"]["reused_tokens"] > 0
-    assert set(ans["kv_tiers"]) <= {"cpu", "disk", "computed"} and len(ans["kv_tiers"]) == 3  # prefix + 2 chunks
+    # the instruction prefix as a relay system prompt, then the 2 chunks' stored KV
+    assert ans["kv_tiers"][0] == "relay" and set(ans["kv_tiers"][1:]) <= {"cpu", "disk", "computed"}
+    assert len(ans["kv_tiers"]) == 3 and ans["fusion"]["relay_system_tokens"] > 0
     for key in ("retrieve_s", "ttft_s", "total_s", "load_s", "recompute_s", "server_ttft_s"):
         assert ans["timing"][key] >= 0
     assert ans["timing"]["total_s"] >= ans["timing"]["ttft_s"]
@@ -260,7 +263,11 @@ def test_rag_query_answers_from_fused_kv_with_sources_and_timing(served):
     text = "".join(json.loads(e)["delta"] for e in events[:-2])
     assert text.strip() == final["answer"]
     assert metric(served, "ragfuse_kv_cache_hits_total", tier="cpu") + metric(
-        served, "ragfuse_kv_cache_hits_total", tier="disk") >= 3
+        served, "ragfuse_kv_cache_hits_total", tier="disk") >= 2
+    assert metric(served, "ragfuse_kv_cache_hits_total", tier="relay") >= 2
+    off = httpx.post(f"{served.url}/v1/rag/query", json={**body, "relay": False}, headers=AUTH, timeout=120).json()
+    assert off["answer"] == ans["answer"] and off["fusion"]["relay_system_tokens"] == 0  # greedy, same tokens
+    assert off["kv_tiers"][0] != "relay" and off["usage"]["prompt_tokens"] == ans["usage"]["prompt_tokens"]
 
 
 def test_rag_query_rejects_bad_options(served):
@@ -299,13 +306,102 @@ def test_documents_are_only_uploaded_content(served, name):
     assert r.status_code == 415
 
 
-def test_sessions_list_and_delete(served, client):
-    client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, extra_body={"session_id": "s-1"})
-    client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, extra_body={"session_id": "s-1"})
+def test_sessions_reuse_the_engines_stored_kv_list_and_delete(served, client):
+    """A chat naming a session continues it from the engine's session store: the second turn's
+    history KV is reused (usage says how much), the answer is the one a stateless request gets,
+    and the session is listed (tokens, tier, last access) and deleted (its KV files too)."""
+    first = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0,
+                                           extra_body={"session_id": "s-1"})
+    assert first.usage.model_extra["ragfuse"]["session_tokens_reused"] == 0
+    chat = [*CHAT, {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "And two animals?"}]
+    turns0 = metric(served, "ragfuse_session_turns_total", tier="cpu")
+    second = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=8, temperature=0,
+                                            extra_body={"session_id": "s-1"})
+    reuse = second.usage.model_extra["ragfuse"]
+    assert reuse["session_id"] == "s-1" and reuse["session_tier"] == "cpu"
+    assert reuse["session_tokens_reused"] >= first.usage.prompt_tokens  # the first turn's prompt, at least
+    assert second.usage.prompt_tokens_details.cached_tokens >= reuse["session_tokens_reused"]
+    stateless = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=8, temperature=0)
+    assert second.choices[0].message.content == stateless.choices[0].message.content
+    assert metric(served, "ragfuse_session_turns_total", tier="cpu") == turns0 + 1
+    assert metric(served, "ragfuse_session_reused_tokens_total") >= reuse["session_tokens_reused"]
+
     sessions = httpx.get(f"{served.url}/v1/sessions", headers=AUTH).json()["data"]
-    assert [(s["id"], s["turns"]) for s in sessions if s["id"] == "s-1"] == [("s-1", 2)]
+    (s1,) = [s for s in sessions if s["id"] == "s-1"]
+    assert s1["tokens"] == second.usage.total_tokens
+    assert s1["stored_tokens"] == s1["tokens"] - 1  # the last answer token was never fed to the model
+    assert s1["tier"] == "cpu" and s1["last_access"] >= s1["created"] > 0 and s1["bytes"] > 0
+    records = served.store / "sessions" / "records"  # under the store directory by default
+    deadline = time.monotonic() + 20
+    while not (records / "s-1.json").exists():
+        assert time.monotonic() < deadline, "the session's KV never reached disk"
+        time.sleep(0.05)
     assert httpx.delete(f"{served.url}/v1/sessions/s-1", headers=AUTH).json()["deleted"] is True
     assert httpx.delete(f"{served.url}/v1/sessions/s-1", headers=AUTH).status_code == 404
+    assert "s-1" not in {s["id"] for s in httpx.get(f"{served.url}/v1/sessions", headers=AUTH).json()["data"]}
+    deadline = time.monotonic() + 20
+    while (records / "s-1.json").exists():
+        assert time.monotonic() < deadline, "the deleted session's files stayed"
+        time.sleep(0.05)
+    again = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=2, extra_body={"session_id": "s-1"})
+    assert again.usage.model_extra["ragfuse"]["session_tokens_reused"] == 0  # deleted: a new conversation
+    r = httpx.delete(f"{served.url}/v1/sessions/bad%20id", headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_session_turns_stream_with_usage(served, client):
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"session_id": "s-stream"}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    chat = [*CHAT, {"role": "assistant", "content": text}, {"role": "user", "content": "More?"}]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=chat, max_tokens=4, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"session_id": "s-stream"}))
+    usage = chunks[-1].usage
+    assert usage.model_extra["ragfuse"]["session_tokens_reused"] > 0
+    assert usage.prompt_tokens_details.cached_tokens >= usage.model_extra["ragfuse"]["session_tokens_reused"]
+
+
+def test_rag_query_as_a_session_turn(served):
+    body = {"question": QUESTION, "top_k": 1, "max_tokens": 6, "session_id": "rag-1"}
+    first = httpx.post(f"{served.url}/v1/rag/query", json=body, headers=AUTH, timeout=120).json()
+    assert first["session"]["session_tokens_reused"] == 0
+    second = httpx.post(f"{served.url}/v1/rag/query", json={**body, "question": "Who built it?"}, headers=AUTH,
+                        timeout=120).json()
+    assert second["session"]["session_tokens_reused"] >= first["usage"]["prompt_tokens"]
+    assert second["usage"]["ragfuse"]["session_tier"] == "cpu"
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= second["session"]["session_tokens_reused"]
+    assert "rag-1" in {s["id"] for s in httpx.get(f"{served.url}/v1/sessions", headers=AUTH).json()["data"]}
+
+
+SYSTEM_CHAT = [{"role": "system", "content": "You are a terse assistant for a lighthouse museum. Answer in "
+                                              "one short sentence and never use lists."},
+               {"role": "user", "content": "What does a lighthouse keeper do?"}]
+
+
+def test_relay_serves_system_messages_with_the_tokens_of_plain_prefill(served, client):
+    """A chat with a system message registers it once and runs through relay attention; greedy
+    output equals the same request without relay, streaming or not."""
+    before = served.engine.relay_prompts.reuses
+    kw = {"model": MODEL, "max_tokens": 16, "temperature": 0}
+    off = client.chat.completions.create(messages=SYSTEM_CHAT, extra_body={"relay": False}, **kw)
+    on = client.chat.completions.create(messages=SYSTEM_CHAT, **kw)
+    assert on.choices[0].message.content == off.choices[0].message.content
+    assert on.usage.prompt_tokens == off.usage.prompt_tokens  # the system prompt counts either way
+    relay = on.usage.model_extra["ragfuse"]["relay_system_tokens"]
+    assert off.usage.model_extra["ragfuse"]["relay_system_tokens"] == 0 and 20 < relay < on.usage.prompt_tokens
+    assert on.usage.prompt_tokens_details.cached_tokens >= relay
+    other = [SYSTEM_CHAT[0], {"role": "user", "content": "Why are lighthouses tall?"}]
+    streamed = client.chat.completions.create(messages=other, stream=True, **kw)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    plain = client.chat.completions.create(messages=other, extra_body={"relay": False}, **kw)
+    assert text == plain.choices[0].message.content
+    assert served.engine.relay_prompts.reuses == before + 1  # registered once, found by the second request
+    assert metric(served, "ragfuse_relay_system_prompts") >= 1
+    assert metric(served, "ragfuse_relay_requests_total") >= 2
+    assert metric(served, "ragfuse_relay_system_tokens_total") >= 2 * relay
 
 
 def test_metrics_report_ttft_tokens_and_queue(served, client):

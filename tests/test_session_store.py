@@ -41,3 +41,27 @@ def test_ttl_expires_idle_sessions(tmp_path) -> None:
     look = store.lookup("old")
     assert look.record is None and "expired" in look.reason
     store.close()
+
+
+def test_sessions_are_listed_and_deleted_with_their_files(tmp_path) -> None:
+    now = [100.0]
+    store = SessionStore(tmp_path, "fp", torch.float32, clock=lambda: now[0])
+    store.save("a", list(range(7)), [(0, 6)], snapshot(6, 0))
+    store.flush()
+    now[0] = 200.0
+    store.save("b", list(range(5)), [(0, 4)], snapshot(4, 1))  # listed at once: the save is waited for
+    listed = store.sessions()
+    assert [(s.session_id, s.tokens, s.stored_rows, s.tier) for s in listed] == [("b", 5, 4, "cpu"),
+                                                                                   ("a", 7, 6, "cpu")]
+    assert listed[0].last_access == 200.0 and listed[1].nbytes == LAYERS * 2 * 6 * HEADS * DIM * 4
+    store.flush()
+    assert (tmp_path / "records" / "a.json").exists()
+    assert store.delete("a") and not store.delete("a") and not store.delete("never")
+    store.flush()
+    assert [s.session_id for s in store.sessions()] == ["b"] and not (tmp_path / "records" / "a.json").exists()
+    look = store.lookup("a")
+    assert look.record is None and look.reason == ""  # a deleted id is simply new, not "lost"
+    store.close()
+    reopened = SessionStore(tmp_path, "fp", torch.float32)  # what survives the process
+    assert [(s.session_id, s.tier) for s in reopened.sessions()] == [("b", "disk")]
+    reopened.close()

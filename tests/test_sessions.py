@@ -5,14 +5,14 @@ an evicted or corrupt session is recomputed and says so."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from ragfuse.engine import SamplingParams
 from ragfuse.engine.sessions import SessionStore
+from ragfuse.shared_data import shared_data
 
-DATA = Path("/work/shared/data/sharegpt_multiturn_dev.jsonl")
+DATA = shared_data("sharegpt_multiturn_dev.jsonl")
 TURNS = 3
 SP = SamplingParams(max_tokens=8)
 
@@ -140,3 +140,24 @@ def test_sessions_survive_the_process(llm, sessions, tmp_path) -> None:
     messages += [{"role": "assistant", "content": out.text}, {"role": "user", "content": "Again."}]
     again = llm.chat(messages, SP, session_id="keep")
     assert again.metrics["session_tier"] == "disk" and again.metrics["session_tokens_reused"] > 0
+
+
+def test_forward_with_work_between_layers_matches_forward(engine) -> None:
+    """The session writer's hook point: ``before_layer`` is called once per layer, in order, before
+    the layer runs, and the forward's result is unchanged (eager here; a graph per layer on CUDA)."""
+    import torch
+
+    from ragfuse.engine.attention import AttentionMetadata
+
+    runner = engine.runner
+    toks = torch.randint(3, engine.model_config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    with engine.borrowed_blocks([toks]) as (table,):
+        meta = AttentionMetadata.build([len(toks)], [len(toks)], [table], runner.block_size, runner.device)
+        ids = torch.tensor(toks, device=runner.device)
+        pos = torch.arange(len(toks), device=runner.device)
+        with torch.inference_mode():
+            ref = runner.forward(ids, pos, meta, keep=True)
+            calls: list[int] = []
+            got = runner.forward(ids, pos, meta, keep=True, before_layer=calls.append)
+    assert calls == list(range(engine.model_config.num_layers))
+    torch.testing.assert_close(got, ref)

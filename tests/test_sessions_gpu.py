@@ -1,5 +1,6 @@
 """Sessions on CUDA (random weights, float32): the side-stream snapshot stores K without position
-exactly as ``compute_kv`` computes it, and a restored turn answers as recomputing the history."""
+exactly as ``compute_kv`` computes it, and a restored turn answers as recomputing the history (from
+host memory: its new tokens replayed one prefill graph per layer, the history written in between)."""
 
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ SHAPE = {
 }
 
 
-@pytest.mark.parametrize("where", ["cpu", "disk"])
+@pytest.mark.parametrize("where", ["cpu", "read-buffer", "disk"])
 def test_cuda_session_turn_matches_recompute(tmp_path, where: str) -> None:
     eng = LLMEngine(EngineConfig(device="cuda", dtype="float32", kv_cache_bytes=64 << 20),
                     random_weights=ModelConfig.from_dict(SHAPE))
-    store = SessionStore(tmp_path, eng.fingerprint, eng.dtype, cpu_bytes=(1 << 30) if where == "cpu" else 0)
+    store = SessionStore(tmp_path, eng.fingerprint, eng.dtype, cpu_bytes=0 if where == "disk" else 1 << 30)
     eng.enable_sessions(store)
     g = torch.Generator().manual_seed(0)
     history = torch.randint(1, 1000, (300,), generator=g).tolist()
@@ -45,7 +46,18 @@ def test_cuda_session_turn_matches_recompute(tmp_path, where: str) -> None:
     torch.testing.assert_close(k, k_ref.cpu(), atol=2e-4, rtol=1e-4)  # un-rotated K = K before RoPE
     torch.testing.assert_close(v, v_ref.cpu(), atol=2e-4, rtol=1e-4)
     conversation = history + first.token_ids + new
-    out = finish(eng.add_session_request("g", conversation, sp))
-    assert out.metrics["session_tier"] == where and out.metrics["session_tokens_reused"] == rec.num_rows
+    graphs = eng.runner.prefill_graphs
+    counts = (graphs.replays, graphs.layer_replays) if graphs is not None else (0, 0)
+    turn = eng.begin_session_turn("g", conversation, sp.max_tokens)
+    if where == "read-buffer":  # the history copied to the GPU before the turn starts (while a previous job ran)
+        turn.source.stage(eng.device, eng._load_stream)
+        torch.cuda.synchronize()
+    out = finish(eng.start_session_turn(turn, sp))
+    assert out.metrics["session_tier"] == ("disk" if where == "disk" else "cpu")
+    assert out.metrics["session_tokens_reused"] == rec.num_rows
+    if where != "disk" and graphs is not None:
+        # copied ahead: all layers written, then one graph; copying now: written between the layers' graphs
+        assert (graphs.replays, graphs.layer_replays) == (
+            (counts[0] + 1, counts[1]) if where == "read-buffer" else (counts[0], counts[1] + 1))
     assert out.token_ids == finish(eng.add_request(conversation, sp)).token_ids
     store.close()

@@ -125,3 +125,33 @@ def test_triton_matches_reference(target, heads, kv_heads, head_dim, page):
             err = float((out.double() - ref_out.double()).norm() / ref_out.double().norm())
             assert err < TOL[dtype], (dtype, split, err)
             torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-4)
+
+
+def test_padded_plan_runs_like_the_plan(target):
+    """A plan copied into larger fixed buffers (as a CUDA graph replays it) over a batch padded with
+    empty rows: the real rows' attention is the plan's, the padding rows attend to nothing, and
+    whatever the buffers held before (here: rows that would attend and fold) is made inert."""
+    from ragfuse.kernels.two_phase import TwoPhasePlan
+    from ragfuse.kernels.two_phase_triton import two_phase_decode_triton
+
+    device, dtypes, _ = target
+    torch.manual_seed(2)
+    n, size, page, kvh, heads, d = len(PATHS), len(PATHS) + 3, 5, 2, 8, 64
+    k, v, tables, lens, tree_paths = shared_batch(PATHS, PRIVATE, page, kvh, d, torch.float32, device)
+    plan = build_two_phase_plan(tree_paths, page, kvh, device, split_tokens=7)
+    i32 = dict(dtype=torch.int32, device=device)
+    padded = TwoPhasePlan.padded(
+        size, torch.tensor([[0, n, 0, 10, 0]], **i32).repeat(plan.num_items + 5, 1), torch.zeros(size, **i32),
+        torch.full((size,), 9, **i32), torch.full((size,), 2, **i32), plan.max_parts + 2,
+    )
+    plan.load_into(padded)
+    with pytest.raises(ValueError, match="exceeds"):
+        build_two_phase_plan(tree_paths, page, kvh, device, split_tokens=2).load_into(padded)
+    q = torch.randn(size, heads, d, device=device)
+    tables_p = torch.cat([tables, torch.zeros(size - n, tables.shape[1], **i32)])
+    lens_p = torch.cat([lens, torch.zeros(size - n, **i32)])
+    out, lse = two_phase_decode_triton(q, k, v, tables_p, lens_p, padded, d**-0.5)
+    want_out, want_lse = two_phase_decode_triton(q[:n], k, v, tables, lens, plan, d**-0.5)
+    torch.testing.assert_close(out[:n], want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse[:n], want_lse, atol=1e-5, rtol=1e-5)
+    assert bool((out[n:] == 0).all()) and bool(torch.isinf(lse[n:]).all())

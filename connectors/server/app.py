@@ -17,17 +17,15 @@ from . import errors, openai_routes, rag_routes
 from .backend import Backend
 from .metrics import ServerMetrics
 from .security import BodyLimit, api_key_dependency, cors_kwargs
-from .sessions import MemorySessions, SessionStore
 from .settings import ServerSettings
 from .state import ServerState
 
 
-def create_app(backend: Backend, settings: ServerSettings | None = None,
-               sessions: SessionStore | None = None, close_backend: bool = True) -> FastAPI:
+def create_app(backend: Backend, settings: ServerSettings | None = None, close_backend: bool = True) -> FastAPI:
     """The server's app over ``backend``; with ``close_backend`` the app closes it on shutdown."""
     settings = settings or ServerSettings()
-    metrics = ServerMetrics(backend.queue_depth, backend.running)
-    state = ServerState(backend, settings, metrics, sessions or MemorySessions())
+    metrics = ServerMetrics(backend.queue_depth, backend.running, backend.relay_prompts)
+    state = ServerState(backend, settings, metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:

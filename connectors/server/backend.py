@@ -19,7 +19,12 @@ class Sampling:
 
 @dataclass(frozen=True)
 class ChatPrompt:
+    """A chat; ``session_id``: continue that session (its stored KV reused); ``relay``: serve a
+    leading system message by relay attention (registered once, shared by every request with it)."""
+
     messages: list[dict[str, str]]
+    session_id: str | None = None
+    relay: bool = True
 
 
 @dataclass(frozen=True)
@@ -32,22 +37,42 @@ class RagOptions:
     top_k: int = 5
     mode: str = "fuse"
     recompute_ratio: float | None = None
+    session_id: str | None = None  # the question is this session's next turn
+    relay: bool = True  # the instruction prefix served as a relay system prompt where the mode allows
 
 
 @dataclass
 class Delta:
-    """What one step added to a request, with the running totals a response's ``usage`` needs."""
+    """What one step added to a request, with the running totals a response's ``usage`` needs.
+
+    ``cached_tokens``: prompt tokens whose KV was reused rather than computed for this request (a
+    session's stored history, a relay system prompt, shared prefix blocks); ``reuse`` says which
+    (``REUSE_KEYS``), for the ``ragfuse`` part of ``usage``.
+    """
 
     text: str
     finished: bool
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
+    reuse: dict[str, Any] | None = None
 
-    def usage(self) -> dict[str, int]:
-        """OpenAI's ``usage`` object."""
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's ``usage`` object (with ``prompt_tokens_details.cached_tokens``), plus ``ragfuse``."""
+        usage: dict[str, Any] = {
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+        if self.reuse is not None:
+            usage["ragfuse"] = self.reuse
+        return usage
+
+
+# what ``Delta.reuse`` may hold: where a request's reused KV came from
+REUSE_KEYS = ("session_id", "session_tokens_reused", "session_tier", "session_truncated_tokens", "session_notes",
+              "relay_system_tokens", "prefix_cached_tokens")
 
 
 @dataclass
@@ -77,6 +102,18 @@ class Backend(Protocol):
     async def list_documents(self) -> list[dict[str, Any]]: ...
 
     async def delete_document(self, doc_id: str) -> bool: ...
+
+    async def list_sessions(self) -> list[dict[str, Any]]:
+        """Stored sessions, most recently used first: id, tokens, tier, last access."""
+        ...
+
+    async def delete_session(self, session_id: str) -> bool:
+        """Drop a session's stored KV; False if there is none."""
+        ...
+
+    def relay_prompts(self) -> int:
+        """System prompts registered for relay right now."""
+        ...
 
     def queue_depth(self) -> int: ...
 

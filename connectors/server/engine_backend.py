@@ -1,6 +1,12 @@
 """ragfuse's own engine as the server's backend: one ``AsyncEngine`` loop shared by every request
 (continuous batching across clients), with RAG, ingest and store access run on that loop's thread
-so the engine and its store are only ever used from one thread."""
+so the engine and its store are only ever used from one thread.
+
+Sessions are the engine's own session store (``engine.sessions``: each conversation's KV kept in
+host memory and on disk between turns, under the store's ``sessions/`` directory by default, the
+same place ``ragfuse ask --session`` keeps them). Chats with a leading system message run through
+relay attention, the system prompt registered once (``engine.relay_prompts``, LRU-bounded).
+"""
 
 from __future__ import annotations
 
@@ -9,10 +15,11 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
-from ragfuse.engine import AsyncEngine, LLMEngine, RequestOutput, SamplingParams
+from ragfuse.engine import LLM, AsyncEngine, LLMEngine, RequestOutput, SamplingParams
+from ragfuse.engine.sessions import SessionStore
 from ragfuse.pipeline import RagPipeline, Started
 
-from .backend import ChatPrompt, Delta, RagAnswer, RagOptions, Sampling, TextPrompt
+from .backend import REUSE_KEYS, ChatPrompt, Delta, RagAnswer, RagOptions, Sampling, TextPrompt
 from .library import DocumentLibrary
 
 
@@ -46,18 +53,34 @@ def engine_params(s: Sampling) -> SamplingParams:
 
 
 def to_delta(out: RequestOutput) -> Delta:
-    return Delta(out.delta_text, out.finished, out.finish_reason, out.prompt_tokens, len(out.token_ids))
+    """The engine's output as a delta; a relay request's system prompt counts among its prompt
+    tokens (the engine's ``prompt_tokens`` are the request's own) and, with a session's stored
+    history and shared prefix blocks, among its cached ones."""
+    m = out.metrics
+    relay = int(m.get("relay_system_tokens", 0))
+    reuse = {"relay_system_tokens": relay, "prefix_cached_tokens": int(m.get("cached_tokens", 0)),
+             **{k: m[k] for k in REUSE_KEYS if k.startswith("session") and k in m}}
+    cached = relay + reuse["prefix_cached_tokens"] + int(m.get("session_tokens_reused", 0))
+    return Delta(out.delta_text, out.finished, out.finish_reason, out.prompt_tokens + relay, len(out.token_ids),
+                 cached, reuse)
 
 
 class EngineBackend:
     name = "ragfuse"
 
-    def __init__(self, pipeline: RagPipeline, model_id: str) -> None:
+    def __init__(self, pipeline: RagPipeline, model_id: str, sessions_dir: str | Path | None = None,
+                 session_cpu_bytes: int = 4 << 30, session_disk_bytes: int = 32 << 30) -> None:
+        """``sessions_dir``: where sessions' KV is kept (default: the store's ``sessions/``)."""
         from ragfuse.ingest import Ingestor
 
         self.pipeline = pipeline
         self.model_id = model_id
-        self.loop = AsyncEngine(pipeline.engine)
+        engine = pipeline.engine
+        root = Path(sessions_dir) if sessions_dir is not None else pipeline.store.root / "sessions"
+        self._engine_sessions = engine.sessions  # put back on close (an engine shared with other front ends)
+        self.sessions = SessionStore(root, engine.fingerprint, engine.dtype, session_cpu_bytes, session_disk_bytes)
+        engine.enable_sessions(self.sessions)
+        self.loop = AsyncEngine(engine)
         ingestor = Ingestor(pipeline.store, pipeline.engine, pipeline.retriever.embedder, progress=False)
         self.library = DocumentLibrary(pipeline.store, ingestor)
 
@@ -66,8 +89,10 @@ class EngineBackend:
         params = engine_params(sampling)
 
         def start(engine: LLMEngine) -> str:
-            ids = engine.chat_token_ids(prompt.messages) if isinstance(prompt, ChatPrompt) else prompt.text
-            return engine.add_request(ids, params, request_id)
+            if isinstance(prompt, ChatPrompt):
+                return LLM.from_engine(engine).add_chat_request(
+                    prompt.messages, params, session_id=prompt.session_id, relay=prompt.relay, request_id=request_id)
+            return engine.add_request(prompt.text, params, request_id)
 
         async with aclosing(self.loop.generate_with(start)) as outputs:
             async for out in outputs:
@@ -80,7 +105,7 @@ class EngineBackend:
 
         def start(_: LLMEngine) -> str:
             started.append(self.pipeline.start(question, options.mode, options.recompute_ratio, options.top_k,
-                                               params))
+                                               params, options.session_id, options.relay))
             return started[0].request_id
 
         last: RequestOutput | None = None
@@ -91,7 +116,7 @@ class EngineBackend:
         assert last is not None and started
         report = self.pipeline.result(started[0], last).as_dict()
         report.pop("token_ids")
-        yield RagAnswer(report, [s.tier for s in started[0].prep.sources])
+        yield RagAnswer(report, started[0].prep.kv_tiers())
 
     async def add_documents(self, files: list[tuple[str, bytes]]) -> dict[str, Any]:
         return await self.loop.call(lambda _: self.library.add(files))
@@ -102,6 +127,18 @@ class EngineBackend:
     async def delete_document(self, doc_id: str) -> bool:
         return await self.loop.call(lambda _: self.library.delete(doc_id))
 
+    async def list_sessions(self) -> list[dict[str, Any]]:
+        listed = await self.loop.call(lambda _: self.sessions.sessions())
+        return [{"object": "session", "id": s.session_id, "tokens": s.tokens, "stored_tokens": s.stored_rows,
+                 "bytes": s.nbytes, "tier": s.tier, "created": s.created, "last_access": s.last_access}
+                for s in listed]
+
+    async def delete_session(self, session_id: str) -> bool:
+        return await self.loop.call(lambda _: self.sessions.delete(session_id))
+
+    def relay_prompts(self) -> int:
+        return len(self.pipeline.engine.systems)  # chats', the pipeline's and any registered by hand
+
     def queue_depth(self) -> int:
         return self.loop.queue_depth
 
@@ -110,4 +147,7 @@ class EngineBackend:
 
     def close(self) -> None:
         self.loop.shutdown()
+        self.pipeline.engine.relay_prompts.release_idle()  # its blocks go back with the server
+        self.sessions.close()  # every turn's KV reaches disk before the process ends
+        self.pipeline.engine.sessions = self._engine_sessions
         self.pipeline.store.close()

@@ -1,4 +1,6 @@
-"""Prometheus metrics of one server: time to first token, token throughput, KV hits per tier, queue.
+"""Prometheus metrics of one server: time to first token, token throughput, KV hits per tier, queue,
+session reuse (turns by the tier their history came from, tokens reused) and relay (registered
+system prompts, tokens they served).
 
 Each app gets its own registry, so several servers (tests, benchmarks) can live in one process.
 """
@@ -20,7 +22,8 @@ T = TypeVar("T")
 
 
 class ServerMetrics:
-    def __init__(self, queue_depth: Callable[[], int], running: Callable[[], int]) -> None:
+    def __init__(self, queue_depth: Callable[[], int], running: Callable[[], int],
+                 relay_prompts: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("ragfuse_requests", "finished generation requests", ["endpoint", "outcome"],
@@ -35,6 +38,16 @@ class ServerMetrics:
                                registry=r)
         self.kv_misses = Counter("ragfuse_kv_cache_misses", "RAG prompt pieces whose KV had to be computed",
                                  registry=r)
+        self.session_turns = Counter("ragfuse_session_turns", "session turns by where their history KV came "
+                                     "from (cpu, disk; none: new or recomputed)", ["tier"], registry=r)
+        self.session_tokens = Counter("ragfuse_session_reused_tokens", "history tokens whose KV a session turn "
+                                      "reused instead of computing", registry=r)
+        self.relay_requests = Counter("ragfuse_relay_requests", "requests served behind a relay system prompt",
+                                      registry=r)
+        self.relay_tokens = Counter("ragfuse_relay_system_tokens", "system prompt tokens relay served without "
+                                    "computing or storing them per request", registry=r)
+        Gauge("ragfuse_relay_system_prompts", "system prompts registered for relay", registry=r).set_function(
+            relay_prompts)
         Gauge("ragfuse_queue_depth", "requests waiting for their first step", registry=r).set_function(queue_depth)
         Gauge("ragfuse_running_requests", "requests being decoded", registry=r).set_function(running)
 
@@ -47,6 +60,16 @@ class ServerMetrics:
                 self.kv_misses.inc()
             else:
                 self.kv_hits.labels(tier).inc()
+
+    def record_reuse(self, last: Delta) -> None:
+        """A finished request's session and relay reuse (its last delta's ``reuse``)."""
+        reuse = last.reuse or {}
+        if "session_id" in reuse:
+            self.session_turns.labels(reuse.get("session_tier") or "none").inc()
+            self.session_tokens.inc(int(reuse.get("session_tokens_reused", 0)))
+        if reuse.get("relay_system_tokens"):
+            self.relay_requests.inc()
+            self.relay_tokens.inc(int(reuse["relay_system_tokens"]))
 
     async def metered(self, items: AsyncIterator[T], endpoint: str, t0: float) -> AsyncIterator[T]:
         """Pass ``items`` through, timing the first token and counting tokens of its ``Delta`` items
@@ -70,6 +93,7 @@ class ServerMetrics:
         finally:
             self.requests.labels(endpoint, outcome).inc()
             if last is not None:
+                self.record_reuse(last)
                 self.tokens.inc(last.completion_tokens)
                 self.prompt_tokens.inc(last.prompt_tokens)
                 span = time.perf_counter() - (first or t0)

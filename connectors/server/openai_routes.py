@@ -71,7 +71,9 @@ def make_router(state: ServerState) -> APIRouter:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": message_text(m)}
                     for m in body.messages]
         rid, created = new_id("chatcmpl"), int(time.time())
-        deltas = state.metrics.metered(state.backend.generate(ChatPrompt(messages), sampling, rid), "chat", t0)
+        relay = state.settings.relay if body.relay is None else body.relay
+        prompt = ChatPrompt(messages, body.session_id, relay)
+        deltas = state.metrics.metered(state.backend.generate(prompt, sampling, rid), "chat", t0)
 
         def chunk(delta: dict[str, str], reason: str | None) -> dict[str, Any]:
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,
@@ -79,13 +81,11 @@ def make_router(state: ServerState) -> APIRouter:
 
         if body.stream:
             last: list[Delta] = []
-            text: list[str] = []
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             def render(d: Delta) -> list[str]:
                 lines = [] if last else [sse(chunk({"role": "assistant", "content": ""}, None))]
                 last[:] = [d]
-                text.append(d.text)
                 if d.text:
                     lines.append(sse(chunk({"content": d.text}, None)))
                 if d.finished:
@@ -93,16 +93,12 @@ def make_router(state: ServerState) -> APIRouter:
                 return lines
 
             def tail() -> list[str]:
-                if body.session_id:
-                    state.sessions.record(body.session_id, messages, "".join(text))
                 return [sse({**chunk({}, None), "choices": [], "usage": last[0].usage()})] if include_usage else []
 
             first = await first_item(request, deltas)
             return StreamingResponse(event_stream(first, deltas, render, tail), media_type="text/event-stream")
         got = await collect(request, deltas)
         answer = "".join(d.text for d in got)
-        if body.session_id:
-            state.sessions.record(body.session_id, messages, answer)
         return {"id": rid, "object": "chat.completion", "created": created, "model": body.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": answer}, "logprobs": None,
                              "finish_reason": got[-1].finish_reason}],

@@ -21,7 +21,8 @@ from .streaming import collect, event_stream, first_item, sse
 
 MAX_UPLOAD_FILES = 64
 TIMING = ("retrieve_s", "ttft_s", "total_s", "load_s", "load_hidden", "recompute_s")
-FUSION = ("mode", "recompute_ratio", "prompt_tokens", "reused_tokens", "recomputed_tokens", "tiers", "decision")
+FUSION = ("mode", "recompute_ratio", "prompt_tokens", "reused_tokens", "recomputed_tokens", "tiers", "decision",
+          "relay_system_tokens")
 
 
 def inline_schema(model: type[BaseModel]) -> dict[str, Any]:
@@ -58,7 +59,8 @@ def make_router(state: ServerState) -> APIRouter:
         if body.top_k > state.settings.max_top_k:
             raise APIError(400, f"top_k must be at most {state.settings.max_top_k}", param="top_k")
         sampling = state.sampling(body, body.max_tokens)
-        options = RagOptions(body.top_k, body.mode, body.recompute_ratio)
+        options = RagOptions(body.top_k, body.mode, body.recompute_ratio, body.session_id,
+                             state.settings.relay if body.relay is None else body.relay)
         rid, created = new_id("rag"), int(time.time())
         first_at: list[float] = []
 
@@ -78,7 +80,7 @@ def make_router(state: ServerState) -> APIRouter:
                     "answer": r["answer"], "finish_reason": r["finish_reason"], "sources": r["sources"],
                     "timing": {**{k: r[k] for k in TIMING}, "server_ttft_s": first_at[0] - t0},
                     "fusion": {k: r[k] for k in FUSION}, "kv_tiers": ans.kv_tiers, "usage": last.usage(),
-                    "notes": r["notes"]}
+                    "session": r.get("session"), "notes": r["notes"]}
 
         if body.stream:
             seen: list[Delta] = []
@@ -126,11 +128,14 @@ def make_router(state: ServerState) -> APIRouter:
 
     @router.get("/sessions")
     async def list_sessions() -> dict[str, Any]:
-        return {"object": "list", "data": [s.as_dict() for s in state.sessions.list()]}
+        """Sessions whose KV is stored (chats and RAG queries that named a ``session_id``), most
+        recently used first: tokens so far, the tier holding them, last access."""
+        return {"object": "list", "data": await state.backend.list_sessions()}
 
     @router.delete("/sessions/{session_id}")
     async def delete_session(session_id: str) -> dict[str, Any]:
-        if not state.sessions.delete(session_id):
+        """Drop the session's stored KV (memory and disk); its id starts afresh next time."""
+        if not await state.backend.delete_session(session_id):
             raise APIError(404, f"no session with id {session_id[:80]!r}", param="session_id")
         return {"id": session_id, "object": "session.deleted", "deleted": True}
 

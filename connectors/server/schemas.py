@@ -46,7 +46,10 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=256)
     max_completion_tokens: int | None = Field(None, ge=1)
     stream_options: StreamOptions | None = None
-    session_id: SessionId | None = Field(None, description="ragfuse: record this turn under a session")
+    session_id: SessionId | None = Field(
+        None, description="ragfuse: continue this session (its stored KV reused; send the whole conversation)")
+    relay: bool | None = Field(None, description="ragfuse: serve a leading system message by relay attention "
+                                                 "(default: the server's setting)")
 
 
 class CompletionRequest(SamplingFields):
@@ -62,6 +65,9 @@ class RagQueryRequest(SamplingFields):
     mode: Literal["fuse", "full", "prefix", "reuse"] = "fuse"
     recompute_ratio: float | None = Field(None, ge=0.0, le=1.0)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
+    session_id: SessionId | None = Field(None, description="ragfuse: the question is this session's next turn")
+    relay: bool | None = Field(None, description="ragfuse: serve the instruction prefix by relay attention "
+                                                 "(default: the server's setting)")
 
 
 class DocumentText(_Body):

@@ -15,3 +15,4 @@ class ServerSettings:
     max_body_bytes: int = 8 << 20  # whole request body, uploads included
     max_tokens: int = 1024  # most tokens one request may generate
     max_top_k: int = 20  # most chunks one RAG query may retrieve
+    relay: bool = True  # chats' leading system messages served by relay attention (a request may say otherwise)

@@ -1,4 +1,4 @@
-"""What every route needs: the backend, the operator's settings, metrics and sessions."""
+"""What every route needs: the backend, the operator's settings and metrics."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from .backend import Backend, Sampling
 from .errors import APIError
 from .metrics import ServerMetrics
 from .schemas import SamplingFields
-from .sessions import SessionStore
 from .settings import ServerSettings
 
 DEFAULT_MAX_TOKENS = 256
@@ -21,7 +20,6 @@ class ServerState:
     backend: Backend
     settings: ServerSettings
     metrics: ServerMetrics
-    sessions: SessionStore
     started: int = field(default_factory=lambda: int(time.time()))
 
     def check_model(self, model: str | None) -> None:

@@ -7,6 +7,10 @@ that ``ragfuse ingest`` stored for it (same keys: the connector's store is the s
 directory) at whatever position the chunk lands. The connector runs those chunks in its
 full-reuse mode (no selective recompute; see ``connectors/vllm/README.md``), which the answer's
 ``fusion.mode`` says. Store work (retrieval, ingest) runs on one worker thread.
+
+Sessions and relay are ragfuse engine features: a ``session_id`` is refused here (one clear 400,
+rather than a session silently recomputed every turn), and a chat's system prompt is left to
+vLLM's own prefix caching.
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ class VLLMServeBackend(PromptBuilder):
 
     async def generate(self, prompt: ChatPrompt | TextPrompt, sampling: Sampling,
                        request_id: str) -> AsyncIterator[Delta]:
+        _no_sessions(prompt.session_id if isinstance(prompt, ChatPrompt) else None)
         if isinstance(prompt, ChatPrompt):
             ids = self.chat_prompt(prompt.messages).token_ids
         else:
@@ -123,6 +128,7 @@ class VLLMServeBackend(PromptBuilder):
 
     async def rag(self, question: str, options: RagOptions, sampling: Sampling,
                   request_id: str) -> AsyncIterator[Delta | RagAnswer]:
+        _no_sessions(options.session_id)
         t0 = time.perf_counter()
         hits = await self._on_worker(lambda: self.retriever.search(question, options.top_k))
         if not hits:
@@ -156,7 +162,7 @@ class VLLMServeBackend(PromptBuilder):
             "mode": report.get("mode", "exact") if reuse else "full", "recompute_ratio": 0.0,
             "prompt_tokens": len(prompt.token_ids), "reused_tokens": loaded,
             "recomputed_tokens": len(prompt.token_ids) - loaded, "tiers": [CONNECTOR_TIER] if loaded else [],
-            "decision": None, "notes": notes,
+            "decision": None, "relay_system_tokens": 0, "notes": notes,
         }, [CONNECTOR_TIER] * hit_chunks + ["computed"] * (len(prompt.chunks) - hit_chunks))
 
     # ---------------------------------------------------------------- documents
@@ -182,6 +188,15 @@ class VLLMServeBackend(PromptBuilder):
     async def delete_document(self, doc_id: str) -> bool:
         return await self._on_worker(lambda: self.library.delete(doc_id))
 
+    async def list_sessions(self) -> list[dict[str, Any]]:
+        return []
+
+    async def delete_session(self, session_id: str) -> bool:
+        return False
+
+    def relay_prompts(self) -> int:
+        return 0
+
     async def _on_worker(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn)
 
@@ -195,3 +210,8 @@ class VLLMServeBackend(PromptBuilder):
         self.llm.shutdown()
         self._worker.shutdown(wait=True)
         self.store.close()
+
+
+def _no_sessions(session_id: str | None) -> None:
+    if session_id is not None:
+        raise RequestError("sessions keep their KV in ragfuse's engine: serve with --backend ragfuse to use session_id")

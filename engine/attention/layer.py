@@ -24,7 +24,7 @@ from ragfuse.kernels.relay import system_attention_ref
 from ragfuse.kernels.two_phase import two_phase_decode_ref
 
 from ..ops import HAVE_TRITON, resolve_backend
-from .metadata import AttentionMetadata
+from .metadata import AttentionMetadata, RelayMetadata
 
 if HAVE_TRITON:
     from ragfuse.kernels.merge_triton import merge_attention_triton
@@ -163,8 +163,11 @@ class Attention(nn.Module):
         seq_len: int,
         slots: torch.Tensor | slice | None = None,
         bounds: torch.Tensor | None = None,
+        relay: RelayMetadata | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One sequence's queries over its first ``seq_len`` cached tokens (K/V already written).
+        """One sequence's queries over its first ``seq_len`` cached tokens (K/V already written),
+        and with ``relay`` over the registered system prompt its tokens follow (all of it visible
+        to every query), merged exactly by log-sum-exp.
 
         ``q_positions`` (ascending) puts the queries at scattered positions with an exact causal
         mask each, as cache fusion's selective recompute needs; None means the last ``len(q)``
@@ -173,21 +176,33 @@ class Attention(nn.Module):
         copy from the host, and wait for the device, at every layer.
         """
         k_cache, v_cache = kv_cache
+        if relay is not None and self.sliding_window is not None:
+            raise ValueError("relay attention needs a model without a sliding window")
         backend = self.backend if self.backend != "auto" else resolve_backend("auto", q.device)
         if backend == "triton":
             n = q.shape[0]
             if bounds is None:
                 bounds = torch.tensor([0, n, seq_len], dtype=torch.int32, device=q.device)
             cu, lens = bounds[:2], bounds[2:]
-            return paged_prefill_attention_triton(
+            ctx = paged_prefill_attention_triton(
                 q, k_cache, v_cache, block_table, lens, cu, self.scale, self.sliding_window,
                 max_query_len=n, q_positions=q_positions,
             )
+            if relay is None:
+                return ctx
+            sys = system_attention_triton(q, k_cache, v_cache, relay.sys_tables, relay.sys_lens, relay.tile_tokens,
+                                          relay.tile_system, self.scale, relay.max_sys_len, relay.num_splits)
+            return merge_attention_triton(*sys, *ctx)
         if q_positions is not None and int(q_positions[0]) == seq_len - q.shape[0]:
             q_positions = None  # ascending and ending at the last token: a contiguous suffix
-        return paged_attention_at_positions_ref(
+        ctx = paged_attention_at_positions_ref(
             q, q_positions, k_cache, v_cache, block_table[0], seq_len, self.scale, self.sliding_window, slots
         )
+        if relay is None:
+            return ctx
+        sys = system_attention_ref(q, k_cache, v_cache, relay.sys_tables, relay.sys_lens, relay.token_system,
+                                   self.scale)
+        return merge_attention_ref(*sys, *ctx)
 
     def _cudnn_fits(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
         """One long fresh 16-bit sequence whose window (if any) cuts nothing: from host values only."""

@@ -13,11 +13,18 @@ Modes, comparable on the same input:
 - ``prefix``: the first segment's stored KV reused (prefix caching), everything after computed.
 - ``reuse``: all stored KV reused, re-positioned; only tokens without stored KV computed.
 - ``fuse``: reuse plus selective recompute of high-deviation tokens.
+
+Behind a registered system prompt (``SystemPart``, relay attention) the prompt's tokens sit at
+positions ``s, s+1, ...`` after the system prompt's ``s`` tokens, which stay in the registry's
+blocks: every active token attends to all of them (the system part, merged by log-sum-exp) and to
+the fused prompt in its own pages (the context part). No stored segment is then an exact prefix:
+the system prompt is.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -26,6 +33,7 @@ import torch
 from ragfuse.kernels.paged_attention import sequence_slots
 
 from .. import ops
+from ..attention import RelayMetadata
 from ..models import LlamaForCausalLM
 from .prefetch import LayerPrefetcher
 from .segments import Segment
@@ -76,7 +84,9 @@ class _Layout:
     check_sizes: list[tuple[int, int]]  # per check layer: (candidates before it, candidates it keeps)
 
     @classmethod
-    def build(cls, segments: list[Segment], used: set[int], mode: FusionMode, policy: SelectionPolicy) -> _Layout:
+    def build(
+        cls, segments: list[Segment], used: set[int], mode: FusionMode, policy: SelectionPolicy, behind_system: bool
+    ) -> _Layout:
         n = sum(len(s.token_ids) for s in segments)
         stored, exact, forced = [False] * n, [False] * n, [False] * n
         offset = 0
@@ -87,8 +97,9 @@ class _Layout:
                 sinks = min(policy.sink_tokens, len(seg.token_ids)) if mode is FusionMode.FUSE else 0
                 forced[offset : offset + sinks] = [True] * sinks
                 # KV stored from position 0 is exactly what full prefill computes for a prompt that
-                # starts with it: a cached prefix, never a candidate for recompute
-                exact[offset:end] = [offset == 0] * len(seg.token_ids)
+                # starts with it: a cached prefix, never a candidate for recompute (unless the prompt
+                # follows a system prompt, which the stored KV never saw)
+                exact[offset:end] = [offset == 0 and not behind_system] * len(seg.token_ids)
             offset = end
         stored[n - 1] = exact[n - 1] = False  # the last token's hidden state gives the first answer token
         fusable = [s and not e for s, e in zip(stored, exact)]
@@ -112,6 +123,15 @@ class _Layout:
         )
 
 
+@dataclass(frozen=True)
+class SystemPart:
+    """The registered system prompt a fused prompt follows: its length, and the relay metadata
+    for ``n`` query tokens behind it."""
+
+    num_tokens: int
+    relay: Callable[[int], RelayMetadata]
+
+
 def fuse_prefill(
     model: LlamaForCausalLM,
     kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
@@ -119,15 +139,17 @@ def fuse_prefill(
     segments: list[Segment],
     mode: FusionMode | str,
     policy: SelectionPolicy,
+    system: SystemPart | None = None,
 ) -> tuple[torch.Tensor, FusionStats]:
-    """Fill ``block_table``'s cache pages with the prompt's KV and return the last token's logits."""
+    """Fill ``block_table``'s cache pages with the prompt's KV and return the last token's logits.
+    With ``system`` the prompt continues that registered system prompt (relay attention)."""
     t_start = time.perf_counter()
     mode = FusionMode(mode)
     device = model.lm_head.weight.device
     ids = [t for s in segments for t in s.token_ids]
     n = len(ids)
     used = _stored_segments(segments, mode)
-    lay = _Layout.build(segments, used, mode, policy)
+    lay = _Layout.build(segments, used, mode, policy, system is not None)
     num_stored, num_fusable = len(lay.stored), sum(lay.fusable)
     # one host-to-device transfer for everything the pass indexes with
     host = torch.tensor([*ids, *lay.stored, *lay.active, *lay.fusable, *lay.forced, *block_table], dtype=torch.long)
@@ -141,8 +163,12 @@ def fuse_prefill(
     slots = sequence_slots(table[0], n, kv_layers[0][0].shape[1])
     stored_slots = slots[stored_pos]
     # the attention kernel's [0, queries, keys] for each active-set size of the pass, made at once
-    sizes = [len(lay.active), *(len(lay.active) - c + k for c, k in lay.check_sizes)]
+    # checks narrow only the candidates: after one, the active set is the non-candidates plus what it kept
+    sizes = [len(lay.active), *(len(lay.active) - lay.candidates + k for _, k in lay.check_sizes)]
     bounds_all = torch.tensor([[0, a, n] for a in sizes], dtype=torch.int32).to(device)
+    base = system.num_tokens if system is not None else 0  # page position p is model position base + p
+    relays = [system.relay(a) for a in sizes] if system is not None else None
+    stored_at = stored_pos + base  # model positions, made once (base is 0 without a system prompt)
 
     checks = list(zip(policy.check_layers, lay.check_sizes, strict=False))
     block = model.model
@@ -151,6 +177,7 @@ def fuse_prefill(
     hidden = block.embed_tokens(ids_d.index_select(0, active_idx))
     residual: torch.Tensor | None = None
     pos, act_slots = active_idx, slots.index_select(0, active_idx)
+    pos_at = pos + base
     size_i, candidates = 0, lay.candidates
     counts: list[int] = []
     with LayerPrefetcher(sources, model.config.num_layers, device) as loader, torch.inference_mode():
@@ -161,13 +188,13 @@ def fuse_prefill(
             if sources:
                 k_st, v_st = (t[:num_stored] for t in loader.get(li))
                 # every stored token's KV goes in first; the active tokens' fresh KV overwrites it below
-                attn.store(rotary(k_st, stored_pos), v_st, (kc, vc), stored_slots)
+                attn.store(rotary(k_st, stored_at), v_st, (kc, vc), stored_slots)
             if residual is None:
                 residual, h = hidden, layer.input_layernorm(hidden)
             else:
                 h, residual = layer.input_layernorm(hidden, residual)
             q, k_raw, v = layer.self_attn.project(h)
-            q, k = ops.apply_rope_qk(q, k_raw, pos, rotary.cos, rotary.sin)
+            q, k = ops.apply_rope_qk(q, k_raw, pos_at, rotary.cos, rotary.sin)
             attn.store(k, v, (kc, vc), act_slots)
             if checks and li == checks[0][0]:
                 _, (cand, kept) = checks.pop(0)
@@ -176,12 +203,14 @@ def fuse_prefill(
                                forced, row_of, cand, kept, lay.num_forced, num_fusable)
                 q, residual = q.index_select(0, rows), residual.index_select(0, rows)
                 pos = active_idx = active_idx.index_select(0, rows)
-                act_slots = slots.index_select(0, pos)
+                act_slots, pos_at = slots.index_select(0, pos), pos + base
                 size_i, candidates = size_i + 1, kept
             a = pos.shape[0]
+            assert a == sizes[size_i], "active-set size differs from the planned launch size"  # host ints: no sync
             counts.append(a)
             out, _ = attn.attend(
-                q, None if a == n else pos, (kc, vc), table, n, slots, bounds_all[size_i]
+                q, None if a == n else pos, (kc, vc), table, n, slots, bounds_all[size_i],
+                None if relays is None else relays[size_i],
             )
             h = layer.self_attn.o_proj(out.reshape(a, -1))
             h, residual = layer.post_attention_layernorm(h, residual)

@@ -139,12 +139,34 @@ class LlamaForCausalLM(nn.Module):
         hook: KVHook | None = None,
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] of the step's new tokens; their K/V land in ``kv_caches``."""
-        hidden = self.model.embed_tokens(input_ids)
-        residual = None
-        for i, layer in enumerate(self.model.layers):
-            hidden, residual = layer(positions, hidden, residual, kv_caches[i], meta, hook)
-        hidden, _ = self.model.norm(hidden, residual)
+        hidden = residual = None
+        for i in range(len(self.model.layers)):
+            hidden, residual = self.forward_layer(i, input_ids, positions, kv_caches, meta, hidden, residual, hook)
+        assert hidden is not None
         return hidden
+
+    def forward_layer(
+        self,
+        index: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        hidden: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        hook: KVHook | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``index`` of the forward, the embedding before the first and the final norm after the
+        last included, so a caller can put work between layers (a session's history written into the
+        cache just before the layer reads it) or capture one CUDA graph per layer. Takes and returns
+        (hidden, residual); after the last layer ``hidden`` is the final hidden states."""
+        if index == 0:
+            hidden = self.model.embed_tokens(input_ids)
+        assert hidden is not None
+        hidden, residual = self.model.layers[index](positions, hidden, residual, kv_caches[index], meta, hook)
+        if index == len(self.model.layers) - 1:
+            hidden, _ = self.model.norm(hidden, residual)
+        return hidden, residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

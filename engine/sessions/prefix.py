@@ -1,15 +1,23 @@
 """A session turn on CUDA as a cached-prefix prefill: the history is written into the sequence's
-cache pages one layer at a time, just before that layer's attention, and only the new tokens run
-through the model.
+cache pages and only the new tokens run through the model, from the prefill CUDA graphs where they
+fit (a 256-token turn of a 7B model then costs its GPU time, ~11 ms on an H100, instead of its ~500
+launches from Python, ~25-35 ms).
 
 The history was staged (``SessionSource.stage``): every layer's copy is queued on a side stream at
-once, so the copy engine streams them back to back while the compute stream runs the new tokens;
-before layer i's attention the compute stream waits *on the device* for layer i's copy event. No
-loader threads and no host waits: with the read buffer filled ahead (staged while the previous job
-ran) the history costs nothing but the re-rotation and the cache write.
+once, so the copy engine streams them back to back. Two ways to write it, picked when the turn starts:
 
-Stalls are measured exactly with timed events: before layer i the compute stream records ``ready_i``;
-it stalls for ``done_i - ready_i`` when the copy of layer i ends later (``done_i``).
+- still copying (the usual case when the history comes from host memory now): layer by layer, as the
+  forward's ``before_layer``. A write stream waits *on the device* for layer i's copy, re-rotates it
+  and writes it into the pages; the compute stream waits for that write, then replays layer i's
+  graph. Later layers' copies and writes run meanwhile (AttentionStore's layer-wise pre-loading),
+  and the compute stream runs nothing but the graphs back to back.
+- already copied (the read buffer was filled while the previous job ran): every layer at once (one
+  rotation and one scatter of K and V over all layers), then one graph for the whole forward; the
+  per-layer launches would cost more than the writes themselves.
+
+No loader threads and no host waits. Stalls are measured exactly with timed events: before layer i
+the compute stream records ``ready_i``; it stalls for ``done_i - ready_i`` when the copy of layer i
+ends later (``done_i``).
 """
 
 from __future__ import annotations
@@ -19,37 +27,53 @@ import torch
 from ragfuse.kernels.paged_attention import sequence_slots
 
 from ..attention import write_kv
+from ..kv_cache import KVCache
 from ..layers import RotaryEmbedding
 from .source import SessionSource
 
 
 class HistoryWriter:
-    """A ``KVHook``: writes layer i of the staged history (re-rotated to positions 0..n-1) into the
-    cache before layer i attends; the new tokens' own K/V are left as they are."""
+    """Writes the staged history (re-rotated to positions 0..n-1) into a sequence's cache pages: one
+    layer per call (``writer(i)`` before layer i runs), or all layers at once (``write_all``)."""
 
     def __init__(
-        self, source: SessionSource, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], block_table: list[int],
-        block_size: int, rotary: RotaryEmbedding,
+        self, source: SessionSource, cache: KVCache, block_table: list[int], block_size: int, rotary: RotaryEmbedding
     ) -> None:
-        device = kv_layers[0][0].device
+        device = cache.storage.device
         table = torch.tensor(block_table, dtype=torch.int32, device=device)
         self.source = source
-        self.kv_layers = kv_layers
+        self.cache = cache
         self.rotary = rotary
         self.slots = sequence_slots(table, source.num_tokens, block_size)
         self.positions = torch.arange(source.num_tokens, device=device)
+        self.stream = torch.cuda.Stream(device)  # the layer-by-layer writes
+        self.stream.wait_stream(torch.cuda.current_stream(device))  # the pages and slots are ready
         self._marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
-    def __call__(
-        self, layer: int, positions: torch.Tensor, k_raw: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
+    def __call__(self, layer: int) -> None:
         ready = torch.cuda.Event(enable_timing=True)
         ready.record()
-        k_st, v_st, done = self.source.layer_on_device(layer)
-        kc, vc = self.kv_layers[layer]
-        write_kv(self.rotary(k_st, self.positions), v_st, kc, vc, self.slots)
+        written = torch.cuda.Event()
+        with torch.cuda.stream(self.stream):
+            k_st, v_st, done = self.source.layer_on_device(layer)  # this stream waits for the copy
+            kc, vc = self.cache.layers[layer]
+            write_kv(self.rotary(k_st, self.positions), v_st, kc, vc, self.slots)
+            written.record(self.stream)
+        torch.cuda.current_stream(self.slots.device).wait_event(written)
         self._marks.append((ready, done))
-        return None
+
+    def write_all(self) -> None:
+        """Every layer in one pass: K of all layers rotated as one [layers * tokens] batch, then K and V
+        scattered into the pages of all layers at once."""
+        ready = torch.cuda.Event(enable_timing=True)
+        ready.record()
+        k, v, done = self.source.all_on_device()  # [layers, tokens, kv_heads, head_dim]
+        layers, n = k.shape[:2]
+        k = self.rotary(k.reshape(layers * n, *k.shape[2:]), self.positions.repeat(layers)).view_as(v)
+        pages = self.cache.storage.flatten(2, 3)  # [layers, K/V, slots, kv_heads, head_dim]
+        pages[:, 0].index_copy_(1, self.slots, k.to(pages.dtype))
+        pages[:, 1].index_copy_(1, self.slots, v.to(pages.dtype))
+        self._marks.append((ready, done))
 
     def timings(self) -> tuple[float, float]:
         """(seconds the copies took from staging to the last layer, seconds compute stalled on them);

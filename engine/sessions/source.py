@@ -44,7 +44,8 @@ class SessionSource:
         self._rows = None if rows is None else torch.tensor(rows, dtype=torch.long)
         self._close = close
         self.num_layers = num_layers
-        self._staged: list[tuple[torch.Tensor, torch.cuda.Event]] | None = None
+        self._staged: list[torch.cuda.Event] | None = None  # per layer: its copy is done
+        self._buffer: torch.Tensor | None = None  # the staged history [K/V, layers, rows, kv_heads, head_dim]
         self.stage_start: torch.cuda.Event | None = None
 
     def stage(self, device: torch.device, stream: torch.cuda.Stream) -> None:
@@ -52,50 +53,65 @@ class SessionSource:
         with an event per layer, so the copy engine streams the whole history back to back while
         the new tokens are computed layer by layer (the loader then only waits for each layer's
         event). Called when the turn is scheduled, or earlier (a read buffer filled while the
-        previous job runs). Disk sessions are read layer by layer instead."""
+        previous job runs). Disk sessions are read layer by layer instead.
+
+        All layers land in one buffer, K of every layer before V of every layer, so a history that
+        is all there can be written into the cache in one pass over every layer (``all_on_device``)."""
         if self.tier != "cpu" or device.type != "cuda" or self._staged is not None:
             return
-        staged: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        staged: list[torch.cuda.Event] = []
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             self.stage_start = torch.cuda.Event(enable_timing=True)
             self.stage_start.record(stream)
+            first = self._read(0)
+            rows = first.shape[1] if self._rows is not None else self.num_tokens  # rows are picked on the device
+            buf = torch.empty((2, self.num_layers, rows, *first.shape[2:]), dtype=first.dtype, device=device)
             for i in range(self.num_layers):
-                t = self._read(i)
-                if self._rows is not None:  # rows are picked on the device
-                    g = t.to(device, non_blocking=True)
-                else:
-                    g = torch.empty((2, self.num_tokens, *t.shape[2:]), dtype=t.dtype, device=device)
-                    g[0].copy_(t[0, : self.num_tokens], non_blocking=True)
-                    g[1].copy_(t[1, : self.num_tokens], non_blocking=True)
+                t = first if i == 0 else self._read(i)
+                buf[0, i].copy_(t[0, :rows], non_blocking=True)
+                buf[1, i].copy_(t[1, :rows], non_blocking=True)
                 ev = torch.cuda.Event(enable_timing=True)
                 ev.record(stream)
-                staged.append((g, ev))
+                staged.append(ev)
+        self._buffer = buf
         self._staged = staged
 
     @property
     def staged(self) -> bool:
         return self._staged is not None
 
+    def copied(self) -> bool:
+        """Whether the whole staged history is on the device already (the read buffer was filled
+        ahead of the turn); asks without blocking."""
+        return self._staged is not None and self._staged[-1].query()
+
     def layer_on_device(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
         """A staged layer's (K without position, V) for the current stream, which waits on the
         device for its copy (the host never blocks), and the copy's event."""
-        assert self._staged is not None, "stage first"
-        t, ev = self._staged[layer]
-        torch.cuda.current_stream(t.device).wait_event(ev)
+        assert self._staged is not None and self._buffer is not None, "stage first"
+        ev = self._staged[layer]
+        torch.cuda.current_stream(self._buffer.device).wait_event(ev)
+        return self._pick(self._buffer[0, layer], 0), self._pick(self._buffer[1, layer], 0), ev
+
+    def all_on_device(self) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
+        """Every staged layer's K (without position) and V [layers, tokens, kv_heads, head_dim] for the
+        current stream, which waits on the device for the last copy, and that copy's event."""
+        assert self._staged is not None and self._buffer is not None, "stage first"
+        ev = self._staged[-1]  # one stream copied the layers in order
+        torch.cuda.current_stream(self._buffer.device).wait_event(ev)
+        return self._pick(self._buffer[0], 1), self._pick(self._buffer[1], 1), ev
+
+    def _pick(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """The fed rows of staged ``t`` along ``dim`` (all of them without a cut)."""
         if self._rows is None:
-            return t[0], t[1], ev
-        rows = self._rows.to(t.device, non_blocking=True)
-        return t[0].index_select(0, rows), t[1].index_select(0, rows), ev
+            return t
+        return t.index_select(dim, self._rows.to(t.device, non_blocking=True))
 
     def load_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._staged is not None:
-            t, ev = self._staged[layer]
-            ev.synchronize()
-            if self._rows is None:
-                return t[0], t[1]
-            rows = self._rows.to(t.device)
-            return t[0].index_select(0, rows), t[1].index_select(0, rows)
+        if self._staged is not None and self._buffer is not None:
+            self._staged[layer].synchronize()
+            return self._pick(self._buffer[0, layer], 0), self._pick(self._buffer[1, layer], 0)
         try:
             t = self._read(layer)
         except CorruptEntryError as exc:
@@ -106,6 +122,7 @@ class SessionSource:
 
     def finish(self) -> None:
         self._staged = None
+        self._buffer = None
         if self._close is not None:
             self._close()
             self._close = None

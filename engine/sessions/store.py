@@ -73,6 +73,19 @@ class SessionRecord:
         return cls(**d)
 
 
+@dataclass(frozen=True)
+class SessionSummary:
+    """What a listing shows of a stored session (``SessionStore.sessions``)."""
+
+    session_id: str
+    tokens: int  # logical tokens of the conversation so far
+    stored_rows: int  # of them, rows whose KV is stored (fewer after a context overflow cut)
+    nbytes: int
+    tier: str | None  # "cpu" (host memory, and disk when there is a disk tier) or "disk"
+    created: float
+    last_access: float
+
+
 @dataclass
 class Lookup:
     record: SessionRecord | None
@@ -281,6 +294,39 @@ class SessionStore:
         """The engine's waiting sessions (head first): prefetch the look-ahead window."""
         with self._lock:
             self._apply(self.placement.prefetch([s for s in queue if s in self._records], self.clock()))
+
+    def sessions(self) -> list[SessionSummary]:
+        """Every stored session, most recently used first (saves still in flight are waited for,
+        so a turn that just finished is listed)."""
+        with self._lock:
+            saving = list(self._saving.values())
+        for f in saving:
+            f.result()
+        with self._lock:
+            out = []
+            for sid, rec in self._records.items():
+                info = self.placement.sessions.get(sid)
+                if info is None:
+                    continue
+                out.append(SessionSummary(sid, len(rec.tokens), rec.num_rows, rec.nbytes,
+                                          self.placement.tier_of(sid), rec.created, info.last_access))
+        return sorted(out, key=lambda s: s.last_access, reverse=True)
+
+    def delete(self, session_id: str) -> bool:
+        """Drop a session's KV from every tier (its files too); False if there was none. A later
+        turn of the same id starts a new conversation (a turn still running when this is called
+        saves its KV as usual when it finishes)."""
+        check_session_id(session_id)
+        with self._lock:
+            saving = self._saving.pop(session_id, None)
+        if saving is not None:
+            saving.result()
+        with self._lock:
+            if session_id not in self._records:
+                return False
+            self._forget(session_id, "was deleted")
+            self._gone.pop(session_id)  # deleted on purpose: nothing to explain to its next turn
+        return True
 
     def drop(self, session_id: str, why: str) -> None:
         """Forget a session (e.g. its KV failed a checksum): the next turn recomputes."""

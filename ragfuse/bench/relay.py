@@ -28,10 +28,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ragfuse.shared_data import shared_data
+
 from .engine import int_list
 from .report import machine_info, write_report
 
-SHAREGPT = "/work/shared/data/sharegpt_multiturn_dev.jsonl"
+SHAREGPT = str(shared_data("sharegpt_multiturn_dev.jsonl"))
 MODES = ("none", "shared", "relay")
 
 

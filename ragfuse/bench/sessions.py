@@ -6,7 +6,11 @@ Three parts, each optional (``--parts``):
   the engine: full recompute of the history (the RE baseline; on context overflow its oldest half is
   cut and recomputed) against the session path (history KV from host memory or from disk, loaded
   layer by layer while the new tokens are prefilled). Reports TTFT, the reduction, and the share of
-  the load hidden behind compute. Disk runs drop the page cache first.
+  the load hidden behind compute. Disk runs drop the page cache first. Tier ``disk-prefetched``: the
+  session is on disk when its job is queued and the look-ahead window fetches it into host memory
+  before the job runs (``SessionStore.hint``); its TTFT is taken after the fetch, and the fetch time
+  (what the queue ahead of the job must cover) is reported beside it. On CUDA, host-memory turns are
+  also timed with the prefill graphs off (the layer-wise eager forward) for contrast.
 - ``replay``: the ShareGPT dev conversations replayed (Poisson arrivals, think time between turns,
   a FIFO job queue served by ``--servers`` slots) through ``SessionPlacement`` with each policy, KV
   sizes of the model shape, CPU and disk capacities as fractions of the working set. TTFT per job
@@ -34,9 +38,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ragfuse.shared_data import shared_data
+
 from .report import machine_info, write_report
 
-SHAREGPT = "/work/shared/data/sharegpt_multiturn_dev.jsonl"
+SHAREGPT = str(shared_data("sharegpt_multiturn_dev.jsonl"))
 
 
 def int_list(text: str) -> list[int]:
@@ -51,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="random-weight shape for ttft (cuda default mistral-7b; cpu tiny-llama)")
     p.add_argument("--history", type=int_list, default=None, help="history lengths (cuda: 1K,4K,16K,28K)")
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--tiers", default="cpu,disk")
+    p.add_argument("--tiers", default="cpu,disk,disk-prefetched")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--data", default=SHAREGPT)
     p.add_argument("--conversations", type=int, default=600, help="replay: conversations replayed")
@@ -112,13 +118,17 @@ def _ttft_engine(args: argparse.Namespace, longest: int) -> Any:
     mc = ModelConfig.from_dict(cfg)
     n = longest + args.new_tokens + 64
     budget = int(mc.kv_bytes_per_token(torch.bfloat16 if args.device == "cuda" else torch.float32) * (n + 512) * 2)
+    # the prefix tree off: the RE baseline recomputes the whole history every time (repeats included)
     return LLMEngine(EngineConfig(device=args.device, kv_cache_bytes=budget, max_num_batched_tokens=n,
-                                  max_model_len=min(mc.max_position_embeddings, max(n + 64, 4096))),
+                                  max_model_len=min(mc.max_position_embeddings, max(n + 64, 4096)), prefix_tree=False),
                      random_weights=mc), shape
 
 
+TIERS = ("cpu", "disk", "disk-prefetched")
+
+
 def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
-    from ragfuse.engine import SamplingParams
+    from ragfuse.engine import RagfuseError, SamplingParams
     from ragfuse.engine.sessions import SessionStore
 
     histories = args.history or ([1024, 4096, 16384, 28672] if args.device == "cuda" else [256, 1024])
@@ -128,9 +138,11 @@ def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
     vocab = eng.model_config.vocab_size
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    if set(tiers) - set(TIERS):
+        raise RagfuseError(f"--tiers takes {', '.join(TIERS)}, got {args.tiers}")
     rows: list[dict[str, Any]] = []
     per_token_prefill: list[tuple[int, float]] = []
-    bandwidth: dict[str, list[float]] = {t: [] for t in tiers}
+    bandwidth: dict[str, list[float]] = {t: [] for t in tiers if t in ("cpu", "disk")}
     kv_per_token = eng.model_config.kv_bytes_per_token(eng.dtype)
 
     def recompute(prompt: list[int]) -> float:
@@ -159,8 +171,9 @@ def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
             per_token_prefill.append((len(prompt), re_s))
             bar.update(1)
             for tier in tiers:
-                store = SessionStore(Path(tmp) / f"{tier}-{hist}" if tier == "disk" else None, eng.fingerprint,
-                                     eng.dtype, cpu_bytes=(64 << 30) if tier == "cpu" else 0, disk_bytes=64 << 30)
+                root = Path(tmp) / f"{tier}-{hist}" if tier != "cpu" else None
+                store = SessionStore(root, eng.fingerprint, eng.dtype,
+                                     cpu_bytes=(64 << 30) if tier == "cpu" else 0, disk_bytes=64 << 30)
                 eng.enable_sessions(store)
                 sid = f"s{hist}"
                 rid = eng.add_session_request(sid, history, one)
@@ -170,22 +183,40 @@ def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
                 store.flush()
                 conversation = history + answer + new  # the whole conversation: history, reply, new turn
                 staged = tier == "cpu" and eng.device.type == "cuda"
-                m: dict[str, list[float]] = {k: [] for k in ("ttft", "plan", "pre", "alone", "hidden", "load")}
-                for _ in range(args.repeats + 1):  # the first round warms up
-                    if tier == "disk":
-                        store.disk.drop_cache(store._records[sid].key)
+                keys = ("ttft", "plan", "pre", "alone", "eager", "hidden", "load", "prefetch")
+                m: dict[str, list[float]] = {k: [] for k in keys}
+
+                def turn_s(m: dict[str, list[float]] = m, sid: str = sid, conversation: list[int] = conversation,
+                           new: list[int] = new, hist: int = hist) -> float:
+                    """TTFT of the turn (aborted after its first token: every round reuses the same history)."""
                     sync()
                     t = time.perf_counter()
                     turn = eng.begin_session_turn(sid, conversation, 1, new_tokens=len(new) + 1)
                     t_plan = time.perf_counter()
                     rid = eng.start_session_turn(turn, one)
                     sync()
-                    m["ttft"].append(time.perf_counter() - t)
-                    m["plan"].append(t_plan - t)
+                    took = time.perf_counter() - t
                     assert turn.fusion is not None and turn.reused == hist, (turn.reused, hist)
+                    m["plan"].append(t_plan - t)
                     m["hidden"].append(turn.fusion.load_hidden)
                     m["load"].append(turn.fusion.load_s)
-                    eng.abort(rid)  # not saved: the next round reuses the same stored history
+                    eng.abort(rid)
+                    return took
+
+                for _ in range(args.repeats + 1):  # the first round warms up
+                    if tier != "cpu":
+                        store.disk.drop_cache(store._records[sid].key)
+                    if tier == "disk-prefetched":  # on disk only, as a session queued behind others may be
+                        store.close()
+                        store = SessionStore(root, eng.fingerprint, eng.dtype, cpu_bytes=64 << 30,
+                                             disk_bytes=64 << 30)
+                        eng.enable_sessions(store)
+                        t = time.perf_counter()
+                        store.hint([sid])  # its job entered the look-ahead window: disk -> host memory
+                        store.flush()
+                        m["prefetch"].append(time.perf_counter() - t)
+                        assert store.tier_of(sid) == "cpu", store.tier_of(sid)
+                    m["ttft"].append(turn_s())
                     if staged:
                         # the read buffer: the history copied to the GPU while the previous job ran
                         turn = eng.begin_session_turn(sid, conversation, 1, new_tokens=len(new) + 1)
@@ -203,6 +234,14 @@ def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
                         sync()
                         m["alone"].append(time.perf_counter() - t)
                         turn.close()
+                        # the same turn with the prefill graphs off: the layer-wise forward launched eagerly
+                        graphs, eng.runner.prefill_graphs = eng.runner.prefill_graphs, None
+                        try:
+                            m["eager"].append(turn_s())
+                        finally:
+                            eng.runner.prefill_graphs = graphs
+                        for k in ("plan", "hidden", "load"):
+                            m[k].pop()  # the graphs-off round's own figures are not the turn's
                 med = {k: statistics.median(v[1:]) for k, v in m.items() if len(v) > 1}
                 ttft = med["ttft"]
                 if staged:  # the share of the copy that did not add to TTFT, side by side
@@ -210,7 +249,8 @@ def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
                     hidden = 1 - max(0.0, ttft - med["plan"] - med["pre"]) / load_s
                 else:
                     load_s, hidden = med["load"], med["hidden"]
-                bandwidth[tier].append(hist * kv_per_token / load_s if load_s > 0 else float("inf"))
+                if tier in bandwidth:
+                    bandwidth[tier].append(hist * kv_per_token / load_s if load_s > 0 else float("inf"))
                 rows.append({
                     "part": "ttft", "shape": shape, "history": hist, "new_tokens": len(new), "tier": tier,
                     "ttft_recompute_ms": re_s * 1e3, "ttft_session_ms": ttft * 1e3,
@@ -218,11 +258,15 @@ def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
                     "load_hidden": hidden, "load_hidden_events": med["hidden"],
                     "ttft_read_buffer_ms": med["pre"] * 1e3 if staged else None,
                     "reduction_read_buffer": 1 - med["pre"] / re_s if staged else None,
+                    "ttft_graphs_off_ms": med["eager"] * 1e3 if staged else None,
+                    "prefetch_ms": med["prefetch"] * 1e3 if "prefetch" in med else None,
                     "kv_gb": hist * kv_per_token / 1e9,
                 })
-                print(f"  history {hist:6d} tier {tier:4s}: recompute {re_s * 1e3:8.1f} ms, session "
+                print(f"  history {hist:6d} tier {tier:15s}: recompute {re_s * 1e3:8.1f} ms, session "
                       f"{ttft * 1e3:7.1f} ms ({1 - ttft / re_s:.1%} lower), load hidden {hidden:.0%}"
-                      + (f", with read buffer {med['pre'] * 1e3:.1f} ms" if staged else ""), flush=True)
+                      + (f", with read buffer {med['pre'] * 1e3:.1f} ms, graphs off {med['eager'] * 1e3:.1f} ms"
+                         if staged else "")
+                      + (f", prefetched in {med['prefetch'] * 1e3:.0f} ms" if "prefetch" in med else ""), flush=True)
                 store.close()
                 eng.sessions = None
                 bar.update(1)
@@ -453,7 +497,10 @@ def _notes(results: dict[str, Any]) -> str:
     if "ttft" in results:
         r = results["ttft"]["rates"]
         lines.append(f"TTFT: random-weight {r['shape']} on {r['device']}; session KV in host memory (pinned) or on "
-                     "disk (page cache dropped); recompute = RE baseline (prefill of the whole history).")
+                     "disk (page cache dropped; disk-prefetched: fetched into host memory by the look-ahead "
+                     "window before the turn, prefetch_ms = that fetch); recompute = RE baseline (prefill of the "
+                     "whole history); read buffer = history copied to the GPU while the previous job ran; graphs "
+                     "off = the same turn with the layer-wise forward launched eagerly.")
     if "replay" in results:
         rp = results["replay"]
         lines.append(f"Replay: {rp['conversations']} ShareGPT conversations, working set {rp['working_set_gb']:.1f} GB "
@@ -475,6 +522,11 @@ def _plot(fig: Any, results: dict[str, Any]) -> None:
         for tier in sorted({r["tier"] for r in rows}):
             rr = [r for r in rows if r["tier"] == tier]
             ax.plot([r["history"] for r in rr], [r["ttft_session_ms"] for r in rr], "o-", label=f"session ({tier})")
+        for key, label in (("ttft_read_buffer_ms", "session (cpu, read buffer)"),
+                           ("ttft_graphs_off_ms", "session (cpu, graphs off)")):
+            rr = [r for r in rows if r.get(key) is not None]
+            if rr:
+                ax.plot([r["history"] for r in rr], [r[key] for r in rr], "x:", label=label)
         rr = [r for r in rows if r["tier"] == rows[0]["tier"]]
         ax.plot([r["history"] for r in rr], [r["ttft_recompute_ms"] for r in rr], "s--", label="recompute")
         ax.set_xlabel("history tokens")

@@ -106,61 +106,106 @@ def op_rows(args: argparse.Namespace, device: torch.device, sync: Sync) -> list[
     return rows
 
 
-def e2e_rows(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
-    """Throughput of requests sharing a prompt prefix, prefix tree on vs off, same weights."""
-    from ragfuse.engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams
+def serve(mc: Any, dtype: str, device: torch.device, prompts: list[list[int]], steps: int, tree: bool,
+          kv_bytes: int) -> tuple[dict[str, Any], list[list[int]]]:
+    """Serve ``prompts`` (``steps`` greedy tokens each) on a fresh random-weight engine, timed after
+    an untimed pass over the same requests (2 tokens each), which compiles the kernels and captures
+    the decode graphs (the tree's for this plan capacity too), as a serving engine has long done.
+    Returns the row's timings and each request's tokens."""
+    from ragfuse.engine import EngineConfig, LLMEngine, SamplingParams
 
+    eng = LLMEngine(EngineConfig(device=device.type, dtype=dtype, kv_cache_bytes=kv_bytes, prefix_tree=tree,
+                                 max_num_seqs=max(64, len(prompts))), random_weights=mc)
+    for p in prompts:
+        eng.add_request(p, SamplingParams(max_tokens=2, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    if eng.tree is not None:
+        eng.tree.clear()  # the timed run computes the prefix again
+    graphs = eng.runner.graphs
+    replays = (graphs.replays, graphs.tree_replays) if graphs is not None else (0, 0)
+    Sync(device)()
+    t0 = time.perf_counter()
+    params = SamplingParams(max_tokens=steps, ignore_eos=True)
+    rids = [eng.add_request(p, params) for p in prompts]
+    outs, first_all = {}, None
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+        started = not eng.scheduler.waiting and all(s.output_token_ids for s in eng.scheduler.running)
+        if first_all is None and started:
+            first_all = time.perf_counter()
+    wall = time.perf_counter() - t0
+    n = len(prompts)
+    row = {
+        "prefill_tokens": sum(map(len, prompts)) - sum(o.metrics["cached_tokens"] for o in outs.values()),
+        "wall_s": wall, "output_tok_s": n * steps / wall,
+        "decode_s": wall - (first_all - t0) if first_all else None,
+        "graph_steps": graphs.replays - replays[0] if graphs is not None else 0,
+        "tree_graph_steps": graphs.tree_replays - replays[1] if graphs is not None else 0,
+    }
+    del eng
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row, [outs[r].token_ids for r in rids]
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
+    """How far two runs' greedy tokens agree: whole outputs, first tokens, and the mean share of
+    each output before the first difference (a flipped token changes everything after it)."""
+    def common(x: list[int], y: list[int]) -> int:
+        return next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+
+    n = len(a)
+    return {
+        "same_outputs": sum(x == y for x, y in zip(a, b)) / n,
+        "same_first_token": sum(x[:1] == y[:1] for x, y in zip(a, b)) / n,
+        "agree_prefix": sum(common(x, y) / max(1, len(x)) for x, y in zip(a, b)) / n,
+    }
+
+
+def e2e_pair(shape: str, layers: int | None, dtype: str, device: torch.device, n: int, prefix: int,
+             steps: int) -> list[dict[str, Any]]:
+    """Requests sharing a ``prefix``-token prompt prefix, tree off vs on, same random weights."""
+    from ragfuse.engine import ModelConfig
+
+    cfg = shape_config(shape)
+    cfg["max_position_embeddings"] = min(cfg["max_position_embeddings"], prefix + 256 + steps)
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    mc = ModelConfig.from_dict(cfg)
+    g = torch.Generator().manual_seed(0)
+    common = torch.randint(3, mc.vocab_size, (prefix,), generator=g).tolist()
+    prompts = [common + torch.randint(3, mc.vocab_size, (16 + 7 * i % 64,), generator=g).tolist() for i in range(n)]
+    kv_bytes = int(mc.kv_bytes_per_token(getattr(torch, dtype)) * (n + 2) * (prefix + 400))
+    rows, tokens = [], []
+    for tree in (False, True):
+        row, toks = serve(mc, dtype, device, prompts, steps, tree, kv_bytes)
+        rows.append({"part": "e2e", "layout": shape, "layers": mc.num_layers, "dtype": dtype, "tree": tree,
+                     "requests": n, "shared": prefix, "output_tokens": steps, **row})
+        tokens.append(toks)
+    off, on = rows
+    on["speedup"] = off["wall_s"] / on["wall_s"]
+    if off["decode_s"] and on["decode_s"]:
+        on["decode_speedup"] = off["decode_s"] / on["decode_s"]
+    on.update(agreement(*tokens))
+    return rows
+
+
+def e2e_rows(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    """The timed pair (bf16 on CUDA) and, on CUDA, a float32 pair of a 4-layer cut of the same
+    layout, where rounding is too small to flip a greedy token: tree on and off must agree there."""
     cuda = device.type == "cuda"
     shape = args.e2e_shape or ("mistral-7b" if cuda else "tiny-llama")
     n = args.e2e_requests or (32 if cuda else 4)
     prefix = args.e2e_prefix or (4096 if cuda else 96)
     steps = args.e2e_tokens or (64 if cuda else 8)
-    cfg = shape_config(shape)
-    cfg["max_position_embeddings"] = min(cfg["max_position_embeddings"], prefix + 256 + steps)
-    mc = ModelConfig.from_dict(cfg)
-    dtype = "bfloat16" if cuda else "float32"
-    g = torch.Generator().manual_seed(0)
-    common = torch.randint(3, mc.vocab_size, (prefix,), generator=g).tolist()
-    prompts = [common + torch.randint(3, mc.vocab_size, (16 + 7 * i % 64,), generator=g).tolist() for i in range(n)]
-    params = SamplingParams(max_tokens=steps, ignore_eos=True)
-    kv_bytes = int(mc.kv_bytes_per_token(torch.bfloat16 if cuda else torch.float32) * (n + 2) * (prefix + 400))
-    rows = []
-    tokens: list[dict[str, list[int]]] = []
-    for tree in tqdm([False, True], desc="bench tree (engine)"):
-        eng = LLMEngine(EngineConfig(device=device.type, dtype=dtype, kv_cache_bytes=kv_bytes, prefix_tree=tree,
-                                     max_num_seqs=max(64, n)), random_weights=mc)
-        eng.add_request(prompts[0][:64], SamplingParams(max_tokens=2))  # warm-up: compiles kernels
-        while eng.has_unfinished():
-            eng.step()
-        if eng.tree is not None:
-            eng.tree.clear()
-        Sync(device)()
-        t0 = time.perf_counter()
-        rids = [eng.add_request(p, params) for p in prompts]
-        outs, first_all = [], None
-        while eng.has_unfinished():
-            for o in eng.step():
-                if o.finished:
-                    outs.append(o)
-            started = not eng.scheduler.waiting and all(s.output_token_ids for s in eng.scheduler.running)
-            if first_all is None and started:
-                first_all = time.perf_counter()
-        wall = time.perf_counter() - t0
-        cached = sum(o.metrics["cached_tokens"] for o in outs)
-        tokens.append({rids.index(o.request_id): o.token_ids for o in outs})
-        rows.append({
-            "part": "e2e", "layout": shape, "tree": tree, "requests": n, "shared": prefix, "output_tokens": steps,
-            "prefill_tokens": sum(map(len, prompts)) - cached, "wall_s": wall, "output_tok_s": n * steps / wall,
-            "decode_s": wall - (first_all - t0) if first_all else None,
-        })
-        del eng
-        if cuda:
-            torch.cuda.empty_cache()
-    off, on = rows
-    on["speedup"] = off["wall_s"] / on["wall_s"]
-    # bf16 sums in another order may flip a near-tie of random weights: report, do not assert
-    on["same_outputs"] = sum(tokens[0][i] == tokens[1][i] for i in range(n)) / n
-    return rows
+    specs = [(None, "bfloat16" if cuda else "float32", n, prefix, steps)]
+    if cuda:
+        specs.append((4, "float32", 8, 1024, 32))
+    return [row for layers, dtype, *work in tqdm(specs, desc="bench tree (engine)")
+            for row in e2e_pair(shape, layers, dtype, device, *work)]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -179,8 +224,18 @@ def run(args: argparse.Namespace) -> int:
         "Decode attention of one layer: b sequences sharing s prefix tokens plus c own tokens each. paged = our "
         "split-K paged decode kernel, two_phase = chunk-first + sequence-first kernels (CUDA-graph replay medians "
         "on CUDA; torch references on CPU). kv_read_ratio = b(s+c)/(s+bc), the KV bytes the paged kernel reads per "
-        "byte the two-phase one reads. e2e rows: random-weight engine, tree off vs on (two-phase decode runs "
-        "eagerly, plain decode in CUDA graphs)."
+        "byte the two-phase one reads.\n\n"
+        "e2e rows: a random-weight engine serving requests that share a prompt prefix, tree off vs on, each timed "
+        "after an untimed pass over the same requests (kernels compiled, graphs captured). decode_s: from the "
+        "moment every request has its first token to the end; graph_steps / tree_graph_steps: decode steps "
+        "replayed from CUDA graphs / of which two-phase graphs. Token agreement (on the tree-on row): "
+        "same_outputs = share of requests with identical outputs, same_first_token = share with the same first "
+        "token, agree_prefix = mean share of each output before its first difference. Random bf16 weights give "
+        "near-flat logits whose top two often differ by less than bf16 rounding; the tree computes the same "
+        "attention in another order (only the private tail is prefilled, over cached blocks; shared blocks "
+        "are read once per batch and merged by log-sum-exp), so a near-tie flips and the rest of that output "
+        "follows another path. The float32 pair (a 4-layer cut of the same layout, exact float32 kernels) has "
+        "rounding far below the logit gaps: there the tree must not change a token."
     )
     path = write_report(args.out or f"bench-results/tree-{args.device}", "ragfuse bench tree", results, rows,
                         lambda fig: _plot(fig, rows), notes)
@@ -190,8 +245,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _plot(fig: Any, rows: list[dict[str, Any]]) -> None:
     ops = [r for r in rows if r["part"] == "op"]
+    timed = [r for r in rows if r["part"] == "e2e"][:2]  # the timed pair comes first
     layouts = list(dict.fromkeys(r["layout"] for r in ops))
-    axes = fig.subplots(1, len(layouts), squeeze=False)[0]
+    axes = fig.subplots(1, len(layouts) + bool(timed), squeeze=False)[0]
+    if timed:
+        _plot_e2e(axes[-1], timed)
     for ax, name in zip(axes, layouts):
         for b in sorted({r["batch"] for r in ops}):
             pts = [r for r in ops if r["layout"] == name and r["batch"] == b]
@@ -202,3 +260,18 @@ def _plot(fig: Any, rows: list[dict[str, Any]]) -> None:
         ax.set_ylabel("two-phase speedup over paged decode")
         ax.set_title(name)
         ax.legend()
+
+
+def _plot_e2e(ax: Any, pair: list[dict[str, Any]]) -> None:
+    """Output tokens/s and decode time of the timed engine pair, tree off vs on."""
+    labels = ["tree off", "tree on"]
+    ax.bar([0, 1], [r["output_tok_s"] for r in pair], width=0.4, label="output tok/s", color="tab:blue")
+    ax.set_xticks([0.1, 1.1], labels)
+    ax.set_ylabel("output tokens/s")
+    twin = ax.twinx()
+    twin.bar([0.4, 1.4], [r["decode_s"] or 0.0 for r in pair], width=0.4, label="decode s", color="tab:orange")
+    twin.set_ylabel("decode seconds")
+    r = pair[0]
+    ax.set_title(f"e2e {r['layout']} {r['dtype']}: {r['requests']} req, {r['shared']} shared")
+    ax.legend(loc="upper left")
+    twin.legend(loc="upper right")

@@ -28,7 +28,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-DATA = Path("/work/shared/data/musique_dev.json")
+from ragfuse.shared_data import shared_data
+
+DATA = shared_data("musique_dev.json")
 SESSION_USER = (
     "Here is a report I am working on. Please read it carefully, I will ask questions about it.\n\n{doc}"
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHES = ["engine", "store", "fusion", "vllm", "relay", "tree", "sessions", "server"]
+BENCHES = ["engine", "store", "fusion", "vllm", "relay", "tree", "sessions", "server", "server_reuse"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -18,7 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--max-passages", type=positive_int, default=6, help="passages per example (default 6)")
     q.add_argument("--modes", default="full,prefix,reuse,fuse,fuse-paper",
                    help="comma-separated: full, prefix, reuse, fuse (ragfuse's selection), fuse-paper "
-                        "(the paper's one-check-layer V-deviation selection)")
+                        "(the paper's one-check-layer V-deviation selection), and LangChain's chains mapreduce, "
+                        "maprerank (each passage alone, then combined / best-scored answer)")
     q.add_argument("--recompute-ratio", type=float, default=0.15)
     q.add_argument("--sweep", action="store_true", help="also sweep ratios 0-100%% for fuse and fuse-paper")
     q.add_argument("--sweep-limit", type=positive_int, default=None, help="examples in the sweep (default: all)")

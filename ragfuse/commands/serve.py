@@ -26,6 +26,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="allow browser calls from this origin (repeatable; default: none)")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body, uploads included")
     p.add_argument("--max-tokens", type=positive_int, default=1024, help="most tokens one request may generate")
+    p.add_argument("--sessions-dir", metavar="DIR",
+                   help="where sessions' KV is kept between turns (default: the store's sessions/ directory)")
+    p.add_argument("--session-memory-gb", type=float, default=4.0, help="host memory for sessions' KV")
+    p.add_argument("--session-disk-gb", type=float, default=32.0, help="disk for sessions' KV")
+    p.add_argument("--no-relay", action="store_true",
+                   help="serve chats' system messages by plain prefill (default: relay attention, registered once)")
+    p.add_argument("--no-prefix-tree", action="store_true",
+                   help="no automatic sharing of common prompt prefixes' KV blocks (for comparisons)")
     p.add_argument("--no-gate", action="store_true",
                    help="skip the accuracy gate's r* calibration (recompute ratio: the policy's default)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -41,13 +49,16 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(_usage(f"--port must be in 1..65535, got {args.port}"))
     if args.max_body_mb <= 0:
         raise SystemExit(_usage("--max-body-mb must be positive"))
+    if args.session_memory_gb < 0 or args.session_disk_gb < 0:
+        raise SystemExit(_usage("--session-memory-gb and --session-disk-gb must not be negative"))
     if args.api_key is not None and not args.api_key.strip():
         raise SystemExit(_usage("--api-key is empty"))
     if args.host not in LOOPBACK and not args.api_key:
         sys.stderr.write(f"ragfuse: warning: serving on {args.host} without an API key: anyone who can reach "
                          "the port can use it\n")
     settings = ServerSettings(api_key=args.api_key, cors_origins=tuple(args.cors_origin),
-                              max_body_bytes=int(args.max_body_mb * 2**20), max_tokens=args.max_tokens)
+                              max_body_bytes=int(args.max_body_mb * 2**20), max_tokens=args.max_tokens,
+                              relay=not args.no_relay)
     app = create_app(build_backend(args), settings)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
@@ -60,8 +71,15 @@ def build_backend(args: argparse.Namespace):  # noqa: ANN201 (a Backend; its mod
         return VLLMServeBackend.open(args.store, args.model)
     from ragfuse.connectors.server.engine_backend import EngineBackend, open_store_pipeline
 
-    pipeline = open_store_pipeline(args.store, args.model, args.device, args.dtype, gate=not args.no_gate)
-    return EngineBackend(pipeline, args.model)
+    engine = None
+    if args.no_prefix_tree:
+        from ragfuse.engine import EngineConfig, LLMEngine
+
+        engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, prefix_tree=False))
+    pipeline = open_store_pipeline(args.store, args.model, args.device, args.dtype, engine=engine,
+                                   gate=not args.no_gate)
+    return EngineBackend(pipeline, args.model, args.sessions_dir, int(args.session_memory_gb * 2**30),
+                         int(args.session_disk_gb * 2**30))
 
 
 def _usage(msg: str) -> int:

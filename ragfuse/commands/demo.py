@@ -1,0 +1,56 @@
+"""``ragfuse demo``: the Gradio demo (documents, streamed answers with sources, fused vs full TTFT)."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from pathlib import Path
+
+from ragfuse.commands.generate import add_model_args
+from ragfuse.commands.ingest import add_store_arg
+
+# the repository's demo documents, when running from a checkout
+REPO_DOCS = Path(__file__).resolve().parents[2] / "demo" / "docs"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="serve the Gradio demo over a store (created empty if missing)")
+    add_store_arg(p)
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--docs", default=str(REPO_DOCS) if REPO_DOCS.is_dir() else None,
+                   help="directory of documents offered for picking (default: the repository's demo/docs)")
+    p.set_defaults(func=run)
+
+
+def check_listen(host: str, port: int) -> None:
+    """Fail in a line before the model loads, not in Gradio's traceback after it."""
+    from ragfuse.engine import RagfuseError
+
+    if not 0 < port < 65536:
+        raise RagfuseError(f"--port must be in 1-65535, got {port}")
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as exc:
+        raise RagfuseError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+
+
+def run(args: argparse.Namespace) -> int:
+    from ragfuse.engine import RagfuseError
+
+    check_listen(args.host, args.port)
+    if args.docs and not Path(args.docs).is_dir():
+        raise RagfuseError(f"--docs {args.docs} is not a directory")
+    try:
+        from ragfuse.connectors.gradio_demo import DemoBackend
+        from ragfuse.connectors.gradio_demo.app import build_app
+    except ModuleNotFoundError as exc:
+        raise RagfuseError(f"the demo needs `pip install 'ragfuse[demo]'` ({exc.name} is missing)") from exc
+
+    backend = DemoBackend(args.store, args.model, args.device, args.dtype, docs_dir=args.docs)
+    app = build_app(backend)
+    print(f"ragfuse demo on http://{args.host}:{args.port} (store {backend.pipe.store.root})", flush=True)
+    app.queue().launch(server_name=args.host, server_port=args.port, share=False, show_error=True, quiet=True)
+    return 0
