@@ -24,7 +24,7 @@ def test_layers_arrive_whole_and_in_order_from_memory_and_disk(tmp_path, device)
     store = TieredKVStore([mem, disk])
     sources = [open_source(store, mem_entry.key), open_source(store, disk_entry.key)]
     assert [s.blocking for s in sources] == [False, True]
-    with LayerPrefetcher(sources, LAYERS, torch.device(device), depth=2) as loader:
+    with LayerPrefetcher(sources, LAYERS, torch.device(device)) as loader:
         for layer in range(LAYERS):
             k, v = (t.cpu() for t in loader.get(layer))  # on CUDA: a ring slot, valid until it is refilled
             (mk, mv), (dk, dv) = mem_entry.layer(layer), disk_entry.layer(layer)

@@ -32,9 +32,10 @@ import torch
 
 from ragfuse.kernels.paged_attention import sequence_slots
 
-from .. import ops
 from ..attention import RelayMetadata
 from ..models import LlamaForCausalLM
+from . import layer_step
+from .graphs import FusionGraphs
 from .prefetch import LayerPrefetcher
 from .segments import Segment
 from .selection import SelectionPolicy, choose, deviation, keep_count
@@ -140,9 +141,11 @@ def fuse_prefill(
     mode: FusionMode | str,
     policy: SelectionPolicy,
     system: SystemPart | None = None,
+    graphs: FusionGraphs | None = None,
 ) -> tuple[torch.Tensor, FusionStats]:
     """Fill ``block_table``'s cache pages with the prompt's KV and return the last token's logits.
-    With ``system`` the prompt continues that registered system prompt (relay attention)."""
+    With ``system`` the prompt continues that registered system prompt (relay attention). With
+    ``graphs`` the layers past the last check layer replay CUDA graphs where the sizes fit."""
     t_start = time.perf_counter()
     mode = FusionMode(mode)
     device = model.lm_head.weight.device
@@ -180,22 +183,31 @@ def fuse_prefill(
     pos_at = pos + base
     size_i, candidates = 0, lay.candidates
     counts: list[int] = []
-    with LayerPrefetcher(sources, model.config.num_layers, device) as loader, torch.inference_mode():
+    num_layers = model.config.num_layers
+    # past the last check layer every layer runs the same active set: replayed from CUDA graphs
+    steady = policy.check_layers[len(checks) - 1] + 1 if checks else 0
+    use_graphs = (graphs is not None and system is None and bool(sources) and steady < num_layers
+                  and graphs.accepts(sizes[-1], num_stored, len(block_table)))
+    cap = graphs.prepare(sizes[-1], num_stored, range(steady, num_layers)) if use_graphs else None
+    ring = cap.ring if cap is not None else None
+    with LayerPrefetcher(sources, num_layers, device, ring=ring) as loader, torch.inference_mode():
         for li, layer in enumerate(block.layers):
-            kc, vc = kv_layers[li]
-            attn = layer.self_attn.attn
+            kv = kv_layers[li]
+            if cap is not None and li == steady:
+                assert graphs is not None and not checks
+                graphs.load(cap, hidden, residual, pos_at, act_slots, stored_at, stored_slots, table,
+                            bounds_all[size_i])
+                for lj in range(steady, num_layers):
+                    loader.get(lj)  # the compute stream waits for the layer's stored KV
+                    graphs.replay(cap, lj)
+                    counts.append(pos.shape[0])
+                hidden, residual = graphs.output(pos.shape[0])
+                break
             k_st = v_st = None
             if sources:
                 k_st, v_st = (t[:num_stored] for t in loader.get(li))
-                # every stored token's KV goes in first; the active tokens' fresh KV overwrites it below
-                attn.store(rotary(k_st, stored_at), v_st, (kc, vc), stored_slots)
-            if residual is None:
-                residual, h = hidden, layer.input_layernorm(hidden)
-            else:
-                h, residual = layer.input_layernorm(hidden, residual)
-            q, k_raw, v = layer.self_attn.project(h)
-            q, k = ops.apply_rope_qk(q, k_raw, pos_at, rotary.cos, rotary.sin)
-            attn.store(k, v, (kc, vc), act_slots)
+            stored = (k_st, v_st, stored_at, stored_slots) if k_st is not None and v_st is not None else None
+            q, k_raw, v, residual = layer_step.front(layer, kv, rotary, stored, hidden, residual, pos_at, act_slots)
             if checks and li == checks[0][0]:
                 _, (cand, kept) = checks.pop(0)
                 assert k_st is not None and v_st is not None
@@ -208,13 +220,9 @@ def fuse_prefill(
             a = pos.shape[0]
             assert a == sizes[size_i], "active-set size differs from the planned launch size"  # host ints: no sync
             counts.append(a)
-            out, _ = attn.attend(
-                q, None if a == n else pos, (kc, vc), table, n, slots, bounds_all[size_i],
-                None if relays is None else relays[size_i],
-            )
-            h = layer.self_attn.o_proj(out.reshape(a, -1))
-            h, residual = layer.post_attention_layernorm(h, residual)
-            hidden = layer.mlp(h)
+            hidden, residual = layer_step.back(layer, kv, q, residual, None if a == n else pos, table, n, slots,
+                                               bounds_all[size_i], None if relays is None else relays[size_i])
+        assert residual is not None
         hidden, _ = block.norm(hidden[-1:], residual[-1:])
         logits = model.compute_logits(hidden)[0]
         if device.type == "cuda":

@@ -26,21 +26,26 @@ import torch
 from .segments import LayerSource
 
 _Parts = list[tuple[torch.Tensor, torch.Tensor]]
+DEPTH = 2  # layers loaded ahead of the one computed
+RING_SLOTS = DEPTH + 1  # layer i's KV lands in slot i % RING_SLOTS of the device ring
 
 
 class LayerPrefetcher:
     def __init__(
-        self, sources: list[LayerSource], num_layers: int, device: torch.device, depth: int = 2, workers: int = 2
+        self, sources: list[LayerSource], num_layers: int, device: torch.device, workers: int = 2,
+        ring: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        """``ring``: the device buffers to load into, [RING_SLOTS, rows, kv_heads, head_dim] each (a CUDA
+        graph reads them at fixed addresses); by default made to fit the sources."""
         self.sources = sources
         self.num_layers = num_layers
         self.device = device
-        self.depth = depth
+        self.depth = DEPTH
         blocking = any(s.blocking for s in sources)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ragfuse-kv-read") if blocking else None
         self._reads: dict[int, Future[tuple[_Parts, float]]] = {}
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._ring: tuple[torch.Tensor, torch.Tensor] | None = None  # [depth + 1, tokens, kv_heads, head_dim] each
+        self._ring = ring  # [RING_SLOTS, tokens, kv_heads, head_dim] each
         self._issued: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> its KV on the device
         self._copy_events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}  # layer -> copy (start, end)
         self._freed: dict[int, torch.cuda.Event] = {}  # layer -> compute done with its ring slot
@@ -110,10 +115,10 @@ class LayerPrefetcher:
             return kv
         if self._ring is None:
             k0 = parts[0][0]
-            shape = (self.depth + 1, sum(p[0].shape[0] for p in parts), *k0.shape[1:])
+            shape = (RING_SLOTS, sum(p[0].shape[0] for p in parts), *k0.shape[1:])
             self._ring = (torch.empty(shape, dtype=k0.dtype, device=self.device),
                           torch.empty(shape, dtype=k0.dtype, device=self.device))
-        slot = layer % (self.depth + 1)
+        slot = layer % RING_SLOTS
         k_buf, v_buf = self._ring[0][slot], self._ring[1][slot]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._stream):
@@ -130,7 +135,8 @@ class LayerPrefetcher:
         return k_buf, v_buf
 
     def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer``'s stored (K before RoPE, V) for all segments, concatenated, on device.
+        """Layer ``layer``'s stored (K before RoPE, V) for all segments, concatenated, on device (on
+        CUDA: its ring slot, whose rows past the sources' tokens hold nothing of this pass).
 
         Valid until ``get(layer + depth + 1)``: its ring slot is then refilled."""
         if self._stream is None:
