@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
 import torch
 
 from ragfuse.kernels.paged_attention import sequence_slots
@@ -74,12 +75,15 @@ class FusionStats:
 class _Layout:
     """Where the prompt's stored KV sits and how many tokens each check layer keeps, worked out on
     the host before the first layer: every launch size of the pass is known up front, so the layer
-    loop never reads a count back from the device (each read-back would drain the GPU queue)."""
+    loop never reads a count back from the device (each read-back would drain the GPU queue).
+    Arrays, not lists: a 3K-token prompt's per-position lists took ~1.5 ms of Python to build and
+    to turn into a tensor, time the GPU sat idle before its first layer."""
 
-    stored: list[int]  # prompt positions with stored KV, in order: row i of the loaded KV is stored[i]
-    fusable: list[bool]  # per position: stored KV computed elsewhere, a recompute candidate
-    forced: list[bool]  # per position: a fusable token always recomputed (sink tokens)
-    active: list[int]  # positions computed at layer 0
+    stored: np.ndarray  # prompt positions with stored KV, in order: row i of the loaded KV is stored[i]
+    fusable: np.ndarray  # bool per position: stored KV computed elsewhere, a recompute candidate
+    forced: np.ndarray  # bool per position: a fusable token always recomputed (sink tokens)
+    active: np.ndarray  # positions computed at layer 0
+    num_fusable: int
     candidates: int  # fusable tokens among them
     num_forced: int
     check_sizes: list[tuple[int, int]]  # per check layer: (candidates before it, candidates it keeps)
@@ -89,25 +93,25 @@ class _Layout:
         cls, segments: list[Segment], used: set[int], mode: FusionMode, policy: SelectionPolicy, behind_system: bool
     ) -> _Layout:
         n = sum(len(s.token_ids) for s in segments)
-        stored, exact, forced = [False] * n, [False] * n, [False] * n
+        stored, exact, forced = np.zeros(n, bool), np.zeros(n, bool), np.zeros(n, bool)
         offset = 0
         for i, seg in enumerate(segments):
             end = offset + len(seg.token_ids)
             if i in used:
-                stored[offset:end] = [True] * len(seg.token_ids)
+                stored[offset:end] = True
                 sinks = min(policy.sink_tokens, len(seg.token_ids)) if mode is FusionMode.FUSE else 0
-                forced[offset : offset + sinks] = [True] * sinks
+                forced[offset : offset + sinks] = True
                 # KV stored from position 0 is exactly what full prefill computes for a prompt that
                 # starts with it: a cached prefix, never a candidate for recompute (unless the prompt
                 # follows a system prompt, which the stored KV never saw)
-                exact[offset:end] = [offset == 0 and not behind_system] * len(seg.token_ids)
+                exact[offset:end] = offset == 0 and not behind_system
             offset = end
         stored[n - 1] = exact[n - 1] = False  # the last token's hidden state gives the first answer token
-        fusable = [s and not e for s, e in zip(stored, exact)]
-        forced = [f and c for f, c in zip(forced, fusable)]
+        fusable = stored & ~exact
+        forced &= fusable
         recompute = mode is FusionMode.FUSE or mode is FusionMode.FULL
-        active = [p for p in range(n) if not stored[p] or (recompute and fusable[p])]
-        num_fusable, num_forced = sum(fusable), sum(forced)
+        active = np.flatnonzero(~stored | fusable) if recompute else np.flatnonzero(~stored)
+        num_fusable, num_forced = int(fusable.sum()), int(forced.sum())
         sizes: list[tuple[int, int]] = []
         if mode is FusionMode.FUSE and num_fusable:
             cand = num_fusable
@@ -119,7 +123,7 @@ class _Layout:
                 sizes.append((cand, kept))
                 cand = kept
         return cls(
-            stored=[p for p in range(n) if stored[p]], fusable=fusable, forced=forced, active=active,
+            stored=np.flatnonzero(stored), fusable=fusable, forced=forced, active=active, num_fusable=num_fusable,
             candidates=num_fusable if mode is FusionMode.FUSE else 0, num_forced=num_forced, check_sizes=sizes,
         )
 
@@ -153,11 +157,20 @@ def fuse_prefill(
     n = len(ids)
     used = _stored_segments(segments, mode)
     lay = _Layout.build(segments, used, mode, policy, system is not None)
-    num_stored, num_fusable = len(lay.stored), sum(lay.fusable)
-    # one host-to-device transfer for everything the pass indexes with
-    host = torch.tensor([*ids, *lay.stored, *lay.active, *lay.fusable, *lay.forced, *block_table], dtype=torch.long)
-    ids_d, stored_pos, active_idx, fusable, forced, table_d = (
-        host.to(device).split([n, num_stored, len(lay.active), n, n, len(block_table)])
+    num_stored, num_fusable, num_active = len(lay.stored), lay.num_fusable, len(lay.active)
+    # the attention kernel's [0, queries, keys] for each active-set size of the pass, made at once
+    # checks narrow only the candidates: after one, the active set is the non-candidates plus what it kept
+    sizes = [num_active, *(num_active - lay.candidates + k for _, k in lay.check_sizes)]
+    bounds = np.array([[0, a, n] for a in sizes], dtype=np.int64).reshape(-1)
+    # one host-to-device transfer for everything the pass indexes with, from page-locked memory so
+    # the host goes on at once (a copy from pageable memory waits for it)
+    parts = [np.asarray(ids, dtype=np.int64), lay.stored, lay.active, lay.fusable, lay.forced,
+             np.asarray(block_table, dtype=np.int64), bounds]
+    host = torch.from_numpy(np.concatenate([p.astype(np.int64, copy=False) for p in parts]))
+    if device.type == "cuda":
+        host = host.pin_memory()
+    ids_d, stored_pos, active_idx, fusable, forced, table_d, bounds_d = (
+        host.to(device, non_blocking=True).split([n, num_stored, num_active, n, n, len(block_table), len(bounds)])
     )
     fusable, forced = fusable.bool(), forced.bool()
     row_of = torch.full((n,), -1, dtype=torch.long, device=device)  # prompt position -> row of the loaded KV
@@ -165,10 +178,7 @@ def fuse_prefill(
     table = table_d.to(torch.int32)[None]
     slots = sequence_slots(table[0], n, kv_layers[0][0].shape[1])
     stored_slots = slots[stored_pos]
-    # the attention kernel's [0, queries, keys] for each active-set size of the pass, made at once
-    # checks narrow only the candidates: after one, the active set is the non-candidates plus what it kept
-    sizes = [len(lay.active), *(len(lay.active) - lay.candidates + k for _, k in lay.check_sizes)]
-    bounds_all = torch.tensor([[0, a, n] for a in sizes], dtype=torch.int32).to(device)
+    bounds_all = bounds_d.to(torch.int32).view(len(sizes), 3)
     base = system.num_tokens if system is not None else 0  # page position p is model position base + p
     relays = [system.relay(a) for a in sizes] if system is not None else None
     stored_at = stored_pos + base  # model positions, made once (base is 0 without a system prompt)
