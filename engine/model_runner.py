@@ -16,6 +16,7 @@ from .checkpoint import Checkpoint
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, PrefillGraphs, graphs_enabled
 from .fusion import FusionMode, FusionStats, Segment, SelectionPolicy, SystemPart, fuse_prefill
+from .fusion.graphs import FusionGraphs
 from .kv_cache import KVCache
 from .models import KVHook, LlamaForCausalLM, build_model
 from .sampling import sample
@@ -44,6 +45,7 @@ class ModelRunner:
         self.block_size = 0
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self.fusion_graphs: FusionGraphs | None = None
         self.systems: SystemPrompts | None = None  # set by the engine: the relay system prompts
 
     def allocate_cache(self, num_blocks: int, block_size: int) -> None:
@@ -55,6 +57,9 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, block_size, self.max_model_len, self.device)
             self.graphs.capture()
             self.prefill_graphs = PrefillGraphs(
+                self.model, self.kv_cache.layers, block_size, self.max_model_len, self.device, self.graphs.pool
+            )
+            self.fusion_graphs = FusionGraphs(
                 self.model, self.kv_cache.layers, block_size, self.max_model_len, self.device, self.graphs.pool
             )
 
@@ -196,7 +201,8 @@ class ModelRunner:
             assert systems is not None
             part = SystemPart(systems.get(system).num_tokens, lambda n: RelayMetadata.build(
                 [system] * n, self._tokens_per_tile(), systems.tables, systems.lens, systems.max_len, self.device))
-        return fuse_prefill(self.model, self.kv_cache.layers, block_table, segments, mode, policy, part)
+        return fuse_prefill(self.model, self.kv_cache.layers, block_table, segments, mode, policy, part,
+                            self.fusion_graphs)
 
     def capture_kv(
         self, token_lists: list[list[int]], block_tables: list[list[int]]
@@ -225,7 +231,9 @@ def _materialize(
     """
     with torch.device("meta"):
         model = build_model(config, max_len)
-    model = model.to_empty(device=device).to(dtype)
+    # cast while still on "meta": memory is then allocated once, in ``dtype`` (float32 first would need
+    # twice a 16-bit model's memory: a 34B model's 137 GB where its 69 GB fit an 80 GB GPU)
+    model = model.to(dtype).to_empty(device=device)
     model.tie_weights()
     model.model.rotary.build_tables(device)  # meta buffers hold no values; keep the tables float32
     if checkpoint is None:

@@ -147,6 +147,13 @@ class Attention(nn.Module):
                                    self.scale)
         return merge_attention_ref(*sys, *ctx)
 
+    def store(self, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+              slots: torch.Tensor) -> None:
+        """Write K/V [T, KVH, D] at ``slots`` outside a forward (cache fusion fills the cache itself):
+        one Triton launch on the Triton backend instead of two ``index_copy_``."""
+        backend = self.backend if self.backend != "auto" else resolve_backend("auto", k.device)
+        (write_kv_triton if backend == "triton" else write_kv)(k, v, *kv_cache, slots)
+
     def attend(
         self,
         q: torch.Tensor,

@@ -28,13 +28,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
 import torch
 
 from ragfuse.kernels.paged_attention import sequence_slots
 
-from .. import ops
-from ..attention import RelayMetadata, write_kv
+from ..attention import RelayMetadata
 from ..models import LlamaForCausalLM
+from . import layer_step
+from .graphs import FusionGraphs
 from .prefetch import LayerPrefetcher
 from .segments import Segment
 from .selection import SelectionPolicy, choose, deviation, keep_count
@@ -73,12 +75,15 @@ class FusionStats:
 class _Layout:
     """Where the prompt's stored KV sits and how many tokens each check layer keeps, worked out on
     the host before the first layer: every launch size of the pass is known up front, so the layer
-    loop never reads a count back from the device (each read-back would drain the GPU queue)."""
+    loop never reads a count back from the device (each read-back would drain the GPU queue).
+    Arrays, not lists: a 3K-token prompt's per-position lists took ~1.5 ms of Python to build and
+    to turn into a tensor, time the GPU sat idle before its first layer."""
 
-    stored: list[int]  # prompt positions with stored KV, in order: row i of the loaded KV is stored[i]
-    fusable: list[bool]  # per position: stored KV computed elsewhere, a recompute candidate
-    forced: list[bool]  # per position: a fusable token always recomputed (sink tokens)
-    active: list[int]  # positions computed at layer 0
+    stored: np.ndarray  # prompt positions with stored KV, in order: row i of the loaded KV is stored[i]
+    fusable: np.ndarray  # bool per position: stored KV computed elsewhere, a recompute candidate
+    forced: np.ndarray  # bool per position: a fusable token always recomputed (sink tokens)
+    active: np.ndarray  # positions computed at layer 0
+    num_fusable: int
     candidates: int  # fusable tokens among them
     num_forced: int
     check_sizes: list[tuple[int, int]]  # per check layer: (candidates before it, candidates it keeps)
@@ -88,25 +93,25 @@ class _Layout:
         cls, segments: list[Segment], used: set[int], mode: FusionMode, policy: SelectionPolicy, behind_system: bool
     ) -> _Layout:
         n = sum(len(s.token_ids) for s in segments)
-        stored, exact, forced = [False] * n, [False] * n, [False] * n
+        stored, exact, forced = np.zeros(n, bool), np.zeros(n, bool), np.zeros(n, bool)
         offset = 0
         for i, seg in enumerate(segments):
             end = offset + len(seg.token_ids)
             if i in used:
-                stored[offset:end] = [True] * len(seg.token_ids)
+                stored[offset:end] = True
                 sinks = min(policy.sink_tokens, len(seg.token_ids)) if mode is FusionMode.FUSE else 0
-                forced[offset : offset + sinks] = [True] * sinks
+                forced[offset : offset + sinks] = True
                 # KV stored from position 0 is exactly what full prefill computes for a prompt that
                 # starts with it: a cached prefix, never a candidate for recompute (unless the prompt
                 # follows a system prompt, which the stored KV never saw)
-                exact[offset:end] = [offset == 0 and not behind_system] * len(seg.token_ids)
+                exact[offset:end] = offset == 0 and not behind_system
             offset = end
         stored[n - 1] = exact[n - 1] = False  # the last token's hidden state gives the first answer token
-        fusable = [s and not e for s, e in zip(stored, exact)]
-        forced = [f and c for f, c in zip(forced, fusable)]
+        fusable = stored & ~exact
+        forced &= fusable
         recompute = mode is FusionMode.FUSE or mode is FusionMode.FULL
-        active = [p for p in range(n) if not stored[p] or (recompute and fusable[p])]
-        num_fusable, num_forced = sum(fusable), sum(forced)
+        active = np.flatnonzero(~stored | fusable) if recompute else np.flatnonzero(~stored)
+        num_fusable, num_forced = int(fusable.sum()), int(forced.sum())
         sizes: list[tuple[int, int]] = []
         if mode is FusionMode.FUSE and num_fusable:
             cand = num_fusable
@@ -118,7 +123,7 @@ class _Layout:
                 sizes.append((cand, kept))
                 cand = kept
         return cls(
-            stored=[p for p in range(n) if stored[p]], fusable=fusable, forced=forced, active=active,
+            stored=np.flatnonzero(stored), fusable=fusable, forced=forced, active=active, num_fusable=num_fusable,
             candidates=num_fusable if mode is FusionMode.FUSE else 0, num_forced=num_forced, check_sizes=sizes,
         )
 
@@ -140,9 +145,11 @@ def fuse_prefill(
     mode: FusionMode | str,
     policy: SelectionPolicy,
     system: SystemPart | None = None,
+    graphs: FusionGraphs | None = None,
 ) -> tuple[torch.Tensor, FusionStats]:
     """Fill ``block_table``'s cache pages with the prompt's KV and return the last token's logits.
-    With ``system`` the prompt continues that registered system prompt (relay attention)."""
+    With ``system`` the prompt continues that registered system prompt (relay attention). With
+    ``graphs`` the layers past the last check layer replay CUDA graphs where the sizes fit."""
     t_start = time.perf_counter()
     mode = FusionMode(mode)
     device = model.lm_head.weight.device
@@ -150,11 +157,20 @@ def fuse_prefill(
     n = len(ids)
     used = _stored_segments(segments, mode)
     lay = _Layout.build(segments, used, mode, policy, system is not None)
-    num_stored, num_fusable = len(lay.stored), sum(lay.fusable)
-    # one host-to-device transfer for everything the pass indexes with
-    host = torch.tensor([*ids, *lay.stored, *lay.active, *lay.fusable, *lay.forced, *block_table], dtype=torch.long)
-    ids_d, stored_pos, active_idx, fusable, forced, table_d = (
-        host.to(device).split([n, num_stored, len(lay.active), n, n, len(block_table)])
+    num_stored, num_fusable, num_active = len(lay.stored), lay.num_fusable, len(lay.active)
+    # the attention kernel's [0, queries, keys] for each active-set size of the pass, made at once
+    # checks narrow only the candidates: after one, the active set is the non-candidates plus what it kept
+    sizes = [num_active, *(num_active - lay.candidates + k for _, k in lay.check_sizes)]
+    bounds = np.array([[0, a, n] for a in sizes], dtype=np.int64).reshape(-1)
+    # one host-to-device transfer for everything the pass indexes with, from page-locked memory so
+    # the host goes on at once (a copy from pageable memory waits for it)
+    parts = [np.asarray(ids, dtype=np.int64), lay.stored, lay.active, lay.fusable, lay.forced,
+             np.asarray(block_table, dtype=np.int64), bounds]
+    host = torch.from_numpy(np.concatenate([p.astype(np.int64, copy=False) for p in parts]))
+    if device.type == "cuda":
+        host = host.pin_memory()
+    ids_d, stored_pos, active_idx, fusable, forced, table_d, bounds_d = (
+        host.to(device, non_blocking=True).split([n, num_stored, num_active, n, n, len(block_table), len(bounds)])
     )
     fusable, forced = fusable.bool(), forced.bool()
     row_of = torch.full((n,), -1, dtype=torch.long, device=device)  # prompt position -> row of the loaded KV
@@ -162,10 +178,7 @@ def fuse_prefill(
     table = table_d.to(torch.int32)[None]
     slots = sequence_slots(table[0], n, kv_layers[0][0].shape[1])
     stored_slots = slots[stored_pos]
-    # the attention kernel's [0, queries, keys] for each active-set size of the pass, made at once
-    # checks narrow only the candidates: after one, the active set is the non-candidates plus what it kept
-    sizes = [len(lay.active), *(len(lay.active) - lay.candidates + k for _, k in lay.check_sizes)]
-    bounds_all = torch.tensor([[0, a, n] for a in sizes], dtype=torch.int32).to(device)
+    bounds_all = bounds_d.to(torch.int32).view(len(sizes), 3)
     base = system.num_tokens if system is not None else 0  # page position p is model position base + p
     relays = [system.relay(a) for a in sizes] if system is not None else None
     stored_at = stored_pos + base  # model positions, made once (base is 0 without a system prompt)
@@ -180,21 +193,31 @@ def fuse_prefill(
     pos_at = pos + base
     size_i, candidates = 0, lay.candidates
     counts: list[int] = []
-    with LayerPrefetcher(sources, model.config.num_layers, device) as loader, torch.inference_mode():
+    num_layers = model.config.num_layers
+    # past the last check layer every layer runs the same active set: replayed from CUDA graphs
+    steady = policy.check_layers[len(checks) - 1] + 1 if checks else 0
+    use_graphs = (graphs is not None and system is None and bool(sources) and steady < num_layers
+                  and graphs.accepts(sizes[-1], num_stored, len(block_table)))
+    cap = graphs.prepare(sizes[-1], num_stored, range(steady, num_layers)) if use_graphs else None
+    ring = cap.ring if cap is not None else None
+    with LayerPrefetcher(sources, num_layers, device, ring=ring) as loader, torch.inference_mode():
         for li, layer in enumerate(block.layers):
-            kc, vc = kv_layers[li]
+            kv = kv_layers[li]
+            if cap is not None and li == steady:
+                assert graphs is not None and not checks
+                graphs.load(cap, hidden, residual, pos_at, act_slots, stored_at, stored_slots, table,
+                            bounds_all[size_i])
+                for lj in range(steady, num_layers):
+                    loader.get(lj)  # the compute stream waits for the layer's stored KV
+                    graphs.replay(cap, lj)
+                    counts.append(pos.shape[0])
+                hidden, residual = graphs.output(pos.shape[0])
+                break
             k_st = v_st = None
             if sources:
                 k_st, v_st = (t[:num_stored] for t in loader.get(li))
-                # every stored token's KV goes in first; the active tokens' fresh KV overwrites it below
-                write_kv(rotary(k_st, stored_at), v_st, kc, vc, stored_slots)
-            if residual is None:
-                residual, h = hidden, layer.input_layernorm(hidden)
-            else:
-                h, residual = layer.input_layernorm(hidden, residual)
-            q, k_raw, v = layer.self_attn.project(h)
-            q, k = ops.apply_rope_qk(q, k_raw, pos_at, rotary.cos, rotary.sin)
-            write_kv(k, v, kc, vc, act_slots)
+            stored = (k_st, v_st, stored_at, stored_slots) if k_st is not None and v_st is not None else None
+            q, k_raw, v, residual = layer_step.front(layer, kv, rotary, stored, hidden, residual, pos_at, act_slots)
             if checks and li == checks[0][0]:
                 _, (cand, kept) = checks.pop(0)
                 assert k_st is not None and v_st is not None
@@ -207,13 +230,9 @@ def fuse_prefill(
             a = pos.shape[0]
             assert a == sizes[size_i], "active-set size differs from the planned launch size"  # host ints: no sync
             counts.append(a)
-            out, _ = layer.self_attn.attn.attend(
-                q, None if a == n else pos, (kc, vc), table, n, slots, bounds_all[size_i],
-                None if relays is None else relays[size_i],
-            )
-            h = layer.self_attn.o_proj(out.reshape(a, -1))
-            h, residual = layer.post_attention_layernorm(h, residual)
-            hidden = layer.mlp(h)
+            hidden, residual = layer_step.back(layer, kv, q, residual, None if a == n else pos, table, n, slots,
+                                               bounds_all[size_i], None if relays is None else relays[size_i])
+        assert residual is not None
         hidden, _ = block.norm(hidden[-1:], residual[-1:])
         logits = model.compute_logits(hidden)[0]
         if device.type == "cuda":
@@ -280,5 +299,5 @@ def _narrow(
     keep_n = keep_count(policy.keep_share(check_index), num_fusable)
     chosen = choose(dev, keep_n, forced.index_select(0, cand_pos), num_forced)
     keep = ~is_cand  # tokens without stored KV always stay
-    keep[cand_rows.index_select(0, chosen)] = True
+    keep.index_fill_(0, cand_rows.index_select(0, chosen), True)  # (an indexed assignment would copy True over)
     return _first_true(keep, pos.shape[0] - candidates + kept)

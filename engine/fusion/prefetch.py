@@ -1,9 +1,19 @@
 """Loading stored KV a layer ahead of the compute that needs it.
 
-A loader thread reads layer i+1 (and i+2) of every stored segment while layer i is recomputed;
-on CUDA the host-to-device copy runs on a side stream into pinned staging, and the compute stream
-waits on an event only when it needs that layer. ``wait_s`` is the part of loading that was not
-hidden behind compute.
+Layers ``i+1..i+depth`` are on their way while layer i is recomputed. On CUDA the host-to-device
+copies are issued from the calling thread onto a side stream, each layer into a slot of a small
+ring of device buffers, and the compute stream waits on the copy's event on the device: the host
+never blocks on an in-memory tier. Only sources whose reads block (disk, Redis) are read on
+reader threads; their copies are issued as soon as a read is in.
+
+Why not a thread per layer for everything: the copies of in-memory KV take microseconds to issue,
+but a loader thread needs the GIL to issue them, and the compute thread holds it while it
+launches kernels: measured on an H100, each layer's copies then trickled in over ~2 ms, gating
+the whole pass at that pace.
+
+``load_s`` sums each layer's loading time (host read plus the copy, timed on the device);
+``wait_s`` is how long the compute stream sat idle waiting for a layer, from the end of the
+previous layer's work to the layer's KV being on the device.
 """
 
 from __future__ import annotations
@@ -15,63 +25,143 @@ import torch
 
 from .segments import LayerSource
 
-_Loaded = tuple[torch.Tensor, torch.Tensor, "torch.cuda.Event | None", float]
+_Parts = list[tuple[torch.Tensor, torch.Tensor]]
+DEPTH = 2  # layers loaded ahead of the one computed
+RING_SLOTS = DEPTH + 1  # layer i's KV lands in slot i % RING_SLOTS of the device ring
 
 
 class LayerPrefetcher:
     def __init__(
-        self, sources: list[LayerSource], num_layers: int, device: torch.device, depth: int = 2, workers: int = 2
+        self, sources: list[LayerSource], num_layers: int, device: torch.device, workers: int = 2,
+        ring: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        """``ring``: the device buffers to load into, [RING_SLOTS, rows, kv_heads, head_dim] each (a CUDA
+        graph reads them at fixed addresses); by default made to fit the sources."""
         self.sources = sources
         self.num_layers = num_layers
         self.device = device
-        self.depth = depth
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ragfuse-kv-load")
+        self.depth = DEPTH
+        blocking = any(s.blocking for s in sources)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ragfuse-kv-read") if blocking else None
+        self._reads: dict[int, Future[tuple[_Parts, float]]] = {}
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._pending: dict[int, Future[_Loaded]] = {}
-        self.load_s = 0.0  # time spent loading, summed over layers
-        self.wait_s = 0.0  # time the compute waited for a layer
+        self._ring = ring  # [RING_SLOTS, tokens, kv_heads, head_dim] each
+        self._issued: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> its KV on the device
+        self._copy_events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}  # layer -> copy (start, end)
+        self._freed: dict[int, torch.cuda.Event] = {}  # layer -> compute done with its ring slot
+        self._waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # compute stream: (asks, has) a layer
+        self._read_s = 0.0
+        self._host_wait_s = 0.0
+        self._next_issue = 0
 
     def __enter__(self) -> LayerPrefetcher:
-        for i in range(min(self.depth, self.num_layers)):
-            self._start(i)
+        if self._stream is not None:  # KV just computed on the device (not yet finished) is read on the side stream
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self._pool is not None:
+            for i in range(min(self.depth + 1, self.num_layers)):
+                self._reads[i] = self._pool.submit(self._read, i)
+        self._issue_ready(self.depth)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for f in self._pending.values():
+        for f in self._reads.values():
             f.cancel()
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
-    def _start(self, layer: int) -> None:
-        if layer < self.num_layers and layer not in self._pending:
-            self._pending[layer] = self._pool.submit(self._load, layer)
-
-    def _load(self, layer: int) -> _Loaded:
+    def _read(self, layer: int) -> tuple[_Parts, float]:
         t = time.perf_counter()
         parts = [s.load_layer(layer) for s in self.sources]
-        event = None
-        if self._stream is not None:
-            # each part is copied as it is (pinned host memory copies asynchronously), then joined
-            # on the device, all on the side stream
-            with torch.cuda.stream(self._stream):
-                k = torch.cat([p[0].to(self.device, non_blocking=True) for p in parts])
-                v = torch.cat([p[1].to(self.device, non_blocking=True) for p in parts])
-                event = torch.cuda.Event()
-                event.record(self._stream)
-            event.synchronize()
-        else:
-            k = torch.cat([p[0] for p in parts]).to(self.device)
-            v = torch.cat([p[1] for p in parts]).to(self.device)
-        return k, v, event, time.perf_counter() - t
+        return parts, time.perf_counter() - t
+
+    def _parts(self, layer: int, wait: bool) -> _Parts | None:
+        """Layer ``layer``'s host (or device) parts, or None while a blocking read is still running."""
+        if self._pool is None:  # in-memory sources: views, read inline
+            parts, took = self._read(layer)
+            self._read_s += took
+            return parts
+        future = self._reads.get(layer)
+        if future is None:
+            future = self._reads[layer] = self._pool.submit(self._read, layer)
+        if not wait and not future.done():
+            return None
+        t = time.perf_counter()
+        parts, took = self._reads.pop(layer).result()
+        self._host_wait_s += time.perf_counter() - t
+        self._read_s += took
+        ahead = layer + self.depth + 1
+        if ahead < self.num_layers and ahead not in self._reads:  # keep the readers busy
+            self._reads[ahead] = self._pool.submit(self._read, ahead)
+        return parts
+
+    def _issue_ready(self, upto: int, wait_for: int = -1) -> None:
+        """Issue the loads of layers up to ``upto`` in order, as far as their reads are in (waiting
+        for the reads of layers up to ``wait_for``)."""
+        while self.sources and self._next_issue <= min(upto, self.num_layers - 1):
+            layer = self._next_issue
+            parts = self._parts(layer, wait=layer <= wait_for)
+            if parts is None:
+                return
+            self._issued[layer] = self._place(layer, parts)
+            self._next_issue += 1
+
+    def _place(self, layer: int, parts: _Parts) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s parts joined on the device (copied on the side stream on CUDA)."""
+        if self._stream is None:  # CPU: joined right here, nothing to overlap it with
+            t = time.perf_counter()
+            kv = torch.cat([p[0] for p in parts]).to(self.device), torch.cat([p[1] for p in parts]).to(self.device)
+            self._read_s += time.perf_counter() - t
+            self._host_wait_s += time.perf_counter() - t
+            return kv
+        if self._ring is None:
+            k0 = parts[0][0]
+            shape = (RING_SLOTS, sum(p[0].shape[0] for p in parts), *k0.shape[1:])
+            self._ring = (torch.empty(shape, dtype=k0.dtype, device=self.device),
+                          torch.empty(shape, dtype=k0.dtype, device=self.device))
+        slot = layer % RING_SLOTS
+        k_buf, v_buf = self._ring[0][slot], self._ring[1][slot]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self._stream):
+            if layer > self.depth:  # the slot's previous layer must be done with before it is overwritten
+                self._stream.wait_event(self._freed.pop(layer - self.depth - 1))
+            start.record(self._stream)
+            row = 0
+            for k, v in parts:
+                k_buf[row : row + k.shape[0]].copy_(k, non_blocking=True)
+                v_buf[row : row + k.shape[0]].copy_(v, non_blocking=True)
+                row += k.shape[0]
+            end.record(self._stream)
+        self._copy_events[layer] = (start, end)
+        return k_buf, v_buf
 
     def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer``'s stored (K before RoPE, V) for all segments, concatenated, on device."""
-        self._start(layer)
-        t = time.perf_counter()
-        k, v, event, took = self._pending.pop(layer).result()
-        self.wait_s += time.perf_counter() - t
-        self.load_s += took
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
-        self._start(layer + self.depth)
-        return k, v
+        """Layer ``layer``'s stored (K before RoPE, V) for all segments, concatenated, on device (on
+        CUDA: its ring slot, whose rows past the sources' tokens hold nothing of this pass).
+
+        Valid until ``get(layer + depth + 1)``: its ring slot is then refilled."""
+        if self._stream is None:
+            self._issue_ready(layer + self.depth, wait_for=layer)
+            return self._issued.pop(layer)
+        compute = torch.cuda.current_stream(self.device)
+        asks, has = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        asks.record(compute)  # fires when the previous layer's work is done: its ring slot is free again
+        if layer > 0:
+            self._freed[layer - 1] = asks
+        self._issue_ready(layer + self.depth, wait_for=layer)
+        compute.wait_event(self._copy_events[layer][1])
+        has.record(compute)
+        self._waits.append((asks, has))
+        return self._issued.pop(layer)
+
+    @property
+    def load_s(self) -> float:
+        """Loading time summed over layers (call after the device is synchronized)."""
+        copies = sum(s.elapsed_time(e) for s, e in self._copy_events.values()) / 1e3
+        return self._read_s + copies
+
+    @property
+    def wait_s(self) -> float:
+        """Time the compute waited for loading (call after the device is synchronized)."""
+        if self._stream is None:
+            return self._host_wait_s
+        return sum(a.elapsed_time(h) for a, h in self._waits) / 1e3

@@ -16,6 +16,7 @@ class LayerSource(Protocol):
     """
 
     tier: str
+    blocking: bool  # whether load_layer waits on I/O (disk, network): then it runs on a reader thread
 
     def load_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K before RoPE, V) of ``layer``, each [tokens, kv_heads, head_dim]."""
@@ -29,6 +30,7 @@ class TensorKV:
     k: torch.Tensor
     v: torch.Tensor
     tier: str = "memory"
+    blocking = False
 
     def load_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer], self.v[layer]

@@ -21,6 +21,8 @@ from .store import TieredKVStore
 class EntrySource:
     """An entry already in memory (a GPU or CPU pool, or just computed)."""
 
+    blocking = False
+
     def __init__(self, entry: StoredKV, tier: str) -> None:
         self.entry = entry
         self.tier = tier
@@ -35,6 +37,8 @@ class EntrySource:
 
 class LayerwiseSource:
     """An entry in a persistent tier (disk or Redis), read and verified a layer at a time."""
+
+    blocking = True
 
     def __init__(self, store: TieredKVStore, tier: DiskTier | RedisTier, key: str) -> None:
         self.store = store

@@ -31,6 +31,8 @@ RING = 4  # layer buffers for disk reads: the loader holds at most three layers 
 class SessionSource:
     """``rows``: which stored rows are fed (None: the first ``num_tokens`` rows)."""
 
+    blocking = True  # disk reads, or a wait for a staged copy
+
     def __init__(
         self, tier: str, read: Callable[[int], torch.Tensor], num_layers: int, num_tokens: int,
         rows: list[int] | None, session_id: str, close: Callable[[], None] | None = None,

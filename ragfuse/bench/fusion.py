@@ -11,6 +11,7 @@ tier's ratio: where loading is slower than recompute at r*, the ratio rises to f
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import tempfile
 from pathlib import Path
@@ -55,16 +56,24 @@ def run(args: argparse.Namespace) -> int:
     sweeps: dict[str, list[dict[str, Any]]] = {}
     extra: dict[str, Any] = {}
     for shape in shapes:
-        r, sw, ex = bench_shape(args, shape, tiers)
+        try:
+            r, sw, ex = bench_shape(args, shape, tiers)
+        except torch.OutOfMemoryError as exc:  # a big shape on a small GPU: said in the report, the rest still runs
+            print(f"bench fusion [{shape}]: skipped, out of GPU memory ({str(exc).splitlines()[0]})", flush=True)
+            extra[shape or args.model] = {"skipped": f"out of GPU memory: {str(exc).splitlines()[0]}"}
+            r, sw = [], []
         rows += r
-        sweeps[shape or args.model] = sw
-        extra[shape or args.model] = ex
+        if sw:
+            sweeps[shape or args.model] = sw
+            extra[shape or args.model] = ex
+        gc.collect()  # the engine holds reference cycles: free its weights before the next shape's
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     results = {"benchmark": "fusion", "machine": machine_info(args.device), "sweeps": sweeps, "per_model": extra,
                "settings": {k: v for k, v in vars(args).items() if k != "func"}}
     out = args.out or f"bench-results/fusion-{args.device}"
+    skipped = [f"- {name}: {ex['skipped']}" for name, ex in extra.items() if "skipped" in ex]
     path = write_report(out, "ragfuse bench fusion", results, rows, lambda fig: _plot(fig, rows, sweeps),
-                        notes=_notes(rows))
+                        notes="\n".join([_notes(rows), *skipped]))
     print((path / "results.md").read_text())
     return 0
 

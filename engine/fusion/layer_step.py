@@ -1,0 +1,66 @@
+"""One decoder layer of the fused prefill, in the two halves a check layer goes between.
+
+``front`` writes the stored tokens' KV (K rotated to its real positions) and the active tokens'
+fresh KV into the layer's cache pages; ``back`` runs the active tokens' attention over the whole
+fused prompt and the rest of the layer. A check layer narrows the active set in between, using the
+fresh and stored KV; every other layer runs both halves back to back, eagerly or from a CUDA graph
+(``graphs.FusionGraphs``), the same code either way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..attention import RelayMetadata
+from ..layers import RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def front(
+    layer: nn.Module,
+    kv_cache: KVCache,
+    rotary: RotaryEmbedding,
+    stored: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KV of the layer in its pages; returns the active tokens' (q rotated, k before RoPE, v, residual).
+
+    ``stored`` = (K before RoPE, V, model positions, cache slots) of the stored tokens: written
+    first, so the active tokens' fresh KV, written after, overwrites theirs."""
+    attn = layer.self_attn.attn
+    if stored is not None:
+        k_st, v_st, at, st_slots = stored
+        attn.store(rotary(k_st, at), v_st, kv_cache, st_slots)
+    if residual is None:
+        residual, h = hidden, layer.input_layernorm(hidden)
+    else:
+        h, residual = layer.input_layernorm(hidden, residual)
+    q, k_raw, v = layer.self_attn.project(h)
+    q, k = ops.apply_rope_qk(q, k_raw, positions, rotary.cos, rotary.sin)
+    attn.store(k, v, kv_cache, slots)
+    return q, k_raw, v, residual
+
+
+def back(
+    layer: nn.Module,
+    kv_cache: KVCache,
+    q: torch.Tensor,
+    residual: torch.Tensor,
+    q_positions: torch.Tensor | None,
+    table: torch.Tensor,
+    seq_len: int,
+    seq_slots: torch.Tensor,
+    bounds: torch.Tensor,
+    relay: RelayMetadata | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The active tokens' attention over the fused prompt, then the MLP: (hidden, residual)."""
+    out, _ = layer.self_attn.attn.attend(q, q_positions, kv_cache, table, seq_len, seq_slots, bounds, relay)
+    h = layer.self_attn.o_proj(out.reshape(q.shape[0], -1))
+    h, residual = layer.post_attention_layernorm(h, residual)
+    return layer.mlp(h), residual

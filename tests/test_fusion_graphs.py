@@ -1,0 +1,49 @@
+"""CUDA graphs of the fused prefill's steady layers: which passes get them, and (on CUDA) that a
+replayed pass gives the eager pass's logits, for prompts of different lengths sharing one capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ragfuse.engine.fusion import Segment, SelectionPolicy, TensorKV
+from ragfuse.engine.fusion.graphs import STORED_STEP, capacity
+
+
+def test_capacity_pads_active_to_prefill_buckets_and_stored_to_steps():
+    assert capacity(32, 3072) == (64, 3072)
+    assert capacity(416, 3073) == (416, 3072 + STORED_STEP)
+    assert capacity(417, 1) == (448, STORED_STEP)
+
+
+def test_large_active_sets_and_passes_without_stored_kv_run_eagerly():
+    assert capacity(2592, 3072) is None  # matmul-bound: launching hides behind the GPU work
+    assert capacity(32, 0) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,ratio", [("reuse", 0.0), ("fuse", 0.15)])
+def test_replayed_fusion_equals_the_eager_pass(mode, ratio):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from .test_fusion_gpu import engine
+
+    eng = engine("triton")
+    runner = eng.runner
+    graphs = runner.fusion_graphs
+    assert graphs is not None
+    g = torch.Generator().manual_seed(1)
+    policy = SelectionPolicy(ratio=ratio)
+    for lengths in ((130, 77, 200), (120, 70, 190), (130, 77, 200)):  # one capacity, stale padding in between
+        chunks = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in lengths]
+        segs = [Segment(c, TensorKV(*kv)) for c, kv in zip(chunks, eng.compute_kv(chunks), strict=True)]
+        segs.append(Segment([5, 6, 7, 8, 9]))
+        runner.fusion_graphs = None
+        eager, st_e = eng.score_fused(segs, [11, 12], mode, policy)
+        runner.fusion_graphs = graphs
+        before = graphs.replays
+        replayed, st_g = eng.score_fused(segs, [11, 12], mode, policy)
+        assert graphs.replays > before
+        assert st_g.active_per_layer == st_e.active_per_layer
+        assert (replayed - eager).abs().max().item() < 1e-3 * eager.abs().max().item()
+    assert len(graphs.capacities) == 1
