@@ -76,6 +76,8 @@ def padded_size(n: int) -> int:
 class _Captured:
     graph: torch.cuda.CUDAGraph
     hidden: torch.Tensor  # the graph's output buffer [size, hidden]
+    logits: torch.Tensor | None = None  # decode graphs: float32 [size, vocab]
+    greedy: torch.Tensor | None = None  # decode graphs: each row's argmax [size]
 
 
 @torch.inference_mode()
@@ -99,6 +101,21 @@ def capture_call(fn: Callable[..., Any], args: tuple, pool: tuple) -> tuple[torc
 def capture_forward(model: nn.Module, args: tuple, pool: tuple) -> _Captured:
     """Capture the whole forward ``model(*args)``."""
     return _Captured(*capture_call(model, args, pool))
+
+
+def _decode_forward(model: nn.Module, *args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's forward, output head and argmax: (hidden, float32 logits, greedy tokens). Every
+    row of a decode batch is a sequence's last token, so every row gets logits."""
+    hidden = model(*args)
+    logits = model.compute_logits(hidden)
+    return hidden, logits, logits.argmax(dim=-1)
+
+
+def capture_decode(model: nn.Module, args: tuple, pool: tuple) -> _Captured:
+    """Capture a decode step through its output head and argmax: at batch 1 the launches of the head,
+    the cast and the argmax, and the host work between them, cost as much as a few layers."""
+    graph, (hidden, logits, greedy) = capture_call(_decode_forward, (model, *args), pool)
+    return _Captured(graph, hidden, logits, greedy)
 
 
 class DecodeGraphs:
@@ -163,6 +180,19 @@ class DecodeGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [n, hidden] of a decode step of ``n`` sequences, by graph replay."""
+        return self._replay(input_ids, positions, meta).hidden[: input_ids.shape[0]]
+
+    def run_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 logits [n, vocab], greedy tokens [n]) of a decode step of ``n`` sequences, by one
+        graph replay that includes the output head. Valid until the next replay."""
+        n = input_ids.shape[0]
+        captured = self._replay(input_ids, positions, meta)
+        assert captured.logits is not None and captured.greedy is not None
+        return captured.logits[:n], captured.greedy[:n]
+
+    def _replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> _Captured:
         n = input_ids.shape[0]
         size = padded_size(n)
         relay, plan = meta.relay, meta.two_phase
@@ -200,7 +230,7 @@ class DecodeGraphs:
             self.seq_lens[n:size].zero_()
         captured.graph.replay()
         self.replays += 1
-        return captured.hidden[:n]
+        return captured
 
     def capture_relay(self, tokens_per_tile: int, sys_tables: torch.Tensor, sys_lens: torch.Tensor,
                       sizes: tuple[int, ...] = EAGER_SIZES) -> None:
@@ -275,8 +305,8 @@ class DecodeGraphs:
         )
         self.slot_mapping[:size].fill_(-1)  # the warm-up and capture runs touch no cache slot
         self.seq_lens[:size].zero_()
-        return capture_forward(self.model, (self.input_ids[:size], self.positions[:size], self.kv_caches, meta),
-                               self.pool)
+        return capture_decode(self.model, (self.input_ids[:size], self.positions[:size], self.kv_caches, meta),
+                              self.pool)
 
 
 def prefill_bucket(n: int) -> int | None:

@@ -141,16 +141,29 @@ class ModelRunner:
         meta.two_phase = two_phase
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
-        hidden = self.forward(input_ids, pos, meta, hook)
+        graphed = hook is None and self.graphs is not None and self.graphs.accepts(meta)
+        if graphed:  # one replay through the output head: a row per sequence, each its last token
+            assert self.graphs is not None
+            logits, greedy = self.graphs.run_logits(input_ids, pos, meta)
+        else:
+            hidden = self.forward(input_ids, pos, meta, hook)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         wants = [i for i, s in enumerate(batch.seqs) if s.num_uncomputed == 0]
         tokens: list[int | None] = [None] * len(batch.seqs)
         if not wants:
             return tokens
-        last = torch.tensor([sum(query_lens[: i + 1]) - 1 for i in wants], device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, last))
-        picked = sample(logits, [batch.seqs[i].params for i in wants], [batch.seqs[i].generator for i in wants])
+        if graphed:
+            greedy_rows: torch.Tensor | None = greedy
+            if len(wants) < len(batch.seqs):  # a chunk of one token that does not end its prompt
+                rows = torch.tensor(wants, device=self.device)
+                logits, greedy_rows = logits.index_select(0, rows), greedy.index_select(0, rows)
+        else:
+            last = torch.tensor([sum(query_lens[: i + 1]) - 1 for i in wants], device=self.device)
+            logits, greedy_rows = self.model.compute_logits(hidden.index_select(0, last)), None
+        picked = sample(
+            logits, [batch.seqs[i].params for i in wants], [batch.seqs[i].generator for i in wants], greedy_rows
+        )
         for i, tok in zip(wants, picked):
             tokens[i] = tok
         return tokens

@@ -1,4 +1,4 @@
-"""Dispatch of the element-wise ops (RMSNorm, RoPE) and choice of the kernel backend.
+"""Dispatch of the element-wise ops (RMSNorm, RoPE, SwiGLU's SiLU-and-multiply) and choice of the kernel backend.
 
 The choice is made per call from the tensor's device, so one model object runs on CPU and CUDA:
 Triton on CUDA when it imports, the torch references elsewhere. ``RAGFUSE_KERNELS=torch`` forces the
@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from ragfuse.kernels.activation import silu_mul_ref
 from ragfuse.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from ragfuse.kernels.rope import apply_rope_ref
 
@@ -19,6 +20,7 @@ KERNELS_ENV = "RAGFUSE_KERNELS"
 BACKENDS = ("auto", "triton", "torch")
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 if HAVE_TRITON:
+    from ragfuse.kernels.activation_triton import silu_mul_triton
     from ragfuse.kernels.norm_triton import fused_add_rms_norm_triton, rms_norm_triton
     from ragfuse.kernels.rope_triton import apply_rope_qk_triton, apply_rope_triton
 
@@ -59,6 +61,12 @@ def fused_add_rms_norm(
     if _triton(x):
         return fused_add_rms_norm_triton(x, residual, weight, eps)
     return fused_add_rms_norm_ref(x, residual, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if _triton(gate_up):
+        return silu_mul_triton(gate_up)
+    return silu_mul_ref(gate_up)
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -87,6 +87,14 @@ def test_graph_replay_matches_eager_and_padding_writes_nothing(monkeypatch: pyte
         eager = runner.model(ids, pos, runner.kv_cache.layers, meta)
     assert padded_size(3) == 4 and graphs.replays == 1
     assert (replayed - eager).abs().max().item() < 1e-4 * eager.abs().max().item()
+    with torch.inference_mode():  # the same step again through the output head, in the same replay
+        runner.kv_cache.storage.copy_(before)
+        logits, greedy = graphs.run_logits(ids, pos, meta)
+        want = runner.model.compute_logits(eager)
+    assert logits.shape == want.shape == (3, SHAPE["vocab_size"]) and logits.dtype == torch.float32
+    assert (logits - want).abs().max().item() < 1e-4 * want.abs().max().item()
+    assert torch.equal(greedy, logits.argmax(dim=-1)) and torch.equal(greedy, want.argmax(dim=-1))
+    assert graphs.replays == 2
     changed = (after_graph != before).flatten(4).any(-1)  # [layers, k/v, blocks, block offsets]
     expect = torch.zeros_like(changed)
     for n, table in zip(seq_lens, tables):

@@ -63,8 +63,7 @@ class LlamaAttentionBlock(nn.Module):
         hook: KVHook | None = None,
     ) -> torch.Tensor:
         q, k_raw, v = self.project(hidden)
-        q = self.rotary(q, positions)
-        k = self.rotary(k_raw, positions)
+        q, k = self.rotary.rotate_qk(q, k_raw, positions)
         if hook is not None:
             replaced = hook(self.layer_idx, positions, k_raw, k, v)
             if replaced is not None:
