@@ -13,6 +13,13 @@ from . import ops
 from .config import ModelConfig, RopeConfig
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same checkpoint names) whose product goes through ``ops.linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -67,8 +74,8 @@ class SwiGLUMLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))

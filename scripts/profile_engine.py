@@ -16,8 +16,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
@@ -41,40 +39,15 @@ def kernel_table(prof, rows: int) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
 
 
-@triton.jit
-def _gemv_candidate(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y = W x for one row x: a candidate against cuBLAS at batch 1 (weights read once, row-major)."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + cols[None, :],
-                    mask=rmask[:, None] & (cols[None, :] < K), other=0.0)
-        xv = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
-        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
-    tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rmask)
+def gemv(x: torch.Tensor, w: torch.Tensor) -> str:
+    """The engine's one-row kernel on the same shape (weights hot in L2 where they fit: 50 MB)."""
+    from ragfuse.kernels.gemv_triton import gemv_tiles, gemv_triton
 
-
-GEMV_CONFIGS = [(8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 8, 3), (32, 256, 8, 3), (4, 1024, 4, 4), (16, 256, 4, 1)]
-
-
-def gemv_candidates(x: torch.Tensor, w: torch.Tensor) -> str:
     n, k = w.shape
-    y = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
     ref = F.linear(x, w).float()
-    best = None
-    for bn, bk, warps, stages in GEMV_CONFIGS:
-        def fn(bn=bn, bk=bk, warps=warps, stages=stages):
-            _gemv_candidate[(triton.cdiv(n, bn),)](x, w, y, n, k, w.stride(0), BLOCK_N=bn, BLOCK_K=bk,
-                                                    num_warps=warps, num_stages=stages)
-        fn()
-        err = ((y.float() - ref).norm() / ref.norm()).item()
-        t = graph_ms(fn)
-        if best is None or t < best[0]:
-            best = (t, (bn, bk, warps, stages), err)
-    assert best is not None
-    return f"triton best {best[1]} {best[0]:.4f} ms ({n * k * 2 / best[0] / 1e6:.0f} GB/s, rel err {best[2]:.1e})"
+    err = ((gemv_triton(x, w).float() - ref).norm() / ref.norm()).item()
+    t = graph_ms(lambda: gemv_triton(x, w))
+    return f"triton {gemv_tiles(n, k)} {t:.4f} ms ({n * k * 2 / t / 1e6:.0f} GB/s, rel err {err:.1e})"
 
 
 def gemms(mc: ModelConfig, tokens: int, peak: float) -> None:
@@ -97,7 +70,7 @@ def gemms(mc: ModelConfig, tokens: int, peak: float) -> None:
                 row.append(f"{lib} {t:.4f} ms ({2 * m * n * k / t / 1e9:.0f} TF/s, {n * k * 2 / t / 1e6:.0f} GB/s)")
             torch.backends.cuda.preferred_blas_library("cublas")
             if m == 1:
-                row.append(gemv_candidates(x, w))
+                row.append(gemv(x, w))
             say("  " + " | ".join(row))
     say(f"  (peak {peak / 1e12:.0f} TF/s)")
 
@@ -143,6 +116,7 @@ def main() -> None:
     p.add_argument("--shape", default="mistral-7b")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--parts", default="prefill,ops,decode", help="comma-separated: prefill, ops, decode")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -159,8 +133,21 @@ def main() -> None:
     say(f"{torch.cuda.get_device_name()}: matmul peak {peak / 1e12:.0f} TF/s, read bandwidth {bw / 1e9:.0f} GB/s, "
         f"weights {weight_bytes / 1e9:.2f} GB, read bound {weight_bytes / bw * 1e3:.3f} ms")
 
-    say(f"\n== prefill {a.tokens} tokens")
-    ids = torch.randint(3, mc.vocab_size, (a.tokens,)).tolist()
+    parts = set(a.parts.split(","))
+    if "prefill" in parts:
+        prefill(eng, mc, a.tokens, peak, sync)
+    if "ops" in parts:
+        gemms(mc, a.tokens, peak)
+        attention(a.tokens, mc)
+        silu(a.tokens, mc)
+    if "decode" in parts:
+        decode(eng, mc, a.context, weight_bytes / bw, sync)
+    (out / "profile-engine.txt").write_text("\n".join(LINES) + "\n")
+
+
+def prefill(eng: LLMEngine, mc: ModelConfig, tokens: int, peak: float, sync: Sync) -> None:
+    say(f"\n== prefill {tokens} tokens")
+    ids = torch.randint(3, mc.vocab_size, (tokens,)).tolist()
     for _ in range(2):
         eng.score(ids, last_n=1)
     times = []
@@ -171,20 +158,19 @@ def main() -> None:
         sync()
         times.append(time.perf_counter() - t)
     layer_params = sum(t.numel() for n, t in eng.runner.model.named_parameters() if ".layers." in n)
-    flops = 2 * layer_params * a.tokens + 2 * mc.num_layers * a.tokens**2 * mc.num_heads * mc.head_dim
+    flops = 2 * layer_params * tokens + 2 * mc.num_layers * tokens**2 * mc.num_heads * mc.head_dim
     t = statistics.median(times)
     say(f"  {t * 1e3:.1f} ms (MFU {flops / t / peak:.1%}); runs {[round(x * 1e3, 1) for x in times]}")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         eng.score(ids, last_n=1)
         sync()
     say(kernel_table(prof, 18))
-    gemms(mc, a.tokens, peak)
-    attention(a.tokens, mc)
-    silu(a.tokens, mc)
 
-    say(f"\n== decode batch 1, context {a.context}")
-    eng.add_request(torch.randint(3, mc.vocab_size, (a.context,)).tolist(), SamplingParams(max_tokens=200,
-                                                                                          ignore_eos=True))
+
+def decode(eng: LLMEngine, mc: ModelConfig, context: int, bound: float, sync: Sync) -> None:
+    say(f"\n== decode batch 1, context {context}")
+    eng.add_request(torch.randint(3, mc.vocab_size, (context,)).tolist(), SamplingParams(max_tokens=200,
+                                                                                        ignore_eos=True))
     for _ in range(8):
         eng.step()
     steps = []
@@ -204,13 +190,12 @@ def main() -> None:
     step = statistics.mean(steps)
     say(f"  step {step * 1e3:.3f} ms (median {statistics.median(steps) * 1e3:.3f}); graph replay alone "
         f"{replay * 1e3:.3f} ms; host and work outside the graph {(step - replay) * 1e3:.3f} ms; "
-        f"bound {weight_bytes / bw * 1e3:.3f} ms -> step/bound {step / (weight_bytes / bw):.3f}")
+        f"bound {bound * 1e3:.3f} ms -> step/bound {step / bound:.3f}")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             eng.step()
     say(kernel_table(prof, 30))
     say(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
-    (out / "profile-engine.txt").write_text("\n".join(LINES) + "\n")
 
 
 if __name__ == "__main__":

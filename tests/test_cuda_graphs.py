@@ -95,6 +95,13 @@ def test_graph_replay_matches_eager_and_padding_writes_nothing(monkeypatch: pyte
     assert (logits - want).abs().max().item() < 1e-4 * want.abs().max().item()
     assert torch.equal(greedy, logits.argmax(dim=-1)) and torch.equal(greedy, want.argmax(dim=-1))
     assert graphs.replays == 2
+    with torch.inference_mode():  # and from host values, after a larger batch left its rows behind
+        graphs.run_host([1] * 6, list(range(6)), [1] * 6, [[5]] * 6)
+        runner.kv_cache.storage.copy_(before)
+        host_logits, host_greedy = graphs.run_host([3, 5, 7], [n - 1 for n in seq_lens], seq_lens, tables)
+        host_logits = host_logits.clone()
+    assert torch.equal(host_logits, logits) and torch.equal(host_greedy, greedy)
+    assert torch.equal(runner.kv_cache.storage, after_graph)  # same real slots written, padding none
     changed = (after_graph != before).flatten(4).any(-1)  # [layers, k/v, blocks, block offsets]
     expect = torch.zeros_like(changed)
     for n, table in zip(seq_lens, tables):
