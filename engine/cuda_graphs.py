@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -118,6 +119,29 @@ def capture_decode(model: nn.Module, args: tuple, pool: tuple) -> _Captured:
     return _Captured(graph, hidden, logits, greedy)
 
 
+def pack_decode_step(
+    longs: np.ndarray, ints: np.ndarray, block_size: int, size: int,
+    ids: list[int], positions: list[int], seq_lens: list[int], tables: list[list[int]],
+) -> int:
+    """Write a plain decode step of ``n = len(ids)`` sequences, run as a graph of ``size`` rows, into
+    the host images of ``DecodeGraphs``' packed inputs: ``longs`` [3, B] (ids, positions, cache slots)
+    and ``ints`` [B + B * W] (lengths, then B block-table rows of width W). Rows ``n..size`` are made
+    inert (slot -1, length 0). Returns how many leading ``ints`` the step needs copied."""
+    n, rows_total = len(ids), longs.shape[1]
+    longs[0, :n] = ids
+    longs[1, :n] = positions
+    # the new token is the sequence's seq_len-th own token: its slot is in the block holding index seq_len-1
+    longs[2, :n] = [t[(m - 1) // block_size] * block_size + (m - 1) % block_size for t, m in zip(tables, seq_lens)]
+    longs[2, n:size] = -1
+    ints[:n] = seq_lens
+    ints[n:size] = 0
+    width = (ints.shape[0] - rows_total) // rows_total
+    rows = ints[rows_total:].reshape(rows_total, width)
+    for i, table in enumerate(tables):
+        rows[i, : len(table)] = table
+    return rows_total + n * width
+
+
 class DecodeGraphs:
     """Captured decode forwards of ``model`` over ``kv_caches``, keyed by padded batch size.
 
@@ -204,26 +228,18 @@ class DecodeGraphs:
         """As ``run_logits`` for a plain decode step (no relay, no shared tree blocks), from host values:
         sequence i's token ``ids[i]`` at ``positions[i]`` is its ``seq_lens[i]``-th own token, cached
         through block table ``tables[i]``. Written into pinned buffers and sent by two copies, with no
-        ``AttentionMetadata`` built: at batch 1 building it and its eleven small copies took ~0.3 ms
-        of a 7 ms step (kernels/NOTES.md)."""
-        n, size, bs = len(ids), padded_size(len(ids)), self.block_size
+        ``AttentionMetadata`` built: with this and the head in the graph, the host's share of a batch-1
+        step on an H100 fell from 1.05 to 0.18 ms (kernels/NOTES.md). The caller reads the results
+        before the next step: they live in the graph's buffers."""
+        n, size = len(ids), padded_size(len(ids))
         captured = self.graphs.get(size)
         if captured is None:
             captured = self.graphs[size] = self._capture(size, None)
         self._host_copied.synchronize()  # the previous step's copies have read the host buffers
-        longs, ints = self._host_longs.numpy(), self._host_ints.numpy()
-        longs[0, :n] = ids
-        longs[1, :n] = positions
-        longs[2, :n] = [t[(m - 1) // bs] * bs + (m - 1) % bs for t, m in zip(tables, seq_lens)]
-        longs[2, n:size] = -1  # padding rows write nothing and attend to nothing
-        ints[:n] = seq_lens
-        ints[n:size] = 0
-        rows = ints[MAX_GRAPH_BATCH:].reshape(MAX_GRAPH_BATCH, self.max_blocks)
-        for i, table in enumerate(tables):
-            rows[i, : len(table)] = table
+        used = pack_decode_step(self._host_longs.numpy(), self._host_ints.numpy(), self.block_size, size,
+                                ids, positions, seq_lens, tables)
         self._longs.copy_(self._host_longs, non_blocking=True)
-        end = MAX_GRAPH_BATCH + n * self.max_blocks
-        self._ints[:end].copy_(self._host_ints[:end], non_blocking=True)
+        self._ints[:used].copy_(self._host_ints[:used], non_blocking=True)
         self._host_copied.record()
         captured.graph.replay()
         self.replays += 1
