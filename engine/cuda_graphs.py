@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -78,6 +79,8 @@ def padded_size(n: int) -> int:
 class _Captured:
     graph: torch.cuda.CUDAGraph
     hidden: torch.Tensor  # the graph's output buffer [size, hidden]
+    logits: torch.Tensor | None = None  # decode graphs: float32 [size, vocab]
+    greedy: torch.Tensor | None = None  # decode graphs: each row's argmax [size]
 
 
 @torch.inference_mode()
@@ -103,6 +106,44 @@ def capture_forward(model: nn.Module, args: tuple, pool: tuple) -> _Captured:
     return _Captured(*capture_call(model, args, pool))
 
 
+def _decode_forward(model: nn.Module, *args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's forward, output head and argmax: (hidden, float32 logits, greedy tokens). Every
+    row of a decode batch is a sequence's last token, so every row gets logits."""
+    hidden = model(*args)
+    logits = model.compute_logits(hidden)
+    return hidden, logits, logits.argmax(dim=-1)
+
+
+def capture_decode(model: nn.Module, args: tuple, pool: tuple) -> _Captured:
+    """Capture a decode step through its output head and argmax: at batch 1 the launches of the head,
+    the cast and the argmax, and the host work between them, cost as much as a few layers."""
+    graph, (hidden, logits, greedy) = capture_call(_decode_forward, (model, *args), pool)
+    return _Captured(graph, hidden, logits, greedy)
+
+
+def pack_decode_step(
+    longs: np.ndarray, ints: np.ndarray, block_size: int, size: int,
+    ids: list[int], positions: list[int], seq_lens: list[int], tables: list[list[int]],
+) -> int:
+    """Write a plain decode step of ``n = len(ids)`` sequences, run as a graph of ``size`` rows, into
+    the host images of ``DecodeGraphs``' packed inputs: ``longs`` [3, B] (ids, positions, cache slots)
+    and ``ints`` [B + B * W] (lengths, then B block-table rows of width W). Rows ``n..size`` are made
+    inert (slot -1, length 0). Returns how many leading ``ints`` the step needs copied."""
+    n, rows_total = len(ids), longs.shape[1]
+    longs[0, :n] = ids
+    longs[1, :n] = positions
+    # the new token is the sequence's seq_len-th own token: its slot is in the block holding index seq_len-1
+    longs[2, :n] = [t[(m - 1) // block_size] * block_size + (m - 1) % block_size for t, m in zip(tables, seq_lens)]
+    longs[2, n:size] = -1
+    ints[:n] = seq_lens
+    ints[n:size] = 0
+    width = (ints.shape[0] - rows_total) // rows_total
+    rows = ints[rows_total:].reshape(rows_total, width)
+    for i, table in enumerate(tables):
+        rows[i, : len(table)] = table
+    return rows_total + n * width
+
+
 class DecodeGraphs:
     """Captured decode forwards of ``model`` over ``kv_caches``, keyed by padded batch size.
 
@@ -124,11 +165,17 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // block_size)
         n = MAX_GRAPH_BATCH
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        # Static inputs, packed by dtype so that ``run_host`` fills each group with one copy from pinned
+        # host memory: ids, positions, slots (int64 rows) and lengths, then block tables (int32).
+        self._longs = torch.zeros(3, n, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self._longs.unbind(0)
+        self.slot_mapping.fill_(-1)
+        self._ints = torch.zeros(n * (1 + self.max_blocks), dtype=torch.int32, device=device)
+        self.seq_lens = self._ints[:n]
+        self.block_tables = self._ints[n:].view(n, self.max_blocks)
+        self._host_longs = torch.zeros(self._longs.shape, dtype=torch.long).pin_memory()
+        self._host_ints = torch.zeros(self._ints.shape, dtype=torch.int32).pin_memory()
+        self._host_copied = torch.cuda.Event()  # the last copies out of the host buffers are done
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, _Captured] = {}  # by padded size
@@ -165,6 +212,43 @@ class DecodeGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [n, hidden] of a decode step of ``n`` sequences, by graph replay."""
+        return self._replay(input_ids, positions, meta).hidden[: input_ids.shape[0]]
+
+    def run_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 logits [n, vocab], greedy tokens [n]) of a decode step of ``n`` sequences, by one
+        graph replay that includes the output head. Valid until the next replay."""
+        n = input_ids.shape[0]
+        captured = self._replay(input_ids, positions, meta)
+        assert captured.logits is not None and captured.greedy is not None
+        return captured.logits[:n], captured.greedy[:n]
+
+    def run_host(
+        self, ids: list[int], positions: list[int], seq_lens: list[int], tables: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``run_logits`` for a plain decode step (no relay, no shared tree blocks), from host values:
+        sequence i's token ``ids[i]`` at ``positions[i]`` is its ``seq_lens[i]``-th own token, cached
+        through block table ``tables[i]``. Written into pinned buffers and sent by two copies, with no
+        ``AttentionMetadata`` built: with this and the head in the graph, the host's share of a batch-1
+        step on an H100 fell from 1.05 to 0.18 ms (kernels/NOTES.md). The caller reads the results
+        before the next step: they live in the graph's buffers."""
+        n, size = len(ids), padded_size(len(ids))
+        captured = self.graphs.get(size)
+        if captured is None:
+            captured = self.graphs[size] = self._capture(size, None)
+        self._host_copied.synchronize()  # the previous step's copies have read the host buffers
+        used = pack_decode_step(self._host_longs.numpy(), self._host_ints.numpy(), self.block_size, size,
+                                ids, positions, seq_lens, tables)
+        self._longs.copy_(self._host_longs, non_blocking=True)
+        self._ints[:used].copy_(self._host_ints[:used], non_blocking=True)
+        self._host_copied.record()
+        captured.graph.replay()
+        self.replays += 1
+        assert captured.logits is not None and captured.greedy is not None
+        return captured.logits[:n], captured.greedy[:n]
+
+    def _replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> _Captured:
         n = input_ids.shape[0]
         size = padded_size(n)
         relay, plan = meta.relay, meta.two_phase
@@ -202,7 +286,7 @@ class DecodeGraphs:
             self.seq_lens[n:size].zero_()
         captured.graph.replay()
         self.replays += 1
-        return captured.hidden[:n]
+        return captured
 
     def capture_relay(self, tokens_per_tile: int, sys_tables: torch.Tensor, sys_lens: torch.Tensor,
                       sizes: tuple[int, ...] = EAGER_SIZES) -> None:
@@ -278,8 +362,8 @@ class DecodeGraphs:
         )
         self.slot_mapping[:size].fill_(-1)  # the warm-up and capture runs touch no cache slot
         self.seq_lens[:size].zero_()
-        return capture_forward(self.model, (self.input_ids[:size], self.positions[:size], self.kv_caches, meta),
-                               self.pool)
+        return capture_decode(self.model, (self.input_ids[:size], self.positions[:size], self.kv_caches, meta),
+                              self.pool)
 
 
 def prefill_bucket(n: int) -> int | None:

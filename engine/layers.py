@@ -7,11 +7,17 @@ torch references on CUDA without the model code changing.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import ops
 from .config import ModelConfig, RopeConfig
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same checkpoint names) whose product goes through ``ops.linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -54,16 +60,22 @@ class RotaryEmbedding(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return ops.apply_rope(x, positions, self.cos, self.sin)
 
+    def rotate_qk(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated to ``positions`` (new tensors): one launch on CUDA, where a decode step's
+        ~10 small kernels a layer cost about as much as its matmuls' weight reads."""
+        return ops.apply_rope_qk(q, k, positions, self.cos, self.sin)
+
 
 class SwiGLUMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up packed into one matmul."""
+    """down(silu(gate(x)) * up(x)), with gate and up packed into one matmul and the SiLU-and-multiply
+    one pass over its output (``ops.silu_mul``)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))

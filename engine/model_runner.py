@@ -14,7 +14,7 @@ from ragfuse.kernels.two_phase import TwoPhasePlan
 from .attention import AttentionMetadata, RelayMetadata, set_attention_backend
 from .checkpoint import Checkpoint
 from .config import ModelConfig
-from .cuda_graphs import DecodeGraphs, PrefillGraphs, graphs_enabled
+from .cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs, PrefillGraphs, graphs_enabled
 from .fusion import FusionMode, FusionStats, Segment, SelectionPolicy, SystemPart, fuse_prefill
 from .fusion.graphs import FusionGraphs
 from .kv_cache import KVCache
@@ -123,6 +123,8 @@ class ModelRunner:
         """Forward the batch; returns a sampled token per sequence, or None where its prompt is
         not yet fully computed (chunked prefill). ``two_phase``: the prefix tree's plan for a decode
         batch whose sequences share cache blocks."""
+        if hook is None and two_phase is None and self._plain_decode(batch):
+            return self._run_plain_decode(batch)
         ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -146,19 +148,54 @@ class ModelRunner:
         meta.two_phase = two_phase
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
-        hidden = self.forward(input_ids, pos, meta, hook)
+        graphed = hook is None and self.graphs is not None and self.graphs.accepts(meta)
+        if graphed:  # one replay through the output head: a row per sequence, each its last token
+            assert self.graphs is not None
+            logits, greedy = self.graphs.run_logits(input_ids, pos, meta)
+        else:
+            hidden = self.forward(input_ids, pos, meta, hook)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         wants = [i for i, s in enumerate(batch.seqs) if s.num_uncomputed == 0]
         tokens: list[int | None] = [None] * len(batch.seqs)
         if not wants:
             return tokens
-        last = torch.tensor([sum(query_lens[: i + 1]) - 1 for i in wants], device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, last))
-        picked = sample(logits, [batch.seqs[i].params for i in wants], [batch.seqs[i].generator for i in wants])
+        if graphed:
+            greedy_rows: torch.Tensor | None = greedy
+            if len(wants) < len(batch.seqs):  # a chunk of one token that does not end its prompt
+                rows = torch.tensor(wants, device=self.device)
+                logits, greedy_rows = logits.index_select(0, rows), greedy.index_select(0, rows)
+        else:
+            last = torch.tensor([sum(query_lens[: i + 1]) - 1 for i in wants], device=self.device)
+            logits, greedy_rows = self.model.compute_logits(hidden.index_select(0, last)), None
+        picked = sample(
+            logits, [batch.seqs[i].params for i in wants], [batch.seqs[i].generator for i in wants], greedy_rows
+        )
         for i, tok in zip(wants, picked):
             tokens[i] = tok
         return tokens
+
+    def _plain_decode(self, batch: ScheduledBatch) -> bool:
+        """Whether the plain decode graphs take this batch straight from host values: one last token
+        per sequence, none behind a system prompt, every block table within the graphs' width."""
+        graphs = self.graphs
+        return (
+            graphs is not None and not batch.is_prefill and len(batch.seqs) <= MAX_GRAPH_BATCH
+            and all(s.num_uncomputed == 1 and s.system is None and len(s.block_table) <= graphs.max_blocks
+                    for s in batch.seqs)
+        )
+
+    def _run_plain_decode(self, batch: ScheduledBatch) -> list[int | None]:
+        assert self.graphs is not None
+        seqs = batch.seqs
+        done = [s.num_computed_tokens for s in seqs]
+        logits, greedy = self.graphs.run_host(
+            [s.token_at(i) for s, i in zip(seqs, done)], [s.position_offset + i for s, i in zip(seqs, done)],
+            [i + 1 for i in done], [s.block_table for s in seqs],
+        )
+        for seq in seqs:
+            seq.num_computed_tokens += 1
+        return list(sample(logits, [s.params for s in seqs], [s.generator for s in seqs], greedy))
 
     @torch.inference_mode()
     def forward_fresh(

@@ -1,4 +1,5 @@
-"""Dispatch of the element-wise ops (RMSNorm, RoPE) and choice of the kernel backend.
+"""Dispatch of the element-wise ops (RMSNorm, RoPE, SwiGLU's SiLU-and-multiply), of the one-row
+linear layers of a batch-1 decode, and choice of the kernel backend.
 
 The choice is made per call from the tensor's device, so one model object runs on CPU and CUDA:
 Triton on CUDA when it imports, the torch references elsewhere. ``RAGFUSE_KERNELS=torch`` forces the
@@ -11,7 +12,9 @@ import importlib.util
 import os
 
 import torch
+import torch.nn.functional as F
 
+from ragfuse.kernels.activation import silu_mul_ref
 from ragfuse.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from ragfuse.kernels.rope import apply_rope_ref
 
@@ -19,6 +22,8 @@ KERNELS_ENV = "RAGFUSE_KERNELS"
 BACKENDS = ("auto", "triton", "torch")
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 if HAVE_TRITON:
+    from ragfuse.kernels.activation_triton import silu_mul_triton
+    from ragfuse.kernels.gemv_triton import gemv_triton
     from ragfuse.kernels.norm_triton import fused_add_rms_norm_triton, rms_norm_triton
     from ragfuse.kernels.rope_triton import apply_rope_qk_triton, apply_rope_triton
 
@@ -59,6 +64,20 @@ def fused_add_rms_norm(
     if _triton(x):
         return fused_add_rms_norm_triton(x, residual, weight, eps)
     return fused_add_rms_norm_ref(x, residual, weight, eps)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``nn.Linear``'s product; a single row without bias (decode at batch 1) through the Triton GEMV,
+    which streams the weights faster than cuBLAS's one-row kernels on some shapes (kernels/NOTES.md)."""
+    if bias is None and x.numel() == x.shape[-1] and _triton(x):
+        return gemv_triton(x, weight)
+    return F.linear(x, weight, bias)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if _triton(gate_up):
+        return silu_mul_triton(gate_up)
+    return silu_mul_ref(gate_up)
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

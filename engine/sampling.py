@@ -43,9 +43,13 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits`` [num_seqs, vocab] (float32)."""
-    out = logits.argmax(dim=-1).tolist()
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+    greedy: torch.Tensor | None = None,
+) -> list[int]:
+    """One token per row of ``logits`` [num_seqs, vocab] (float32). ``greedy``: the rows' argmax when
+    the caller has it already (a decode graph computes it on the device, beside the logits)."""
+    out = (logits.argmax(dim=-1) if greedy is None else greedy).tolist()
     for i, p in enumerate(params):
         if p.greedy:
             continue

@@ -87,6 +87,21 @@ def test_graph_replay_matches_eager_and_padding_writes_nothing(monkeypatch: pyte
         eager = runner.model(ids, pos, runner.kv_cache.layers, meta)
     assert padded_size(3) == 4 and graphs.replays == 1
     assert (replayed - eager).abs().max().item() < 1e-4 * eager.abs().max().item()
+    with torch.inference_mode():  # the same step again through the output head, in the same replay
+        runner.kv_cache.storage.copy_(before)
+        logits, greedy = graphs.run_logits(ids, pos, meta)
+        want = runner.model.compute_logits(eager)
+    assert logits.shape == want.shape == (3, SHAPE["vocab_size"]) and logits.dtype == torch.float32
+    assert (logits - want).abs().max().item() < 1e-4 * want.abs().max().item()
+    assert torch.equal(greedy, logits.argmax(dim=-1)) and torch.equal(greedy, want.argmax(dim=-1))
+    assert graphs.replays == 2
+    with torch.inference_mode():  # and from host values, after a larger batch left its rows behind
+        graphs.run_host([1] * 6, list(range(6)), [1] * 6, [[5]] * 6)
+        runner.kv_cache.storage.copy_(before)
+        host_logits, host_greedy = graphs.run_host([3, 5, 7], [n - 1 for n in seq_lens], seq_lens, tables)
+        host_logits = host_logits.clone()
+    assert torch.equal(host_logits, logits) and torch.equal(host_greedy, greedy)
+    assert torch.equal(runner.kv_cache.storage, after_graph)  # same real slots written, padding none
     changed = (after_graph != before).flatten(4).any(-1)  # [layers, k/v, blocks, block offsets]
     expect = torch.zeros_like(changed)
     for n, table in zip(seq_lens, tables):

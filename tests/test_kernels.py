@@ -17,6 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ragfuse.kernels.activation import silu_mul_ref
+from ragfuse.kernels.gemv import gemv_ref
 from ragfuse.kernels.merge import merge_attention_ref
 from ragfuse.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from ragfuse.kernels.paged_attention import (
@@ -28,7 +30,8 @@ from ragfuse.kernels.rope import apply_rope_ref, cos_sin_table, inv_frequencies
 
 pytest.importorskip("triton")
 
-KERNEL_MODULES = ("norm_triton", "rope_triton", "merge_triton", "paged_attention_triton")
+KERNEL_MODULES = ("norm_triton", "rope_triton", "merge_triton", "paged_attention_triton", "activation_triton",
+                  "gemv_triton")
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
@@ -266,3 +269,42 @@ def test_rms_norm_matches_reference(kern, shape) -> None:
         ref_normed, ref_res = fused_add_rms_norm_ref(x, res, w, eps)
         assert torch.equal(new_res, ref_res)  # the residual sum rounds exactly like torch's add
         assert rel_err(normed, ref_normed) < TOL[dtype] / 4
+
+
+@pytest.mark.parametrize("shape", [(1, 2 * 96), (5, 2 * 1000), (2, 3, 2 * 64)])
+def test_silu_mul_matches_reference(kern, shape) -> None:
+    """Odd widths (a partial last column block), one row (decode), and leading batch dimensions."""
+    if kern.big:
+        shape = (*shape[:-1], 2 * 14336) if shape[-1] != 2 * 1000 else (*shape[:-1], 2 * 4100)
+    for dtype in kern.dtypes:
+        x = torch.randn(shape, dtype=dtype, device=kern.device) * 4
+        out_shape = (*shape[:-1], shape[-1] // 2)
+        poison(kern.device, (out_shape, dtype))
+        out = kern.silu_mul_triton(x)
+        ref = silu_mul_ref(x)
+        assert out.shape == ref.shape and out.dtype == ref.dtype
+        assert rel_err(out, silu_mul_ref(x.float())) < TOL[dtype] / 4
+        assert rel_err(out, ref) < TOL[dtype] / 4
+    strided = torch.randn(4, 2 * shape[-1], device=kern.device)[:, : shape[-1]]
+    assert rel_err(kern.silu_mul_triton(strided), silu_mul_ref(strided)) < 1e-5
+    with pytest.raises(ValueError, match="even"):
+        kern.silu_mul_triton(torch.randn(2, 7, device=kern.device))
+
+
+@pytest.mark.parametrize("n, k", [(5, 64), (96, 200), (33, 1100)])
+def test_gemv_matches_reference(kern, n, k) -> None:
+    """One row times a weight matrix: row counts that leave a partial last tile, K that is no multiple
+    of the tile (on the GPU: Mistral-7B's o, down and head shapes, with an odd row count)."""
+    if kern.big:
+        n, k = {(5, 64): (4096, 4096), (96, 200): (4099, 14336), (33, 1100): (32000, 4096)}[(n, k)]
+    for dtype in kern.dtypes:
+        w = torch.randn(n, k, dtype=dtype, device=kern.device) * 0.02
+        for x in (torch.randn(1, k, dtype=dtype, device=kern.device), torch.randn(2, k, dtype=dtype,
+                                                                                 device=kern.device)[1:, :]):
+            poison(kern.device, ((1, n), dtype))
+            out = kern.gemv_triton(x, w)
+            ref = gemv_ref(x.float(), w.float())
+            assert out.shape == (1, n) and out.dtype == dtype
+            assert rel_err(out, ref) < TOL[dtype] / 4
+    with pytest.raises(ValueError, match="one row"):
+        kern.gemv_triton(torch.randn(2, k, device=kern.device), torch.randn(n, k, device=kern.device))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ragfuse.engine.attention import AttentionMetadata
-from ragfuse.engine.cuda_graphs import padded_size
+from ragfuse.engine.cuda_graphs import pack_decode_step, padded_size
 from ragfuse.engine.ops import resolve_backend
 
 
@@ -57,3 +57,24 @@ def test_metadata_build_matches_per_token_definition() -> None:
     assert not fresh.has_prefix
     decode = AttentionMetadata.build([1, 1], [6, 2], [[0, 5], [3]], bs, torch.device("cpu"))
     assert not decode.is_prefill and decode.slot_mapping.tolist() == [21, 13]
+
+
+def test_host_packed_decode_step_matches_metadata() -> None:
+    """The pinned-buffer image of a decode step (``DecodeGraphs.run_host``) holds what
+    ``AttentionMetadata.build`` computes for it, after a larger batch left its rows behind; padding
+    rows are inert and only the rows in use are counted for the copy."""
+    bs, rows, width = 4, 8, 5
+    longs = torch.zeros(3, rows, dtype=torch.long)
+    ints = torch.zeros(rows * (1 + width), dtype=torch.int32)
+    pack_decode_step(longs.numpy(), ints.numpy(), bs, 8, list(range(6)), list(range(6)), [2] * 6, [[1, 2, 3]] * 6)
+    seq_lens, tables = [6, 2, 13], [[0, 5], [3], [7, 1, 4, 6]]
+    used = pack_decode_step(longs.numpy(), ints.numpy(), bs, padded_size(3), [11, 12, 13], [5, 1, 12], seq_lens,
+                            tables)
+    meta = AttentionMetadata.build([1, 1, 1], seq_lens, tables, bs, torch.device("cpu"))
+    assert longs[0, :3].tolist() == [11, 12, 13] and longs[1, :3].tolist() == [5, 1, 12]
+    assert longs[2, :4].tolist() == meta.slot_mapping.tolist() + [-1] == [21, 13, 24, -1]
+    assert ints[:4].tolist() == meta.seq_lens.tolist() + [0]
+    table_rows = ints[rows:].view(rows, width)
+    for i, table in enumerate(tables):
+        assert table_rows[i, : len(table)].tolist() == meta.block_tables[i, : len(table)].tolist()
+    assert used == rows + 3 * width

@@ -54,14 +54,11 @@ def cudnn_prefill(
     """Causal attention of one fresh sequence (no cached prefix) through torch's cuDNN kernel, which
     returns the lse. Its keys are exactly this step's K/V, read straight from the projections.
 
-    On H100 it beats the Triton prefill kernel from a few thousand tokens on (4K: 0.36 vs 0.47 ms a
-    layer) and loses below (512: 0.027 vs 0.018 ms), where expanding K/V heads to the query heads
-    (a copy) dominates; kernels/NOTES.md has the numbers.
+    K/V keep their own (fewer) heads: cuDNN's graph takes grouped-query attention as it is, so the
+    copy that expanded them to the query heads is gone. On H100 cuDNN beats the Triton prefill kernel
+    from a few thousand tokens on and loses below; kernels/NOTES.md has the numbers.
     """
-    group = q.shape[1] // k.shape[1]
-    qh = q.transpose(0, 1)[None]
-    kh = k.transpose(0, 1).repeat_interleave(group, dim=0)[None]
-    vh = v.transpose(0, 1).repeat_interleave(group, dim=0)[None]
+    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(qh, kh, vh, None, True, 0.0, True, scale=scale)[:2]
     return out[0].transpose(0, 1), lse.reshape(q.shape[1], q.shape[0]).transpose(0, 1)
 

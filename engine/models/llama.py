@@ -16,7 +16,7 @@ from torch import nn
 
 from ..attention import Attention, AttentionMetadata
 from ..config import ModelConfig
-from ..layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from ..layers import Linear, RMSNorm, RotaryEmbedding, SwiGLUMLP
 
 
 class KVHook(Protocol):
@@ -40,8 +40,8 @@ class LlamaAttentionBlock(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.rotary = rotary
         self.attn = Attention(config.num_heads, config.num_kv_heads, config.head_dim, config.sliding_window)
 
@@ -63,8 +63,7 @@ class LlamaAttentionBlock(nn.Module):
         hook: KVHook | None = None,
     ) -> torch.Tensor:
         q, k_raw, v = self.project(hidden)
-        q = self.rotary(q, positions)
-        k = self.rotary(k_raw, positions)
+        q, k = self.rotary.rotate_qk(q, k_raw, positions)
         if hook is not None:
             replaced = hook(self.layer_idx, positions, k_raw, k, v)
             if replaced is not None:
@@ -121,7 +120,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaBackbone(config, max_positions or config.max_position_embeddings)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
