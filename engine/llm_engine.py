@@ -426,12 +426,10 @@ class LLMEngine:
         chunks, after the history). A session whose KV fails its checksum is dropped and the turn
         recomputed (with a note)."""
         segments = turn.segments(tail)
-        # staged before the turn started: the read buffer, filled while the previous job ran
-        buffered = turn.source is not None and turn.source.staged
-        self.preload_session_turn(turn)  # the rest of the history (all of it without a read buffer)
+        self.preload_session_turn(turn)  # the history left after the read buffer (all of it without one)
         try:
             if tail is None and turn.source is not None and turn.source.staged:
-                rid, turn.fusion = self._add_after_history(turn, params, request_id, buffered)
+                rid, turn.fusion = self._add_after_history(turn, params, request_id)
             elif tail is not None or any(s.kv is not None for s in segments):
                 rid, turn.fusion = self.add_fused_request(segments, params, mode, policy, request_id)
             else:
@@ -450,12 +448,11 @@ class LLMEngine:
         return rid
 
     def _add_after_history(
-        self, turn: SessionTurn, params: SamplingParams, request_id: str | None, buffered: bool
+        self, turn: SessionTurn, params: SamplingParams, request_id: str | None
     ) -> tuple[str, FusionStats]:
         """A turn whose staged history is a cached prefix (``HistoryWriter``): written into the cache
-        all at once before one graph replay when the read buffer (``buffered``: staged before the
-        turn) already holds all of it, else layer by layer between the layers' graph replays while
-        the copy runs; only the new tokens run through the model."""
+        layer by layer between the layers' graph replays, beside them (from the read buffer where it
+        was copied ahead, else as its copy lands); only the new tokens run through the model."""
         ids = turn.plan.token_ids  # checked when the turn was planned (begin_session_turn)
         params, rid = self._admit(len(ids), params, request_id)
         assert turn.source is not None and self.runner.kv_cache is not None
@@ -466,11 +463,7 @@ class LLMEngine:
             writer = HistoryWriter(turn.source, self.runner.kv_cache, table, self.config.block_size,
                                    self.runner.model.model.rotary)
             with torch.inference_mode():
-                if buffered and turn.source.copied():
-                    writer.write_all()
-                    hidden = self.runner.forward_continuation(ids[n_hist:], n_hist, table)
-                else:
-                    hidden = self.runner.forward_continuation(ids[n_hist:], n_hist, table, before_layer=writer)
+                hidden = self.runner.forward_continuation(ids[n_hist:], n_hist, table, before_layer=writer)
                 logits = self.runner.model.compute_logits(hidden[-1:])[0]
             torch.cuda.synchronize(self.device)
             total = time.perf_counter() - t

@@ -26,7 +26,7 @@ _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 _MAX_SPLITS = 16
 _DECODE_BLOCK_N = 64
-_PREFILL_SPLIT_WAVES = 4  # programs per SM a split prefill aims for (H100 timings: NOTES.md)
+_PREFILL_SPLIT_WAVES = 8  # programs per SM a split prefill aims for (H100 timings: NOTES.md)
 
 
 @triton.jit
@@ -102,12 +102,13 @@ def _tile_span(
 
 @triton.jit
 def _split_share(span, num_splits, min_share, BLOCK_N: tl.constexpr):
-    """Keys per split of a tile's ``span`` keys: an equal share rounded up to whole ``BLOCK_N``
-    tiles, at least ``min_share`` (a multiple of BLOCK_N), so a short span is not cut into
-    slivers whose partials cost more to merge than they save. The tile uses ``cdiv(span, share)``
-    splits, 1..num_splits."""
+    """Keys per split of a tile's ``span`` keys: all or nothing. A span long enough for
+    ``num_splits`` shares of at least ``min_share`` keys is cut into that many (each rounded up to
+    whole ``BLOCK_N`` tiles); a shorter one stays whole. On an H100 a 257-token turn's attention
+    gained only from 8 splits of a 16K+ history; fewer or shorter shares cost more to merge than
+    they saved (kernels/NOTES.md). The tile uses ``cdiv(span, share)`` splits."""
     share = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
-    return tl.maximum(share, min_share)
+    return tl.where(span >= num_splits * min_share, share, span)
 
 
 @triton.jit
@@ -382,22 +383,23 @@ def prefill_num_splits(
 
     A short turn after a long history is a few query tiles per head, each walking the whole
     history: 257 queries x 32 heads is 160 programs on an H100's 132 multiprocessors. Splitting the
-    keys gives every multiprocessor several programs (about ``_PREFILL_SPLIT_WAVES`` per SM); grids
-    that already fill the GPU twice over are left whole. Host ints only, as for decode: a graph
-    captured with ``max_seq_len`` = the model's context keeps a valid count, and on the device each
-    tile uses only as many splits as its keys fill (at least ``_prefill_min_share`` keys each).
+    keys gives every multiprocessor several programs (about ``_PREFILL_SPLIT_WAVES`` per SM, as a
+    power of two); grids that already fill the GPU twice over are left whole. Host ints only, as for
+    decode: a graph captured with ``max_seq_len`` = the model's context keeps a valid count, and on
+    the device a tile splits only when its keys fill every share (``_split_share``).
     """
     sms = _sm_count(device)
     if num_programs >= 2 * sms:
         return 1
     want = math.ceil(_PREFILL_SPLIT_WAVES * sms / max(1, num_programs))
-    return max(1, min(_MAX_SPLITS, want, math.ceil(max_seq_len / _prefill_min_share(device))))
+    splits = min(_MAX_SPLITS, 1 << (want - 1).bit_length())
+    return splits if max_seq_len >= splits * _prefill_min_share(device) else 1
 
 
 def _prefill_min_share(device: torch.device) -> int:
     """Fewest keys a split takes (a multiple of the key tile); the interpreter's is small so tests
     exercise several splits on short sequences."""
-    return 512 if device.type == "cuda" else 16
+    return 2048 if device.type == "cuda" else 16
 
 
 def paged_prefill_attention_triton(

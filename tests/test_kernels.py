@@ -124,13 +124,13 @@ def test_prefill_matches_reference(kern, heads, kv_heads, head_dim, page, window
 @pytest.mark.parametrize("window", [None, 7])
 def test_prefill_split_keys_matches_reference(kern, heads, kv_heads, head_dim, num_splits, window) -> None:
     """Split-K prefill (a new turn after a long history): each query tile's keys cut into shares
-    merged by lse, beside tiles short enough for one share (written directly) in the same launch,
-    fresh sequences whose early tiles see fewer splits than later ones, and more splits than keys."""
+    merged by lse, beside tiles too short to split (written directly) in the same launch, and fresh
+    sequences whose early tiles stay whole while later ones split."""
     if kern.big:
-        q_lens, ctx = [257, 1, 129, 300, 64], [5000, 2000, 100, 0, 1100]
-        window = None if window is None else 700
+        q_lens, ctx = [257, 1, 129, 300, 64], [33000, 2000, 100, 0, 7000]
+        window = None if window is None else 9000
     else:
-        q_lens, ctx = [37, 1, 16, 20, 5], [0, 19, 16, 100, 3]
+        q_lens, ctx = [37, 1, 16, 20, 5], [0, 19, 16, 300, 60]
     seq_lens = [q + c for q, c in zip(q_lens, ctx)]
     for dtype in kern.dtypes:
         k_cache, v_cache, tables = make_cache(seq_lens, kv_heads, head_dim, 16, dtype, kern.device)
@@ -158,6 +158,8 @@ def test_prefill_split_count_depends_only_on_host_sizes(kern) -> None:
     assert kern.prefill_num_splits(sms // 2, 32768, kern.device) > 1
     assert kern.prefill_num_splits(2 * sms, 32768, kern.device) == 1
     assert kern.prefill_num_splits(sms // 2, 16, kern.device) == 1  # keys too few to share
+    assert kern.prefill_num_splits(sms // 2, 32768, kern.device) & (kern.prefill_num_splits(sms // 2, 32768,
+                                                                                            kern.device) - 1) == 0
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", ATTN_SHAPES)
@@ -167,8 +169,8 @@ def test_prefill_at_scattered_positions_matches_reference(kern, heads, kv_heads,
     """Cache fusion's recompute: queries at scattered ascending positions over a whole cached
     sequence, each with its own causal bound (positions straddle tile and page edges), with the keys
     whole or split."""
-    seq_len = 700 if kern.big else 53
-    picks = [0, 1, 5, 16, 17, 31, 32, 33, 52] if not kern.big else [0, 3, 63, 64, 65, 200, 511, 512, 699]
+    seq_len = 6500 if kern.big else 53
+    picks = [0, 1, 5, 16, 17, 31, 32, 33, 52] if not kern.big else [0, 3, 63, 64, 65, 200, 511, 512, 6499]
     for dtype in kern.dtypes:
         k_cache, v_cache, tables = make_cache([seq_len], kv_heads, head_dim, 16, dtype, kern.device)
         q = torch.randn(len(picks), heads, head_dim, dtype=dtype, device=kern.device)

@@ -73,9 +73,7 @@ class SessionSource:
 
         ``layers``: copy only the first ``layers`` (the read buffer, filled while the previous job
         runs or the turn waits in the queue: ``read_buffer_layers`` sizes it); a later call goes on
-        from there (the turn's start stages the rest). All layers land in one buffer, K of every
-        layer before V of every layer, so a history that is all there can be written into the cache
-        in one pass over every layer (``all_on_device``)."""
+        from there (the turn's start stages the rest). All layers land in one device buffer."""
         if self.tier != "cpu" or device.type != "cuda":
             return
         upto = self.num_layers if layers is None else min(layers, self.num_layers)
@@ -107,11 +105,6 @@ class SessionSource:
         """Whether copying to the device has started (some layers, or all)."""
         return self._staged is not None
 
-    def copied(self) -> bool:
-        """Whether the whole history is on the device already (the read buffer held all of it and
-        its copy is done); asks without blocking."""
-        return self._staged is not None and len(self._staged) == self.num_layers and self._staged[-1].query()
-
     def layer_on_device(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
         """A staged layer's (K without position, V) for the current stream, which waits on the
         device for its copy (the host never blocks), and the copy's event."""
@@ -119,14 +112,6 @@ class SessionSource:
         ev = self._staged[layer]
         torch.cuda.current_stream(self._buffer.device).wait_event(ev)
         return self._pick(self._buffer[0, layer], 0), self._pick(self._buffer[1, layer], 0), ev
-
-    def all_on_device(self) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
-        """Every staged layer's K (without position) and V [layers, tokens, kv_heads, head_dim] for the
-        current stream, which waits on the device for the last copy, and that copy's event."""
-        assert self._staged is not None and self._buffer is not None, "stage first"
-        ev = self._staged[-1]  # one stream copied the layers in order
-        torch.cuda.current_stream(self._buffer.device).wait_event(ev)
-        return self._pick(self._buffer[0], 1), self._pick(self._buffer[1], 1), ev
 
     def _pick(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """The fed rows of staged ``t`` along ``dim`` (all of them without a cut)."""

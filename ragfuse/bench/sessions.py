@@ -232,7 +232,7 @@ def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
                     if staged:
                         # the read buffer: the history copied to the GPU while the previous job ran
                         turn = eng.begin_session_turn(sid, conversation, 1, new_tokens=len(new) + 1)
-                        turn.source.stage(eng.device, eng._load_stream)
+                        eng.preload_session_turn(turn)
                         sync()
                         t = time.perf_counter()
                         eng.abort(eng.start_session_turn(turn, one))
@@ -242,7 +242,7 @@ def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
                         turn = eng.begin_session_turn(sid, conversation, 1, new_tokens=len(new) + 1)
                         sync()
                         t = time.perf_counter()
-                        turn.source.stage(eng.device, eng._load_stream)
+                        eng.preload_session_turn(turn)
                         sync()
                         m["alone"].append(time.perf_counter() - t)
                         turn.close()
