@@ -125,7 +125,8 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         if not ids:
             raise RequestError("empty prompt")
-        if any((not isinstance(t, int)) or t < 0 or t >= self.model_config.vocab_size for t in ids):
+        # C-speed checks (a per-token generator costs ~2 ms per 28K-token history on every turn)
+        if not set(map(type, ids)) <= {int, bool} or min(ids) < 0 or max(ids) >= self.model_config.vocab_size:
             raise RequestError("prompt holds token ids outside the model's vocabulary")
         return ids
 
@@ -398,6 +399,14 @@ class LLMEngine:
         return begin_turn(self.sessions, session_id, conversation, self.max_model_len, reserve,
                           len(conversation) if new_tokens is None else new_tokens, keep_first)
 
+    def preload_session_turn(self, turn: SessionTurn, layers: int | None = None) -> None:
+        """Fill the read buffer: start copying the first ``layers`` of the turn's history (None: all)
+        to the GPU now, while an earlier job runs or the turn waits in the queue, so its start only
+        streams the rest (``read_buffer_layers`` sizes ``layers`` for a copy fully hidden by then).
+        A no-op off CUDA and for sessions on disk."""
+        if turn.source is not None and self._load_stream is not None:
+            turn.source.stage(self.device, self._load_stream, layers)
+
     def add_session_request(
         self, session_id: str, conversation: list[int], params: SamplingParams | None = None,
         new_tokens: int | None = None, keep_first: int = 4, request_id: str | None = None,
@@ -417,13 +426,10 @@ class LLMEngine:
         chunks, after the history). A session whose KV fails its checksum is dropped and the turn
         recomputed (with a note)."""
         segments = turn.segments(tail)
-        # staged before the turn started: the read buffer, filled while the previous job ran
-        buffered = turn.source is not None and turn.source.staged
-        if turn.source is not None and self._snapshot_stream is not None:
-            turn.source.stage(self.device, self._load_stream)
+        self.preload_session_turn(turn)  # the history left after the read buffer (all of it without one)
         try:
             if tail is None and turn.source is not None and turn.source.staged:
-                rid, turn.fusion = self._add_after_history(turn, params, request_id, buffered)
+                rid, turn.fusion = self._add_after_history(turn, params, request_id)
             elif tail is not None or any(s.kv is not None for s in segments):
                 rid, turn.fusion = self.add_fused_request(segments, params, mode, policy, request_id)
             else:
@@ -442,13 +448,12 @@ class LLMEngine:
         return rid
 
     def _add_after_history(
-        self, turn: SessionTurn, params: SamplingParams, request_id: str | None, buffered: bool
+        self, turn: SessionTurn, params: SamplingParams, request_id: str | None
     ) -> tuple[str, FusionStats]:
         """A turn whose staged history is a cached prefix (``HistoryWriter``): written into the cache
-        all at once before one graph replay when the read buffer (``buffered``: staged before the
-        turn) already holds all of it, else layer by layer between the layers' graph replays while
-        the copy runs; only the new tokens run through the model."""
-        ids = self.tokenize(turn.plan.token_ids)
+        layer by layer between the layers' graph replays, beside them (from the read buffer where it
+        was copied ahead, else as its copy lands); only the new tokens run through the model."""
+        ids = turn.plan.token_ids  # checked when the turn was planned (begin_session_turn)
         params, rid = self._admit(len(ids), params, request_id)
         assert turn.source is not None and self.runner.kv_cache is not None
         n_hist = turn.reused
@@ -458,11 +463,7 @@ class LLMEngine:
             writer = HistoryWriter(turn.source, self.runner.kv_cache, table, self.config.block_size,
                                    self.runner.model.model.rotary)
             with torch.inference_mode():
-                if buffered and turn.source.copied():
-                    writer.write_all()
-                    hidden = self.runner.forward_continuation(ids[n_hist:], n_hist, table)
-                else:
-                    hidden = self.runner.forward_continuation(ids[n_hist:], n_hist, table, before_layer=writer)
+                hidden = self.runner.forward_continuation(ids[n_hist:], n_hist, table, before_layer=writer)
                 logits = self.runner.model.compute_logits(hidden[-1:])[0]
             torch.cuda.synchronize(self.device)
             total = time.perf_counter() - t

@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache in Triton: varlen causal prefill and split-K decode.
+"""Attention over the paged KV cache in Triton: varlen causal prefill and decode, both split-K.
 
 Same cache layout and contracts as ``paged_attention.py`` (the torch references): K and V caches
 ``[num_blocks, block_size, num_kv_heads, head_dim]``, sequence ``s``'s token ``t`` in block
@@ -7,8 +7,10 @@ natural-log log-sum-exp in float32, so partial attentions merge exactly.
 
 Both kernels are flash-attention style (online softmax in base 2, never materialising scores) and
 read keys through the block table one ``BLOCK_N`` tile at a time: each key row's cache slot is
-gathered, so any ``block_size`` works. Nothing here reads a device value on the host, so the decode
-path can be captured in a CUDA graph; launch grids depend only on host-side ints.
+gathered, so any ``block_size`` works. Nothing here reads a device value on the host, so both paths
+can be captured in a CUDA graph; launch grids depend only on host-side ints. A grid too small to
+fill the GPU (a short turn after a long history, a decode batch) cuts each query tile's keys into
+shares attended by programs of their own, merged by lse afterwards.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 _MAX_SPLITS = 16
 _DECODE_BLOCK_N = 64
+_PREFILL_SPLIT_WAVES = 8  # programs per SM a split prefill aims for (H100 timings: NOTES.md)
 
 
 @triton.jit
@@ -73,20 +76,130 @@ def _attend_tile(
 
 
 @triton.jit
+def _tile_span(
+    q_start, q_len, kv_len, m0, q_positions_ptr, window,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, HAS_POS: tl.constexpr,
+):
+    """Keys a query tile (rows ``m0..m0 + BLOCK_M`` of a sequence) attends to: ``[lo, hi)``, of
+    which ``[lo, full_end)`` every row sees in full. ``lo`` and ``full_end`` are multiples of
+    ``BLOCK_N``. Shared by the attention and the split-merge kernels, which must agree on it."""
+    if HAS_POS:
+        first = tl.load(q_positions_ptr + q_start + m0)
+        last = tl.load(q_positions_ptr + q_start + tl.minimum(m0 + BLOCK_M, q_len) - 1)
+    else:
+        ctx = kv_len - q_len  # tokens already cached before this step's queries
+        first = ctx + m0
+        last = ctx + m0 + BLOCK_M - 1
+    hi = tl.minimum(last + 1, kv_len)
+    if SLIDING:  # every tile may cut a row's window: mask them all, start at the first row's window
+        lo = (tl.maximum(first - window + 1, 0) // BLOCK_N) * BLOCK_N
+        full_end = lo
+    else:  # keys before the tile's first query are visible to all its rows
+        lo = first * 0
+        full_end = (first // BLOCK_N) * BLOCK_N
+    return lo, full_end, hi
+
+
+@triton.jit
+def _split_share(span, num_splits, min_share, BLOCK_N: tl.constexpr):
+    """Keys per split of a tile's ``span`` keys: all or nothing. A span long enough for
+    ``num_splits`` shares of at least ``min_share`` keys is cut into that many (each rounded up to
+    whole ``BLOCK_N`` tiles); a shorter one stays whole. On an H100 a 257-token turn's attention
+    gained only from 8 splits of a 16K+ history; fewer or shorter shares cost more to merge than
+    they saved (kernels/NOTES.md). The tile uses ``cdiv(span, share)`` splits."""
+    share = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
+    return tl.where(span >= num_splits * min_share, share, span)
+
+
+@triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, q_positions_ptr,
-    scale_log2, window,
+    scale_log2, window, num_splits, min_share,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+    stride_pt, stride_ps, stride_ph, stride_plt, stride_pls,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, PREC: tl.constexpr,
     HAS_POS: tl.constexpr,
 ):
-    """Program (query tile, sequence, query head). Tiles past a sequence's query length exit.
+    """Program (query tile x split, sequence, query head). Tiles past a sequence's query length exit.
+
+    Split-K: a tile's keys are cut into up to ``num_splits`` shares (``_split_share``) attended by
+    programs of their own; a tile that needs one share writes ``out``/``lse`` directly, one that
+    needs several writes normalised partials and their lse to ``part_out``/``part_lse`` at
+    [token, split, head] for ``_prefill_merge_kernel``; splits past the tile's count exit.
 
     ``HAS_POS``: the queries sit at the given ascending absolute positions (cache fusion's scattered
     recompute) instead of the last ``q_len`` positions of the sequence."""
+    m_block = tl.program_id(0) // num_splits
+    split = tl.program_id(0) % num_splits
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    m0 = m_block * BLOCK_M
+    if m0 >= q_len:
+        return
+    kv_len = tl.load(seq_lens_ptr + seq)
+    lo, full_end, hi = _tile_span(q_start, q_len, kv_len, m0, q_positions_ptr, window,
+                                  BLOCK_M, BLOCK_N, SLIDING, HAS_POS)
+    share = _split_share(hi - lo, num_splits, min_share, BLOCK_N)
+    parts = tl.cdiv(hi - lo, share)
+    if split >= parts:
+        return
+    s_lo = lo + split * share
+    s_hi = tl.minimum(s_lo + share, hi)
+    s_full = tl.minimum(tl.maximum(full_end, s_lo), s_hi)
+    kv_head = head // GROUP
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    row_mask = offs_m < q_len
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    q_pos = tl.load(q_positions_ptr + rows, mask=row_mask, other=0) if HAS_POS else kv_len - q_len + offs_m
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(s_lo, s_full, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start_n, q_pos, kv_len, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, window,
+            scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, offs_d, d_mask,
+            PAGE, BLOCK_N, False, SLIDING, PREC,
+        )
+    for start_n in range(s_full, s_hi, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start_n, q_pos, kv_len, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, window,
+            scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, offs_d, d_mask,
+            PAGE, BLOCK_N, True, SLIDING, PREC,
+        )
+    # rows past q_len saw nothing and are not stored; a row may see none of a split's keys: lse -inf
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
+    if parts == 1:
+        tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+        tl.store(lse_ptr + rows * stride_lt + head, lse, mask=row_mask)
+    else:
+        tl.store(part_out_ptr + rows[:, None] * stride_pt + split * stride_ps + head * stride_ph + offs_d[None, :],
+                 out, mask=row_mask[:, None] & d_mask[None, :])
+        tl.store(part_lse_ptr + rows * stride_plt + split * stride_pls + head, lse, mask=row_mask)
+
+
+@triton.jit
+def _prefill_merge_kernel(
+    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, cu_seqlens_q_ptr, q_positions_ptr,
+    window, num_splits, min_share,
+    stride_ot, stride_oh, stride_lt, stride_pt, stride_ps, stride_ph, stride_plt, stride_pls,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr, HAS_POS: tl.constexpr,
+):
+    """Program (query tile, sequence, query head): merge the tile's split partials by their lse,
+    online over the splits. Tiles of one split were written directly and are skipped."""
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -96,51 +209,35 @@ def _prefill_kernel(
     if m0 >= q_len:
         return
     kv_len = tl.load(seq_lens_ptr + seq)
-    ctx = kv_len - q_len  # tokens already cached before this step's queries
-    kv_head = head // GROUP
+    lo, full_end, hi = _tile_span(q_start, q_len, kv_len, m0, q_positions_ptr, window,
+                                  BLOCK_M, BLOCK_N, SLIDING, HAS_POS)
+    parts = tl.cdiv(hi - lo, _split_share(hi - lo, num_splits, min_share, BLOCK_N))
+    if parts == 1:
+        return
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
     row_mask = offs_m < q_len
+    mask = row_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
     rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-    if HAS_POS:
-        q_pos = tl.load(q_positions_ptr + rows, mask=row_mask, other=0)
-        first = tl.load(q_positions_ptr + q_start + m0)
-        last = tl.load(q_positions_ptr + q_start + tl.minimum(m0 + BLOCK_M, q_len) - 1)
-    else:
-        q_pos = ctx + offs_m
-        first = ctx + m0
-        last = ctx + m0 + BLOCK_M - 1
-    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = tl.minimum(last + 1, kv_len)
-    if SLIDING:  # every tile may cut a row's window: mask them all, start at the first row's window
-        lo = (tl.maximum(first - window + 1, 0) // BLOCK_N) * BLOCK_N
-        full_end = lo
-    else:  # keys before the tile's first query are visible to all its rows
-        lo = 0
-        full_end = (first // BLOCK_N) * BLOCK_N
-    for start_n in range(lo, full_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, start_n, q_pos, kv_len, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, window,
-            scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, offs_d, d_mask,
-            PAGE, BLOCK_N, False, SLIDING, PREC,
-        )
-    for start_n in range(full_end, hi, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, start_n, q_pos, kv_len, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, window,
-            scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, offs_d, d_mask,
-            PAGE, BLOCK_N, True, SLIDING, PREC,
-        )
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows past q_len saw nothing; they are not stored
-    out = acc / l_safe[:, None]
+    for s in range(0, parts):
+        lse_s = tl.load(part_lse_ptr + rows * stride_plt + s * stride_pls + head, mask=row_mask,
+                        other=float("-inf"))
+        part = tl.load(part_out_ptr + rows[:, None] * stride_pt + s * stride_ps + head * stride_ph + offs_d[None, :],
+                       mask=mask, other=0.0)
+        m_new = tl.maximum(m, lse_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        w = tl.exp(lse_s - m_safe)
+        acc = acc * alpha[:, None] + part * w[:, None]
+        total = total * alpha + w
+        m = m_new
+    t_safe = tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
-    tl.store(lse_ptr + rows * stride_lt + head, (m_i + tl.log2(l_safe)) * 0.6931471805599453, mask=row_mask)
+             (acc / t_safe[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + rows * stride_lt + head, m + tl.log(t_safe), mask=row_mask)
 
 
 @triton.jit
@@ -286,6 +383,32 @@ def _cache_strides(cache: torch.Tensor) -> tuple[int, int, int]:
     return cache.stride(0), cache.stride(1), cache.stride(2)
 
 
+def prefill_num_splits(
+    num_programs: int, max_seq_len: int, device: torch.device
+) -> int:
+    """Key splits per query tile for a prefill grid of ``num_programs`` (tiles x sequences x heads).
+
+    A short turn after a long history is a few query tiles per head, each walking the whole
+    history: 257 queries x 32 heads is 160 programs on an H100's 132 multiprocessors. Splitting the
+    keys gives every multiprocessor several programs (about ``_PREFILL_SPLIT_WAVES`` per SM, as a
+    power of two); grids that already fill the GPU twice over are left whole. Host ints only, as for
+    decode: a graph captured with ``max_seq_len`` = the model's context keeps a valid count, and on
+    the device a tile splits only when its keys fill every share (``_split_share``).
+    """
+    sms = _sm_count(device)
+    if num_programs >= 2 * sms:
+        return 1
+    want = math.ceil(_PREFILL_SPLIT_WAVES * sms / max(1, num_programs))
+    splits = min(_MAX_SPLITS, 1 << (want - 1).bit_length())
+    return splits if max_seq_len >= splits * _prefill_min_share(device) else 1
+
+
+def _prefill_min_share(device: torch.device) -> int:
+    """Fewest keys a split takes (a multiple of the key tile); the interpreter's is small so tests
+    exercise several splits on short sequences."""
+    return 2048 if device.type == "cuda" else 16
+
+
 def paged_prefill_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -297,12 +420,16 @@ def paged_prefill_attention_triton(
     sliding_window: int | None = None,
     max_query_len: int | None = None,
     q_positions: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``paged_prefill_attention_ref``.
 
     ``max_query_len`` sizes the grid; pass it (the metadata has it) to avoid reading
     ``cu_seqlens_q`` back to the host. ``q_positions`` [total] (ascending within each sequence)
     places the queries at arbitrary positions, each seeing the keys at or before its own.
+    ``max_seq_len`` (a host bound on the sequences' lengths) lets a small grid split its keys
+    (``prefill_num_splits``); ``num_splits`` forces the split count.
     """
     total, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -316,17 +443,32 @@ def paged_prefill_attention_triton(
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     block_m, block_n, warps, stages = _prefill_tiles(head_dim, q.device)
-    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, out, lse, block_tables, seq_lens, cu_seqlens_q,
-        q_positions if q_positions is not None else cu_seqlens_q,
-        scale * _LOG2E, sliding_window or 0,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+    tiles = triton.cdiv(max_query_len, block_m)
+    if num_splits is None:
+        num_splits = 1 if max_seq_len is None else prefill_num_splits(tiles * num_seqs * num_heads, max_seq_len,
+                                                                      q.device)
+    if num_splits > 1:
+        part_out, part_lse = split_buffers(total, num_splits, num_heads, head_dim, q.device)
+    else:  # never written: every tile is one split
+        part_out, part_lse = out.unsqueeze(1), lse.unsqueeze(1)
+    min_share = max(block_n, _prefill_min_share(q.device) // block_n * block_n)
+    positions = q_positions if q_positions is not None else cu_seqlens_q
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+                  SLIDING=sliding_window is not None, HAS_POS=q_positions is not None)
+    part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1))
+    _prefill_kernel[(tiles * num_splits, num_seqs, num_heads)](
+        q, k_cache, v_cache, out, lse, part_out, part_lse, block_tables, seq_lens, cu_seqlens_q, positions,
+        scale * _LOG2E, sliding_window or 0, num_splits, min_share,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), *part_strides,
         *_cache_strides(k_cache), *_cache_strides(v_cache), block_tables.stride(0),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, SLIDING=sliding_window is not None,
-        PREC=_dot_precision(q.dtype), HAS_POS=q_positions is not None, num_warps=warps, num_stages=stages,
+        GROUP=num_heads // num_kv_heads, PAGE=k_cache.shape[1], PREC=_dot_precision(q.dtype),
+        num_warps=warps, num_stages=stages, **common,
     )
+    if num_splits > 1:
+        _prefill_merge_kernel[(tiles, num_seqs, num_heads)](
+            out, lse, part_out, part_lse, seq_lens, cu_seqlens_q, positions, sliding_window or 0, num_splits,
+            min_share, out.stride(0), out.stride(1), lse.stride(0), *part_strides, num_warps=4, **common,
+        )
     return out, lse
 
 

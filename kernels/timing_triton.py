@@ -1,7 +1,8 @@
 """Times the Triton kernels on the GPU against torch's own kernels and against the two floors.
 
-Run on the GPU machine: ``python -m ragfuse.kernels.timing_triton [out.json]``. Shapes are Mistral-7B's
-attention (32 query heads, 8 KV heads, head_dim 128) in bf16. It first measures the two ceilings
+Run on the GPU machine: ``python -m ragfuse.kernels.timing_triton [out.json] [--turn]`` (``--turn``:
+only the session-turn cases). Shapes are Mistral-7B's attention (32 query heads, 8 KV heads,
+head_dim 128) in bf16. It first measures the two ceilings
 (device-to-device copy bandwidth, bf16 matmul rate), then for each case prints the kernel's time, the
 flops floor and the bytes floor; kernels/NOTES.md records the results.
 """
@@ -114,6 +115,24 @@ def prefill(t: int, ctx: int, bw: float, rate: float) -> None:
             print(f"sdpa {backend} failed: {e!r:.300}", flush=True)
 
 
+def split_prefill(t: int, ctx: int, rate: float) -> None:
+    """A chat turn: ``t`` new tokens after ``ctx`` cached ones, the keys cut into 1..16 splits."""
+    n = ctx + t
+    k_cache, v_cache, tables = paged([n])
+    q = torch.randn(t, H, D, device="cuda", dtype=DT)
+    lens = torch.tensor([n], dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, t], dtype=torch.int32, device="cuda")
+    flops = 4 * H * D * (t * ctx + t * t / 2)
+    case = f"turn t={t} ctx={ctx}"
+    print(f"# {case}: flops floor {flops / rate * 1e3:.3f} ms", flush=True)
+    for splits in (1, 2, 4, 8, 16, None):
+        fn = lambda splits=splits: pat.paged_prefill_attention_triton(
+            q, k_cache, v_cache, tables, lens, cu, D**-0.5, None, t, max_seq_len=32768, num_splits=splits
+        )
+        chosen = splits or pat.prefill_num_splits(pat.triton.cdiv(t, 64) * H, 32768, q.device)
+        record(case, f"triton splits={chosen}{'' if splits else ' (default)'}", ms(fn), flops)
+
+
 def decode(batch: int, ctx: int, bw: float) -> None:
     k_cache, v_cache, tables = paged([ctx] * batch)
     q = torch.randn(batch, H, D, device="cuda", dtype=DT)
@@ -191,6 +210,10 @@ def main() -> None:
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     bw, rate = ceilings()
+    for ctx in (1024, 4096, 16384, 28672):
+        split_prefill(257, ctx, rate)
+    if "--turn" in sys.argv:  # the session-turn cases alone
+        return _save()
     for t in (512, 4096, 8192):
         prefill(t, 0, bw, rate)
     prefill(512, 3584, bw, rate)
@@ -201,8 +224,13 @@ def main() -> None:
         engine_decode()
     except Exception as e:
         print(f"engine decode failed: {e!r:.500}", flush=True)
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
+    _save()
+
+
+def _save() -> None:
+    out = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if out:
+        with open(out[0], "w") as f:
             json.dump(ROWS, f, indent=1)
 
 

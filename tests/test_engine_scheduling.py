@@ -117,8 +117,9 @@ def test_stream_equals_generate_and_abandoning_a_stream_frees_blocks(llm):
 def test_bad_requests_are_refused_clearly(engine):
     with pytest.raises(RequestError, match="empty"):
         engine.add_request("")
-    with pytest.raises(RequestError, match="vocabulary"):
-        engine.add_request([10**9])
+    for bad in ([10**9], [-1], [1, 2.5], [1, "2"]):
+        with pytest.raises(RequestError, match="vocabulary"):
+            engine.add_request(bad)
     with pytest.raises(RequestError, match="exceeds"):
         engine.add_request([1] * (engine.max_model_len + 1))
     with pytest.raises(RequestError):

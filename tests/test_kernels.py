@@ -39,7 +39,7 @@ def _kernels() -> SimpleNamespace:
     names: dict[str, object] = {}
     for name in KERNEL_MODULES:
         mod = importlib.import_module(f"ragfuse.kernels.{name}")
-        names.update({k: v for k, v in vars(mod).items() if k.endswith("_triton") or k == "decode_num_splits"})
+        names.update({k: v for k, v in vars(mod).items() if k.endswith("_triton") or k.endswith("_num_splits")})
     return SimpleNamespace(**names)
 
 
@@ -122,13 +122,58 @@ def test_prefill_matches_reference(kern, heads, kv_heads, head_dim, page, window
         assert rel_err(lse, ref_lse) < 1e-4, dtype
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", ATTN_SHAPES[:2])
+@pytest.mark.parametrize("num_splits", [2, 3, 16])
+@pytest.mark.parametrize("window", [None, 7])
+def test_prefill_split_keys_matches_reference(kern, heads, kv_heads, head_dim, num_splits, window) -> None:
+    """Split-K prefill (a new turn after a long history): each query tile's keys cut into shares
+    merged by lse, beside tiles too short to split (written directly) in the same launch, and fresh
+    sequences whose early tiles stay whole while later ones split."""
+    if kern.big:
+        q_lens, ctx = [257, 1, 129, 300, 64], [33000, 2000, 100, 0, 7000]
+        window = None if window is None else 9000
+    else:
+        q_lens, ctx = [37, 1, 16, 20, 5], [0, 19, 16, 300, 60]
+    seq_lens = [q + c for q, c in zip(q_lens, ctx)]
+    for dtype in kern.dtypes:
+        k_cache, v_cache, tables = make_cache(seq_lens, kv_heads, head_dim, 16, dtype, kern.device)
+        q = torch.randn(sum(q_lens), heads, head_dim, dtype=dtype, device=kern.device)
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=kern.device)
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=kern.device)
+        scale = head_dim**-0.5
+        ref_out, ref_lse = paged_prefill_attention_ref(
+            q.float(), k_cache.float(), v_cache.float(), tables, lens, cu, scale, window
+        )
+        parts = (q.shape[0], num_splits, heads)
+        poison(kern.device, (q.shape, dtype), (q.shape[:2], torch.float32), ((*parts, head_dim), torch.float32),
+               (parts, torch.float32))
+        out, lse = kern.paged_prefill_attention_triton(
+            q, k_cache, v_cache, tables, lens, cu, scale, window, max_query_len=max(q_lens), num_splits=num_splits
+        )
+        assert rel_err(out, ref_out) < TOL[dtype], dtype
+        assert rel_err(lse, ref_lse) < 1e-4, dtype
+
+
+def test_prefill_split_count_depends_only_on_host_sizes(kern) -> None:
+    """A turn's few query tiles split their keys (the count fixed by host ints, valid for any length
+    a graph replays); a grid that fills the device twice over does not."""
+    sms = kern.prefill_num_splits.__globals__["_sm_count"](kern.device)
+    assert kern.prefill_num_splits(sms // 2, 32768, kern.device) > 1
+    assert kern.prefill_num_splits(2 * sms, 32768, kern.device) == 1
+    assert kern.prefill_num_splits(sms // 2, 16, kern.device) == 1  # keys too few to share
+    assert kern.prefill_num_splits(sms // 2, 32768, kern.device) & (kern.prefill_num_splits(sms // 2, 32768,
+                                                                                            kern.device) - 1) == 0
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim", ATTN_SHAPES)
 @pytest.mark.parametrize("window", [None, 6])
-def test_prefill_at_scattered_positions_matches_reference(kern, heads, kv_heads, head_dim, window) -> None:
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_prefill_at_scattered_positions_matches_reference(kern, heads, kv_heads, head_dim, window, num_splits) -> None:
     """Cache fusion's recompute: queries at scattered ascending positions over a whole cached
-    sequence, each with its own causal bound (positions straddle tile and page edges)."""
-    seq_len = 700 if kern.big else 53
-    picks = [0, 1, 5, 16, 17, 31, 32, 33, 52] if not kern.big else [0, 3, 63, 64, 65, 200, 511, 512, 699]
+    sequence, each with its own causal bound (positions straddle tile and page edges), with the keys
+    whole or split."""
+    seq_len = 6500 if kern.big else 53
+    picks = [0, 1, 5, 16, 17, 31, 32, 33, 52] if not kern.big else [0, 3, 63, 64, 65, 200, 511, 512, 6499]
     for dtype in kern.dtypes:
         k_cache, v_cache, tables = make_cache([seq_len], kv_heads, head_dim, 16, dtype, kern.device)
         q = torch.randn(len(picks), heads, head_dim, dtype=dtype, device=kern.device)
@@ -141,7 +186,8 @@ def test_prefill_at_scattered_positions_matches_reference(kern, heads, kv_heads,
         cu = torch.tensor([0, len(picks)], dtype=torch.int32, device=kern.device)
         lens = torch.tensor([seq_len], dtype=torch.int32, device=kern.device)
         out, lse = kern.paged_prefill_attention_triton(
-            q, k_cache, v_cache, tables, lens, cu, scale, window, max_query_len=len(picks), q_positions=pos
+            q, k_cache, v_cache, tables, lens, cu, scale, window, max_query_len=len(picks), q_positions=pos,
+            num_splits=num_splits,
         )
         assert rel_err(out, ref_out) < TOL[dtype], dtype
         assert rel_err(lse, ref_lse) < 1e-4, dtype

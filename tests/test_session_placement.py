@@ -6,7 +6,8 @@ import pytest
 
 from ragfuse.engine.errors import RequestError
 from ragfuse.engine.sessions import FIFOPolicy, LRUPolicy, SchedulerAwarePolicy, SessionInfo, SessionPlacement
-from ragfuse.engine.sessions.history import plan_turn
+from ragfuse.engine.sessions.history import common_prefix, plan_turn
+from ragfuse.engine.sessions.source import read_buffer_layers
 
 
 def infos() -> list[SessionInfo]:
@@ -86,3 +87,32 @@ def test_plan_cuts_the_oldest_history_on_overflow_keeping_first_and_new_tokens()
     assert plan.token_ids == conv[:4] + conv[27:]
     with pytest.raises(RequestError, match="does not fit"):
         plan_turn(conv, None, None, max_len=20, reserve=8, new_tokens=30, keep_first=4)
+
+
+def _stalls(layers: int, load_s: float, prefill_s: float, k: int) -> bool:
+    """Whether a turn with ``k`` layers in the read buffer waits for a copy: layer i >= k lands
+    (i - k + 1) c after the start and is needed at i f."""
+    c, f = load_s / layers, prefill_s / layers
+    return any((i - k + 1) * c > i * f + 1e-12 for i in range(k, layers))
+
+
+@pytest.mark.parametrize("load_s,prefill_s", [(69.0, 33.0), (10.0, 12.0), (3.0, 10.0), (40.0, 39.0), (100.0, 1.0)])
+def test_read_buffer_is_the_fewest_layers_that_leave_no_stall(load_s: float, prefill_s: float) -> None:
+    k = read_buffer_layers(32, load_s, prefill_s)
+    assert 1 <= k <= 32 and not _stalls(32, load_s, prefill_s, k)
+    assert k == 1 or _stalls(32, load_s, prefill_s, k - 1)
+    assert read_buffer_layers(32, 0.0, 5.0) == 0  # nothing to load
+    assert read_buffer_layers(32, 5.0, 0.0) == 32
+
+
+@pytest.mark.parametrize("a,b,n", [([], [1], 0), ([1, 2, 3], [1, 2, 3], 3), ([1, 2], [1, 2, 3], 2), ([5], [6], 0)])
+def test_common_prefix_small(a: list[int], b: list[int], n: int) -> None:
+    assert common_prefix(a, b) == n
+
+
+def test_common_prefix_across_chunks() -> None:
+    a = list(range(1000))
+    for at in (0, 255, 256, 257, 511, 999):
+        b = a[:at] + [-1] + a[at + 1 :]
+        assert common_prefix(a, b) == common_prefix(b, a) == at
+    assert common_prefix(a, a[:700]) == 700

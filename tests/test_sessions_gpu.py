@@ -1,6 +1,7 @@
 """Sessions on CUDA (random weights, float32): the side-stream snapshot stores K without position
 exactly as ``compute_kv`` computes it, and a restored turn answers as recomputing the history (from
-host memory: its new tokens replayed one prefill graph per layer, the history written in between)."""
+host memory: its new tokens replayed one prefill graph per layer, the history written in between,
+copied at the turn, all ahead of it, or its first layers ahead: the read buffer)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ SHAPE = {
 }
 
 
-@pytest.mark.parametrize("where", ["cpu", "read-buffer", "disk"])
+@pytest.mark.parametrize("where", ["cpu", "read-buffer", "preloaded", "disk"])
 def test_cuda_session_turn_matches_recompute(tmp_path, where: str) -> None:
     eng = LLMEngine(EngineConfig(device="cuda", dtype="float32", kv_cache_bytes=64 << 20),
                     random_weights=ModelConfig.from_dict(SHAPE))
@@ -50,14 +51,16 @@ def test_cuda_session_turn_matches_recompute(tmp_path, where: str) -> None:
     counts = (graphs.replays, graphs.layer_replays) if graphs is not None else (0, 0)
     turn = eng.begin_session_turn("g", conversation, sp.max_tokens)
     if where == "read-buffer":  # the history copied to the GPU before the turn starts (while a previous job ran)
-        turn.source.stage(eng.device, eng._load_stream)
+        eng.preload_session_turn(turn)
         torch.cuda.synchronize()
+    elif where == "preloaded":  # a read buffer of the first layers; the turn copies the rest as it runs
+        eng.preload_session_turn(turn, 2)
+        eng.preload_session_turn(turn, 1)  # a smaller request later copies nothing twice
+        assert turn.source.staged
     out = finish(eng.start_session_turn(turn, sp))
     assert out.metrics["session_tier"] == ("disk" if where == "disk" else "cpu")
     assert out.metrics["session_tokens_reused"] == rec.num_rows
-    if where != "disk" and graphs is not None:
-        # copied ahead: all layers written, then one graph; copying now: written between the layers' graphs
-        assert (graphs.replays, graphs.layer_replays) == (
-            (counts[0] + 1, counts[1]) if where == "read-buffer" else (counts[0], counts[1] + 1))
+    if where != "disk" and graphs is not None:  # each layer's history written between the layers' graphs
+        assert (graphs.replays, graphs.layer_replays) == (counts[0], counts[1] + 1)
     assert out.token_ids == finish(eng.add_request(conversation, sp)).token_ids
     store.close()

@@ -118,7 +118,7 @@ class Attention(nn.Module):
             else:
                 ctx = paged_prefill_attention_triton(
                     q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale,
-                    self.sliding_window, max_query_len=meta.max_query_len,
+                    self.sliding_window, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
                 )
             if relay is None:
                 return ctx
@@ -183,7 +183,7 @@ class Attention(nn.Module):
             cu, lens = bounds[:2], bounds[2:]
             ctx = paged_prefill_attention_triton(
                 q, k_cache, v_cache, block_table, lens, cu, self.scale, self.sliding_window,
-                max_query_len=n, q_positions=q_positions,
+                max_query_len=n, q_positions=q_positions, max_seq_len=seq_len,
             )
             if relay is None:
                 return ctx

@@ -13,6 +13,8 @@ an earlier answer slightly differently from how it was generated only costs the 
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 
 from ..errors import RequestError
@@ -20,12 +22,16 @@ from ..errors import RequestError
 Ranges = list[tuple[int, int]]
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int], chunk: int = 256) -> int:
+    """Length of the common prefix: slices compared in C a chunk at a time, then the first differing
+    chunk token by token (a Python loop over a 28K-token history costs ~1.5 ms per turn)."""
     n = min(len(a), len(b))
     i = 0
+    while i < n and a[i : i + chunk] == b[i : i + chunk]:
+        i += chunk
     while i < n and a[i] == b[i]:
         i += 1
-    return i
+    return min(i, n)
 
 
 def total(ranges: Ranges) -> int:
@@ -71,9 +77,10 @@ class TurnPlan:
     rows: list[int] | None
     truncated: int  # logical tokens not fed (cut now or in an earlier turn) because the context overflowed
 
-    @property
+    @functools.cached_property
     def token_ids(self) -> list[int]:
-        return [self.conversation[i] for s, e in self.ranges for i in range(s, e)]
+        """The fed tokens (made once per turn, from slices of the conversation)."""
+        return list(itertools.chain.from_iterable(self.conversation[s:e] for s, e in self.ranges))
 
 
 def plan_turn(

@@ -4,16 +4,15 @@ fit (a 256-token turn of a 7B model then costs its GPU time, ~11 ms on an H100, 
 launches from Python, ~25-35 ms).
 
 The history was staged (``SessionSource.stage``): every layer's copy is queued on a side stream at
-once, so the copy engine streams them back to back. Two ways to write it, picked when the turn starts:
-
-- still copying (the usual case when the history comes from host memory now): layer by layer, as the
-  forward's ``before_layer``. A write stream waits *on the device* for layer i's copy, re-rotates it
-  and writes it into the pages; the compute stream waits for that write, then replays layer i's
-  graph. Later layers' copies and writes run meanwhile (AttentionStore's layer-wise pre-loading),
-  and the compute stream runs nothing but the graphs back to back.
-- already copied (the read buffer was filled while the previous job ran): every layer at once (one
-  rotation and one scatter of K and V over all layers), then one graph for the whole forward; the
-  per-layer launches would cost more than the writes themselves.
+once, so the copy engine streams them back to back, or some of the first layers were copied earlier
+(the read buffer, filled while the previous job ran) and the turn's start queues the rest. It is
+written layer by layer, as the forward's ``before_layer``: a write stream waits *on the device* for
+layer i's copy, re-rotates it and writes it into the pages; the compute stream waits for that write,
+then replays layer i's graph. Later layers' copies and writes run meanwhile (AttentionStore's
+layer-wise pre-loading), and the compute stream runs nothing but the graphs back to back. A history
+already all on the GPU is written the same way: its writes then run ahead of the compute, beside it
+(at 28K tokens writing all layers at once before the forward cost ~8 ms of index copies and
+rotations on the critical path).
 
 No loader threads and no host waits. Stalls are measured exactly with timed events: before layer i
 the compute stream records ``ready_i``; it stalls for ``done_i - ready_i`` when the copy of layer i
@@ -26,19 +25,21 @@ import torch
 
 from ragfuse.kernels.paged_attention import sequence_slots
 
-from ..attention import write_kv
 from ..kv_cache import KVCache
 from ..layers import RotaryEmbedding
 from .source import SessionSource
 
 
 class HistoryWriter:
-    """Writes the staged history (re-rotated to positions 0..n-1) into a sequence's cache pages: one
-    layer per call (``writer(i)`` before layer i runs), or all layers at once (``write_all``)."""
+    """Writes the staged history (re-rotated to positions 0..n-1) into a sequence's cache pages, one
+    layer per call (``writer(i)`` before layer i runs), on a stream of its own."""
 
     def __init__(
         self, source: SessionSource, cache: KVCache, block_table: list[int], block_size: int, rotary: RotaryEmbedding
     ) -> None:
+        from ragfuse.kernels.paged_attention_triton import write_kv_triton  # CUDA only: Triton is there
+
+        self._write = write_kv_triton
         device = cache.storage.device
         table = torch.tensor(block_table, dtype=torch.int32, device=device)
         self.source = source
@@ -57,22 +58,9 @@ class HistoryWriter:
         with torch.cuda.stream(self.stream):
             k_st, v_st, done = self.source.layer_on_device(layer)  # this stream waits for the copy
             kc, vc = self.cache.layers[layer]
-            write_kv(self.rotary(k_st, self.positions), v_st, kc, vc, self.slots)
+            self._write(self.rotary(k_st, self.positions), v_st, kc, vc, self.slots)  # one launch for K and V
             written.record(self.stream)
         torch.cuda.current_stream(self.slots.device).wait_event(written)
-        self._marks.append((ready, done))
-
-    def write_all(self) -> None:
-        """Every layer in one pass: K of all layers rotated as one [layers * tokens] batch, then K and V
-        scattered into the pages of all layers at once."""
-        ready = torch.cuda.Event(enable_timing=True)
-        ready.record()
-        k, v, done = self.source.all_on_device()  # [layers, tokens, kv_heads, head_dim]
-        layers, n = k.shape[:2]
-        k = self.rotary(k.reshape(layers * n, *k.shape[2:]), self.positions.repeat(layers)).view_as(v)
-        pages = self.cache.storage.flatten(2, 3)  # [layers, K/V, slots, kv_heads, head_dim]
-        pages[:, 0].index_copy_(1, self.slots, k.to(pages.dtype))
-        pages[:, 1].index_copy_(1, self.slots, v.to(pages.dtype))
         self._marks.append((ready, done))
 
     def timings(self) -> tuple[float, float]:

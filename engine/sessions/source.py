@@ -8,6 +8,7 @@ layer buffers and every layer is checked against its checksum before use.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 
@@ -26,6 +27,24 @@ class SessionCorruptError(CorruptEntryError):
 
 
 RING = 4  # layer buffers for disk reads: the loader holds at most three layers at once (depth 2)
+
+
+def read_buffer_layers(num_layers: int, load_s: float, prefill_s: float) -> int:
+    """Layers of the history to copy into the read buffer before the turn starts, so that copying
+    the rest layer by layer during the turn never stalls it (AttentionStore's buffer size,
+    ``B (T_load L_hist - T_pref L_new)``, in whole layers).
+
+    With the copy of a layer taking ``c = load_s / L`` and the turn's compute ``f = prefill_s / L``
+    a layer, layer ``i >= k`` lands ``(i - k + 1) c`` after the turn starts and is needed at
+    ``i f``; the worst case is the first layer when copying is the faster (k = 1: no gap before
+    layer 0) and the last one when it is the slower (k = L - (L - 1) f / c).
+    """
+    if num_layers <= 0 or load_s <= 0:
+        return 0
+    if prefill_s <= 0:
+        return num_layers
+    need = num_layers - (num_layers - 1) * prefill_s / load_s
+    return min(num_layers, max(1, math.ceil(need - 1e-9)))
 
 
 class SessionSource:
@@ -48,43 +67,45 @@ class SessionSource:
         self._buffer: torch.Tensor | None = None  # the staged history [K/V, layers, rows, kv_heads, head_dim]
         self.stage_start: torch.cuda.Event | None = None
 
-    def stage(self, device: torch.device, stream: torch.cuda.Stream) -> None:
-        """Start copying every layer of a host-memory session to ``device`` now, all on ``stream``
-        with an event per layer, so the copy engine streams the whole history back to back while
-        the new tokens are computed layer by layer (the loader then only waits for each layer's
-        event). Called when the turn is scheduled, or earlier (a read buffer filled while the
-        previous job runs). Disk sessions are read layer by layer instead.
+    def stage(self, device: torch.device, stream: torch.cuda.Stream, layers: int | None = None) -> None:
+        """Start copying a host-memory session's layers to ``device`` now, all on ``stream`` with an
+        event per layer, so the copy engine streams them back to back while the new tokens are
+        computed layer by layer (the loader then only waits for each layer's event). Disk sessions
+        are read layer by layer instead.
 
-        All layers land in one buffer, K of every layer before V of every layer, so a history that
-        is all there can be written into the cache in one pass over every layer (``all_on_device``)."""
-        if self.tier != "cpu" or device.type != "cuda" or self._staged is not None:
+        ``layers``: copy only the first ``layers`` (the read buffer, filled while the previous job
+        runs or the turn waits in the queue: ``read_buffer_layers`` sizes it); a later call goes on
+        from there (the turn's start stages the rest). All layers land in one device buffer."""
+        if self.tier != "cpu" or device.type != "cuda":
             return
-        staged: list[torch.cuda.Event] = []
+        upto = self.num_layers if layers is None else min(layers, self.num_layers)
+        done = len(self._staged) if self._staged is not None else 0
+        if upto <= done:
+            return
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            self.stage_start = torch.cuda.Event(enable_timing=True)
-            self.stage_start.record(stream)
-            first = self._read(0)
-            rows = first.shape[1] if self._rows is not None else self.num_tokens  # rows are picked on the device
-            buf = torch.empty((2, self.num_layers, rows, *first.shape[2:]), dtype=first.dtype, device=device)
-            for i in range(self.num_layers):
-                t = first if i == 0 else self._read(i)
-                buf[0, i].copy_(t[0, :rows], non_blocking=True)
-                buf[1, i].copy_(t[1, :rows], non_blocking=True)
+            if self._buffer is None:
+                self.stage_start = torch.cuda.Event(enable_timing=True)
+                self.stage_start.record(stream)
+                first = self._read(0)
+                rows = first.shape[1] if self._rows is not None else self.num_tokens  # rows picked on the device
+                self._buffer = torch.empty((2, self.num_layers, rows, *first.shape[2:]), dtype=first.dtype,
+                                           device=device)
+                self._staged = []
+            buf, staged = self._buffer, self._staged
+            assert staged is not None
+            for i in range(done, upto):
+                t = self._read(i)
+                buf[0, i].copy_(t[0, : buf.shape[2]], non_blocking=True)
+                buf[1, i].copy_(t[1, : buf.shape[2]], non_blocking=True)
                 ev = torch.cuda.Event(enable_timing=True)
                 ev.record(stream)
                 staged.append(ev)
-        self._buffer = buf
-        self._staged = staged
 
     @property
     def staged(self) -> bool:
+        """Whether copying to the device has started (some layers, or all)."""
         return self._staged is not None
-
-    def copied(self) -> bool:
-        """Whether the whole staged history is on the device already (the read buffer was filled
-        ahead of the turn); asks without blocking."""
-        return self._staged is not None and self._staged[-1].query()
 
     def layer_on_device(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
         """A staged layer's (K without position, V) for the current stream, which waits on the
@@ -93,14 +114,6 @@ class SessionSource:
         ev = self._staged[layer]
         torch.cuda.current_stream(self._buffer.device).wait_event(ev)
         return self._pick(self._buffer[0, layer], 0), self._pick(self._buffer[1, layer], 0), ev
-
-    def all_on_device(self) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
-        """Every staged layer's K (without position) and V [layers, tokens, kv_heads, head_dim] for the
-        current stream, which waits on the device for the last copy, and that copy's event."""
-        assert self._staged is not None and self._buffer is not None, "stage first"
-        ev = self._staged[-1]  # one stream copied the layers in order
-        torch.cuda.current_stream(self._buffer.device).wait_event(ev)
-        return self._pick(self._buffer[0], 1), self._pick(self._buffer[1], 1), ev
 
     def _pick(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """The fed rows of staged ``t`` along ``dim`` (all of them without a cut)."""

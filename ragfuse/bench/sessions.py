@@ -10,7 +10,12 @@ Three parts, each optional (``--parts``):
   session is on disk when its job is queued and the look-ahead window fetches it into host memory
   before the job runs (``SessionStore.hint``); its TTFT is taken after the fetch, and the fetch time
   (what the queue ahead of the job must cover) is reported beside it. On CUDA, host-memory turns are
-  also timed with the prefill graphs off (the layer-wise eager forward) for contrast.
+  also timed with the whole history copied to the GPU before the turn (the floor: ``ttft_read_buffer``),
+  with the prefill graphs off (the layer-wise eager forward) for contrast, and as tier
+  ``cpu-preloaded``: AttentionStore's read buffer, its first layers (as many as the measured copy and
+  prefill times say the turn cannot hide, ``read_buffer_layers``) copied before the turn while the
+  previous job runs, the rest during the turn; that early copy's time is its ``prefetch_ms``. Every
+  TTFT includes planning the turn (the session lookup).
 - ``replay``: the ShareGPT dev conversations replayed (Poisson arrivals, think time between turns,
   a FIFO job queue served by ``--servers`` slots) through ``SessionPlacement`` with each policy, KV
   sizes of the model shape, CPU and disk capacities as fractions of the working set. TTFT per job
@@ -187,15 +192,22 @@ def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
                 m: dict[str, list[float]] = {k: [] for k in keys}
 
                 def turn_s(m: dict[str, list[float]] = m, sid: str = sid, conversation: list[int] = conversation,
-                           new: list[int] = new, hist: int = hist) -> float:
-                    """TTFT of the turn (aborted after its first token: every round reuses the same history)."""
+                           new: list[int] = new, hist: int = hist, preload: int | None = None) -> float:
+                    """TTFT of the turn (aborted after its first token: every round reuses the same history).
+                    ``preload``: that many layers are copied into the read buffer between planning the turn
+                    and starting it (as while the previous job runs); the copy's time is kept apart."""
                     sync()
                     t = time.perf_counter()
                     turn = eng.begin_session_turn(sid, conversation, 1, new_tokens=len(new) + 1)
                     t_plan = time.perf_counter()
+                    if preload is not None:
+                        eng.preload_session_turn(turn, preload)
+                        sync()
+                        m["prefetch"].append(time.perf_counter() - t_plan)
+                    t_start = time.perf_counter()
                     rid = eng.start_session_turn(turn, one)
                     sync()
-                    took = time.perf_counter() - t
+                    took = time.perf_counter() - t_start + t_plan - t
                     assert turn.fusion is not None and turn.reused == hist, (turn.reused, hist)
                     m["plan"].append(t_plan - t)
                     m["hidden"].append(turn.fusion.load_hidden)
@@ -220,7 +232,7 @@ def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
                     if staged:
                         # the read buffer: the history copied to the GPU while the previous job ran
                         turn = eng.begin_session_turn(sid, conversation, 1, new_tokens=len(new) + 1)
-                        turn.source.stage(eng.device, eng._load_stream)
+                        eng.preload_session_turn(turn)
                         sync()
                         t = time.perf_counter()
                         eng.abort(eng.start_session_turn(turn, one))
@@ -230,7 +242,7 @@ def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
                         turn = eng.begin_session_turn(sid, conversation, 1, new_tokens=len(new) + 1)
                         sync()
                         t = time.perf_counter()
-                        turn.source.stage(eng.device, eng._load_stream)
+                        eng.preload_session_turn(turn)
                         sync()
                         m["alone"].append(time.perf_counter() - t)
                         turn.close()
@@ -244,29 +256,34 @@ def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
                             m[k].pop()  # the graphs-off round's own figures are not the turn's
                 med = {k: statistics.median(v[1:]) for k, v in m.items() if len(v) > 1}
                 ttft = med["ttft"]
+                # staged: TTFT with the whole history on the GPU before the turn (planning included)
+                floor = med["plan"] + med["pre"] if staged else None
                 if staged:  # the share of the copy that did not add to TTFT, side by side
                     load_s = med["alone"]
-                    hidden = 1 - max(0.0, ttft - med["plan"] - med["pre"]) / load_s
+                    hidden = 1 - max(0.0, ttft - floor) / load_s
                 else:
                     load_s, hidden = med["load"], med["hidden"]
                 if tier in bandwidth:
                     bandwidth[tier].append(hist * kv_per_token / load_s if load_s > 0 else float("inf"))
-                rows.append({
+                row = {
                     "part": "ttft", "shape": shape, "history": hist, "new_tokens": len(new), "tier": tier,
                     "ttft_recompute_ms": re_s * 1e3, "ttft_session_ms": ttft * 1e3,
                     "ttft_reduction": 1 - ttft / re_s, "plan_ms": med["plan"] * 1e3, "load_ms": load_s * 1e3,
-                    "load_hidden": hidden, "load_hidden_events": med["hidden"],
-                    "ttft_read_buffer_ms": med["pre"] * 1e3 if staged else None,
-                    "reduction_read_buffer": 1 - med["pre"] / re_s if staged else None,
+                    "load_hidden": hidden, "load_hidden_events": med["hidden"], "buffer_layers": None,
+                    "ttft_read_buffer_ms": floor * 1e3 if floor else None,
+                    "reduction_read_buffer": 1 - floor / re_s if floor else None,
                     "ttft_graphs_off_ms": med["eager"] * 1e3 if staged else None,
                     "prefetch_ms": med["prefetch"] * 1e3 if "prefetch" in med else None,
                     "kv_gb": hist * kv_per_token / 1e9,
-                })
+                }
+                rows.append(row)
                 print(f"  history {hist:6d} tier {tier:15s}: recompute {re_s * 1e3:8.1f} ms, session "
                       f"{ttft * 1e3:7.1f} ms ({1 - ttft / re_s:.1%} lower), load hidden {hidden:.0%}"
-                      + (f", with read buffer {med['pre'] * 1e3:.1f} ms, graphs off {med['eager'] * 1e3:.1f} ms"
-                         if staged else "")
+                      + (f", whole history in the read buffer {floor * 1e3:.1f} ms, graphs off "
+                         f"{med['eager'] * 1e3:.1f} ms" if floor else "")
                       + (f", prefetched in {med['prefetch'] * 1e3:.0f} ms" if "prefetch" in med else ""), flush=True)
+                if floor:
+                    rows.append(_preloaded_row(eng, row, turn_s, args.repeats, med["alone"], med["pre"], floor))
                 store.close()
                 eng.sessions = None
                 bar.update(1)
@@ -277,6 +294,32 @@ def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
         "kv_bytes_per_token": kv_per_token, "shape": shape, "device": str(eng.device),
     }
     return {"rows": rows, "rates": rates}
+
+
+def _preloaded_row(
+    eng: Any, row: dict[str, Any], turn_s: Any, repeats: int, load_s: float, prefill_s: float, floor: float,
+) -> dict[str, Any]:
+    """The host-memory turn with AttentionStore's read buffer: the first ``read_buffer_layers``
+    layers (sized from the measured copy and prefill times so the rest of the copy hides behind the
+    turn's layers) copied while the previous job runs, the rest at the turn, layer by layer. The
+    buffer's copy time (what the previous job or the queue wait must cover) is ``prefetch_ms``."""
+    from ragfuse.engine.sessions.source import read_buffer_layers
+
+    layers = eng.model_config.num_layers
+    k = read_buffer_layers(layers, load_s, prefill_s)
+    m: dict[str, list[float]] = {key: [] for key in ("ttft", "plan", "hidden", "load", "prefetch")}
+    for _ in range(repeats + 1):
+        m["ttft"].append(turn_s(m, preload=k))
+    med = {key: statistics.median(v[1:]) for key, v in m.items()}
+    ttft, re_s = med["ttft"], row["ttft_recompute_ms"] / 1e3
+    hidden = 1 - max(0.0, ttft - floor) / load_s
+    print(f"  history {row['history']:6d} tier cpu-preloaded  : session {ttft * 1e3:7.1f} ms "
+          f"({1 - ttft / re_s:.1%} lower), read buffer {k}/{layers} layers copied {med['prefetch'] * 1e3:.1f} ms "
+          f"ahead, load hidden {hidden:.0%}", flush=True)
+    return {**row, "tier": "cpu-preloaded", "ttft_session_ms": ttft * 1e3, "ttft_reduction": 1 - ttft / re_s,
+            "plan_ms": med["plan"] * 1e3, "load_hidden": hidden, "load_hidden_events": med["hidden"],
+            "buffer_layers": k, "ttft_graphs_off_ms": None, "prefetch_ms": med["prefetch"] * 1e3,
+            "ttft_read_buffer_ms": None, "reduction_read_buffer": None}  # the floor is the cpu row's
 
 
 def _fit_prefill(points: list[tuple[int, float]]) -> list[float]:
@@ -499,8 +542,12 @@ def _notes(results: dict[str, Any]) -> str:
         lines.append(f"TTFT: random-weight {r['shape']} on {r['device']}; session KV in host memory (pinned) or on "
                      "disk (page cache dropped; disk-prefetched: fetched into host memory by the look-ahead "
                      "window before the turn, prefetch_ms = that fetch); recompute = RE baseline (prefill of the "
-                     "whole history); read buffer = history copied to the GPU while the previous job ran; graphs "
-                     "off = the same turn with the layer-wise forward launched eagerly.")
+                     "whole history); cpu = copied to the GPU from the turn's start, layer by layer beside the "
+                     "new tokens' layers; cpu-preloaded = AttentionStore's read buffer: its first buffer_layers "
+                     "copied while the previous job ran (prefetch_ms = that copy), the rest during the turn; "
+                     "read buffer columns = the whole history on the GPU before the turn (the floor); "
+                     "load_hidden = share of the copy time (load_ms, alone) that did not add to TTFT over that "
+                     "floor; graphs off = the same turn with the layer-wise forward launched eagerly.")
     if "replay" in results:
         rp = results["replay"]
         lines.append(f"Replay: {rp['conversations']} ShareGPT conversations, working set {rp['working_set_gb']:.1f} GB "
@@ -522,7 +569,7 @@ def _plot(fig: Any, results: dict[str, Any]) -> None:
         for tier in sorted({r["tier"] for r in rows}):
             rr = [r for r in rows if r["tier"] == tier]
             ax.plot([r["history"] for r in rr], [r["ttft_session_ms"] for r in rr], "o-", label=f"session ({tier})")
-        for key, label in (("ttft_read_buffer_ms", "session (cpu, read buffer)"),
+        for key, label in (("ttft_read_buffer_ms", "session (cpu, whole history on GPU before)"),
                            ("ttft_graphs_off_ms", "session (cpu, graphs off)")):
             rr = [r for r in rows if r.get(key) is not None]
             if rr:
