@@ -240,14 +240,19 @@ class SessionStore:
 
     # ---- loading -------------------------------------------------------------------------------
 
-    def lookup(self, session_id: str) -> Lookup:
-        """Where the session is, and a way to open its rows as a layer source. Waits for the
-        session's own save to reach host memory (and for a disk move of it in flight)."""
+    def _settle_save(self, session_id: str) -> None:
+        """Check the id, then wait for the session's pending save (if any) to reach host memory, so
+        what follows sees the turn's KV rather than the turn before it."""
         check_session_id(session_id)
         with self._lock:
             saving = self._saving.pop(session_id, None)
         if saving is not None:
             saving.result()
+
+    def lookup(self, session_id: str) -> Lookup:
+        """Where the session is, and a way to open its rows as a layer source. Waits for the
+        session's own save to reach host memory (and for a disk move of it in flight)."""
+        self._settle_save(session_id)
         with self._lock:
             for move in self.placement.expire(self.clock()):
                 self._forget(move.session_id, "expired (TTL)")
@@ -316,11 +321,7 @@ class SessionStore:
         """Drop a session's KV from every tier (its files too); False if there was none. A later
         turn of the same id starts a new conversation (a turn still running when this is called
         saves its KV as usual when it finishes)."""
-        check_session_id(session_id)
-        with self._lock:
-            saving = self._saving.pop(session_id, None)
-        if saving is not None:
-            saving.result()
+        self._settle_save(session_id)
         with self._lock:
             if session_id not in self._records:
                 return False
