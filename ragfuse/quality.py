@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ragfuse.engine import LLMEngine
-from ragfuse.engine.fusion import Segment, SelectionPolicy, TensorKV
+from ragfuse.engine.fusion import FusionStats, Segment, SelectionPolicy, TensorKV
 from ragfuse.prompt import RagPromptBuilder
 
 
@@ -29,6 +29,7 @@ class Case:
     segments: list[Segment]
     answer_ids: list[int]  # full prefill's greedy answer
     full_logits: torch.Tensor  # full prefill's logits at the prompt end and along its answer
+    full_stats: FusionStats | None = None  # the full prefill's own stats (TTFT), when this run made it
 
 
 @torch.inference_mode()
@@ -42,7 +43,7 @@ def build_case(
     n = sum(len(s.token_ids) for s in segs)
     runner = engine.runner
     with engine.borrowed_blocks([[0] * (n + answer_tokens)]) as (table,):
-        first, _ = runner.fused_prefill(table, segs, "full", SelectionPolicy())
+        first, stats = runner.fused_prefill(table, segs, "full", SelectionPolicy())
         rows, answer = [first], [int(first.argmax())]
         while len(answer) < answer_tokens and answer[-1] not in engine.eos_token_ids:
             h = runner.forward_continuation(answer[-1:], n + len(answer) - 1, table)
@@ -50,7 +51,7 @@ def build_case(
             answer.append(int(rows[-1].argmax()))
     keep = [i for i, t in enumerate(answer) if t not in engine.eos_token_ids] or [0]
     # full_logits[i] predicts answer[i]; an end-of-sequence token is never scored
-    return Case(segs, [answer[i] for i in keep], torch.stack(rows)[: len(keep)].float())
+    return Case(segs, [answer[i] for i in keep], torch.stack(rows)[: len(keep)].float(), stats)
 
 
 def stored_segments(engine: LLMEngine, builder: RagPromptBuilder, passages: list[str], question: str) -> list[Segment]:
