@@ -57,12 +57,48 @@ def attention_with_lse(
         return merge_attention_ref(out_p, lse_p, out_n, lse_n)
     if q_positions is None and q_start == 0 and lq == lk and not window_cuts:
         return _grouped(q, k, v, scale, None, True)
+    if q_positions is not None and not window_cuts and q.device.type == "cpu":
+        return _scattered_cpu(q, k, v, scale, q_positions)
     qpos = q_positions if q_positions is not None else torch.arange(q_start, q_start + lq, device=q.device)
     kpos = torch.arange(lk, device=q.device)
     visible = kpos[None, :] <= qpos[:, None]
     if sliding_window is not None:
         visible &= (qpos[:, None] - kpos[None, :]) < sliding_window
     return _grouped(q, k, v, scale, visible, False)
+
+
+_SCATTER_BLOCK = 32  # queries per block of ``_scattered_cpu``: its masked part spans about this many / density keys
+
+
+def _scattered_cpu(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scattered ascending query positions on CPU, exact, without one dense [Lq, Lk] mask.
+
+    CPU flash attention is several times slower with an explicit mask than without, and with one
+    mask over every key it also computes the half of the scores that the mask throws away. Here
+    each block of consecutive queries (positions lo..hi) sees keys before lo unmasked, and only the
+    keys lo..hi (a few hundred at cache fusion's densities) through a small mask; the two parts are
+    merged by log-sum-exp. Every query sees at least key lo, so no row of the masked part is empty.
+    The query heads of a KV group are folded into the query length, so K/V are never copied.
+    """
+    lq, h, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [KVH, Lk, D] views
+    pos = q_positions.tolist()  # host ints: on CPU this costs no device sync
+    outs, lses = [], []
+    for a in range(0, lq, _SCATTER_BLOCK):
+        b = min(a + _SCATTER_BLOCK, lq)
+        lo, hi = pos[a], pos[b - 1]
+        qb = q[a:b].view(b - a, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * (b - a), d)
+        visible = torch.arange(lo, hi + 1)[None, :] <= q_positions[a:b, None]
+        out, lse = _sdpa_lse(qb, kh[:, lo : hi + 1], vh[:, lo : hi + 1], scale, visible.repeat(g, 1), False)
+        if lo > 0:
+            out, lse = merge_attention_ref(*_sdpa_lse(qb, kh[:, :lo], vh[:, :lo], scale, None, False), out, lse)
+        outs.append(out.view(kvh, g, b - a, d).permute(2, 0, 1, 3).reshape(b - a, h, d))
+        lses.append(lse.view(kvh, g, b - a).permute(2, 0, 1).reshape(b - a, h))
+    return torch.cat(outs), torch.cat(lses)
 
 
 def _grouped(

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ragfuse.engine import LLMEngine, SamplingParams
-from ragfuse.engine.fusion import Segment, SelectionPolicy, TensorKV
+from ragfuse.engine import LLMEngine
+from ragfuse.engine.fusion import FusionStats, Segment, SelectionPolicy, TensorKV
 from ragfuse.prompt import RagPromptBuilder
 
 
@@ -29,12 +29,33 @@ class Case:
     segments: list[Segment]
     answer_ids: list[int]  # full prefill's greedy answer
     full_logits: torch.Tensor  # full prefill's logits at the prompt end and along its answer
+    full_stats: FusionStats | None = None  # the full prefill's own stats (TTFT), when this run made it
 
 
+@torch.inference_mode()
 def build_case(
     engine: LLMEngine, builder: RagPromptBuilder, passages: list[str], question: str, answer_tokens: int
 ) -> Case:
-    """Store the instruction prefix and each passage alone (as ingest does), then run full prefill."""
+    """Store the instruction prefix and each passage alone (as ingest does), then answer greedily
+    after one full prefill, keeping the logits of every step: they are full prefill's logits along
+    its own answer, teacher-forced by construction (one prefill, not a second pass to score it)."""
+    segs = stored_segments(engine, builder, passages, question)
+    n = sum(len(s.token_ids) for s in segs)
+    runner = engine.runner
+    with engine.borrowed_blocks([[0] * (n + answer_tokens)]) as (table,):
+        first, stats = runner.fused_prefill(table, segs, "full", SelectionPolicy())
+        rows, answer = [first], [int(first.argmax())]
+        while len(answer) < answer_tokens and answer[-1] not in engine.eos_token_ids:
+            h = runner.forward_continuation(answer[-1:], n + len(answer) - 1, table)
+            rows.append(runner.model.compute_logits(h)[0])
+            answer.append(int(rows[-1].argmax()))
+    keep = [i for i, t in enumerate(answer) if t not in engine.eos_token_ids] or [0]
+    # full_logits[i] predicts answer[i]; an end-of-sequence token is never scored
+    return Case(segs, [answer[i] for i in keep], torch.stack(rows)[: len(keep)].float(), stats)
+
+
+def stored_segments(engine: LLMEngine, builder: RagPromptBuilder, passages: list[str], question: str) -> list[Segment]:
+    """The prompt's segments, the instruction prefix and each passage with its KV computed alone."""
     pieces = [builder.prefix] + [builder.passage_tokens(p) for p in passages]
     kvs = engine.compute_kv(pieces)
     segs = [Segment(builder.prefix, TensorKV(*kvs[0]), "instruction")]
@@ -43,13 +64,7 @@ def build_case(
             segs.append(Segment(builder.separator, None, "separator"))
         segs.append(Segment(toks, TensorKV(*kv), f"passage {i}"))
     segs.append(Segment(builder.tail(question), None, "question"))
-    prompt = [t for s in segs for t in s.token_ids]
-    from ragfuse.engine import LLM
-
-    answer = LLM.from_engine(engine).generate([prompt], SamplingParams(max_tokens=answer_tokens))[0].token_ids
-    answer = [t for t in answer if t not in engine.eos_token_ids] or answer[:1]
-    full = engine.score(prompt + answer, last_n=len(answer) + 1)[:-1]
-    return Case(segs, answer, full)
+    return segs
 
 
 def mode_kl(engine: LLMEngine, case: Case, mode: str, policy: SelectionPolicy) -> tuple[float, float, dict]:

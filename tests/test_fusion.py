@@ -114,6 +114,19 @@ def test_scattered_query_positions_get_an_exact_causal_mask():
     assert torch.allclose(out, full_out[pick], atol=1e-5) and torch.allclose(lse, full_lse[pick], atol=1e-5)
 
 
+def test_many_scattered_queries_match_full_causal_attention():
+    """Blocks of scattered queries (unmasked keys before each block, a small mask inside it) give
+    exactly the rows of full causal attention, whether a block starts at position 0 or not."""
+    torch.manual_seed(1)
+    q = torch.randn(400, 9, 32)
+    k, v = torch.randn(400, 3, 32), torch.randn(400, 3, 32)
+    full_out, full_lse = attention_with_lse(q, k, v, 0.2, 0)
+    pick = torch.cat([torch.tensor([0, 1]), torch.randperm(397)[:120].sort().values + 2, torch.arange(380, 400)])
+    pick = pick.unique()
+    out, lse = attention_with_lse(q[pick], k, v, 0.2, 0, q_positions=pick)
+    assert torch.allclose(out, full_out[pick], atol=1e-5) and torch.allclose(lse, full_lse[pick], atol=1e-5)
+
+
 def test_decoding_continues_from_the_fused_cache(llm, rag_prompt):
     eng = llm.engine
     ids = [t for s in rag_prompt for t in s.token_ids]
