@@ -151,8 +151,8 @@ def test_full_disk_is_a_clear_error_and_the_store_stays_consistent(tmp_path):
 
 
 def test_free_space_check_refuses_before_writing(tmp_path):
-    free = shutil.disk_usage(tmp_path).free
-    disk = DiskTier(tmp_path, capacity_bytes=1 << 50, reserve_bytes=free)  # reserve more than is free
+    # reserve the disk's whole size: more than is ever free, however other processes change it meanwhile
+    disk = DiskTier(tmp_path, capacity_bytes=1 << 50, reserve_bytes=shutil.disk_usage(tmp_path).total)
     with pytest.raises(DiskFullError, match="no room on disk"):
         disk.put(make_entry(3))
     assert disk.entry_keys() == [] and not list(tmp_path.glob("data/*/*"))
