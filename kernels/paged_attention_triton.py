@@ -191,6 +191,19 @@ def _prefill_kernel(
 
 
 @triton.jit
+def fold_partial(m, total, acc, lse_p, part):
+    """One step of merging normalised partial attentions online by their lse (natural log): the
+    state is the running max lse ``m``, ``total`` = sum of exp(lse - m), and ``acc`` = the partials
+    weighted alike; a partial with lse -inf adds nothing. Shared by every split-K reduction that
+    walks its partials in one loop, so they all treat empty rows the same way."""
+    m_new = tl.maximum(m, lse_p)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    w = tl.exp(lse_p - m_safe)
+    return m_new, total * alpha + w, acc * alpha[:, None] + part.to(tl.float32) * w[:, None]
+
+
+@triton.jit
 def _prefill_merge_kernel(
     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, cu_seqlens_q_ptr, q_positions_ptr,
     window, num_splits, min_share,
@@ -227,13 +240,7 @@ def _prefill_merge_kernel(
                         other=float("-inf"))
         part = tl.load(part_out_ptr + rows[:, None] * stride_pt + s * stride_ps + head * stride_ph + offs_d[None, :],
                        mask=mask, other=0.0)
-        m_new = tl.maximum(m, lse_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        w = tl.exp(lse_s - m_safe)
-        acc = acc * alpha[:, None] + part * w[:, None]
-        total = total * alpha + w
-        m = m_new
+        m, total, acc = fold_partial(m, total, acc, lse_s, part)
     t_safe = tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              (acc / t_safe[:, None]).to(out_ptr.dtype.element_ty), mask=mask)

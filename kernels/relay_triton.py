@@ -33,6 +33,7 @@ from .paged_attention_triton import (
     decode_num_splits,
     decode_partials_triton,
     decode_program,
+    fold_partial,
     reduce_splits_triton,
     split_buffers,
 )
@@ -90,13 +91,7 @@ def _arrive_and_reduce(
                             other=float("-inf"), cache_modifier=".cg")
             out_p = tl.load(part_out_ptr + token[:, None] * stride_pt + part * stride_ps + heads[:, None] * stride_ph
                             + offs_d[None, :], mask=last[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m, lse_p)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m - m_safe)
-            w = tl.exp(lse_p - m_safe)
-            acc = acc * alpha[:, None] + out_p.to(tl.float32) * w[:, None]
-            total = total * alpha + w
-            m = m_new
+            m, total, acc = fold_partial(m, total, acc, lse_p, out_p)
         empty = total == 0.0
         total = tl.where(empty, 1.0, total)
         out = acc / total[:, None]
