@@ -103,6 +103,14 @@ def test_prefill_matches_reference(kern, heads, kv_heads, head_dim, page, window
         window = None if window is None else 100
     else:
         q_lens, ctx = [37, 1, 16, 20], [0, 19, 16, 33]
+    _check_varlen_prefill(kern, q_lens, ctx, heads, kv_heads, head_dim, page, window)
+
+
+def _check_varlen_prefill(kern, q_lens: list[int], ctx: list[int], heads: int, kv_heads: int, head_dim: int,
+                          page: int, window: int | None, num_splits: int | None = None) -> None:
+    """Sequences of ``ctx`` cached + ``q_lens`` new tokens through the Triton prefill, against the
+    float32 reference, in every dtype the backend runs; outputs and split partials start poisoned so
+    a row the kernel forgets to write cannot pass."""
     seq_lens = [q + c for q, c in zip(q_lens, ctx)]
     for dtype in kern.dtypes:
         k_cache, v_cache, tables = make_cache(seq_lens, kv_heads, head_dim, page, dtype, kern.device)
@@ -113,9 +121,11 @@ def test_prefill_matches_reference(kern, heads, kv_heads, head_dim, page, window
         ref_out, ref_lse = paged_prefill_attention_ref(
             q.float(), k_cache.float(), v_cache.float(), tables, lens, cu, scale, window
         )
-        poison(kern.device, (q.shape, dtype), (q.shape[:2], torch.float32))
+        parts = (q.shape[0], num_splits or 1, heads)
+        poison(kern.device, (q.shape, dtype), (q.shape[:2], torch.float32), ((*parts, head_dim), torch.float32),
+               (parts, torch.float32))
         out, lse = kern.paged_prefill_attention_triton(
-            q, k_cache, v_cache, tables, lens, cu, scale, window, max_query_len=max(q_lens)
+            q, k_cache, v_cache, tables, lens, cu, scale, window, max_query_len=max(q_lens), num_splits=num_splits
         )
         assert out.dtype == dtype and lse.dtype == torch.float32
         assert rel_err(out, ref_out) < TOL[dtype], dtype
@@ -134,24 +144,7 @@ def test_prefill_split_keys_matches_reference(kern, heads, kv_heads, head_dim, n
         window = None if window is None else 9000
     else:
         q_lens, ctx = [37, 1, 16, 20, 5], [0, 19, 16, 300, 60]
-    seq_lens = [q + c for q, c in zip(q_lens, ctx)]
-    for dtype in kern.dtypes:
-        k_cache, v_cache, tables = make_cache(seq_lens, kv_heads, head_dim, 16, dtype, kern.device)
-        q = torch.randn(sum(q_lens), heads, head_dim, dtype=dtype, device=kern.device)
-        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=kern.device)
-        lens = torch.tensor(seq_lens, dtype=torch.int32, device=kern.device)
-        scale = head_dim**-0.5
-        ref_out, ref_lse = paged_prefill_attention_ref(
-            q.float(), k_cache.float(), v_cache.float(), tables, lens, cu, scale, window
-        )
-        parts = (q.shape[0], num_splits, heads)
-        poison(kern.device, (q.shape, dtype), (q.shape[:2], torch.float32), ((*parts, head_dim), torch.float32),
-               (parts, torch.float32))
-        out, lse = kern.paged_prefill_attention_triton(
-            q, k_cache, v_cache, tables, lens, cu, scale, window, max_query_len=max(q_lens), num_splits=num_splits
-        )
-        assert rel_err(out, ref_out) < TOL[dtype], dtype
-        assert rel_err(lse, ref_lse) < 1e-4, dtype
+    _check_varlen_prefill(kern, q_lens, ctx, heads, kv_heads, head_dim, 16, window, num_splits)
 
 
 def test_prefill_split_count_depends_only_on_host_sizes(kern) -> None:
