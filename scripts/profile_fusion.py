@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ragfuse.bench.fusion import _engine
+from ragfuse.bench.fusion import _engine, random_prompt
 from ragfuse.engine.fusion import Segment, SelectionPolicy
 from ragfuse.engine.kvstore import MemoryTier, StoredKV, TieredKVStore, kv_key, open_source
 
@@ -41,9 +41,7 @@ def main() -> None:
                               model="smollm2-135m-instruct", device="cuda")
     eng = _engine(args, a.shape)
     mc = eng.model_config
-    gen = torch.Generator().manual_seed(0)
-    chunks = [torch.randint(3, mc.vocab_size, (a.chunk_tokens,), generator=gen).tolist() for _ in range(a.chunks)]
-    query = torch.randint(3, mc.vocab_size, (a.query_tokens,), generator=gen).tolist()
+    chunks, query = random_prompt(mc.vocab_size, a.chunks, a.chunk_tokens, a.query_tokens)
     kvs = eng.compute_kv(chunks)
     keys = [kv_key(eng.fingerprint, eng.dtype, c) for c in chunks]
     entries = [StoredKV.from_kv(k, kk, vv) for k, (kk, vv) in zip(keys, kvs, strict=True)]

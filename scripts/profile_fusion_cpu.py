@@ -12,9 +12,9 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
+from ragfuse.bench.fusion import random_prompt
 from ragfuse.engine import EngineConfig, LLMEngine
 from ragfuse.engine.fusion import Segment, SelectionPolicy, TensorKV
 
@@ -33,10 +33,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     n = a.chunks * a.chunk_tokens + a.query_tokens
     eng = LLMEngine(EngineConfig(device="cpu", max_model_len=max(n + 64, 4096)))
-    gen = torch.Generator().manual_seed(0)
-    vocab = eng.model_config.vocab_size
-    chunks = [torch.randint(3, vocab, (a.chunk_tokens,), generator=gen).tolist() for _ in range(a.chunks)]
-    query = torch.randint(3, vocab, (a.query_tokens,), generator=gen).tolist()
+    chunks, query = random_prompt(eng.model_config.vocab_size, a.chunks, a.chunk_tokens, a.query_tokens)
     kvs = eng.compute_kv(chunks)
     segs = [Segment(c, TensorKV(*kv)) for c, kv in zip(chunks, kvs, strict=True)] + [Segment(query)]
     policy = SelectionPolicy.default().with_ratio(a.ratio) if a.policy == "default" else SelectionPolicy.paper(a.ratio)

@@ -78,6 +78,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def random_prompt(vocab: int, chunks: int, chunk_tokens: int, query_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """The fusion benchmark's prompt: ``chunks`` random chunks and a random query (fixed seed, ids from
+    3 up so no special token lands in them). Random ids time the same as text for a random-weight
+    model, and the profile scripts use this too, so their passes match the bench's."""
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(3, vocab, (chunk_tokens,), generator=gen).tolist() for _ in range(chunks)]
+    return ids, torch.randint(3, vocab, (query_tokens,), generator=gen).tolist()
+
+
 def _engine(args: argparse.Namespace, shape: str | None) -> Any:
     from ragfuse.engine import EngineConfig, LLMEngine, ModelConfig
 
@@ -111,9 +120,7 @@ def bench_shape(
     eng = _engine(args, shape)
     name = shape or eng.model_name
     mc = eng.model_config
-    gen = torch.Generator().manual_seed(0)
-    chunks = [torch.randint(3, mc.vocab_size, (args.chunk_tokens,), generator=gen).tolist() for _ in range(args.chunks)]
-    query = torch.randint(3, mc.vocab_size, (args.query_tokens,), generator=gen).tolist()
+    chunks, query = random_prompt(mc.vocab_size, args.chunks, args.chunk_tokens, args.query_tokens)
     n_ctx = args.chunks * args.chunk_tokens
     print(f"bench fusion [{name}]: computing {args.chunks} x {args.chunk_tokens}-token chunks' KV", flush=True)
     kvs = eng.compute_kv(chunks)
