@@ -9,6 +9,7 @@ are accepted.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,10 +138,17 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
     kv_cache_bytes: int | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
-    gpu_memory_utilization: float = 0.9
+    # share of free GPU memory the KV cache may take; RAGFUSE_GPU_MEMORY_UTILIZATION sets the default for
+    # processes that share one GPU (parallel test shards, several servers)
+    gpu_memory_utilization: float = field(
+        default_factory=lambda: float(os.environ.get("RAGFUSE_GPU_MEMORY_UTILIZATION", "0.9")))
     attention_backend: str = "auto"
     seed: int = 0
     prefix_tree: bool = True  # share the KV blocks of common prompt prefixes (prefix_tree.py)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ModelError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -161,3 +161,17 @@ def test_async_engine_serves_concurrent_callers_and_cancels():
         assert eng.blocks.num_free == eng.blocks.num_blocks
     finally:
         aeng.shutdown()
+
+
+def test_gpu_memory_share_comes_from_the_environment_and_is_checked(monkeypatch):
+    """Processes sharing one GPU each lower their KV share through the environment; a share outside (0, 1] fails."""
+    from ragfuse.engine.errors import ModelError
+
+    monkeypatch.setenv("RAGFUSE_GPU_MEMORY_UTILIZATION", "0.05")
+    assert EngineConfig().gpu_memory_utilization == 0.05
+    assert EngineConfig(gpu_memory_utilization=0.5).gpu_memory_utilization == 0.5
+    with pytest.raises(ModelError, match="gpu_memory_utilization"):
+        EngineConfig(gpu_memory_utilization=1.5)
+    monkeypatch.setenv("RAGFUSE_GPU_MEMORY_UTILIZATION", "0")
+    with pytest.raises(ModelError, match="gpu_memory_utilization"):
+        EngineConfig()

@@ -1,0 +1,77 @@
+"""Run the GPU test files in parallel shards on one GPU machine.
+
+Why: most of a GPU test's time is Triton compiling the kernel specialisations it touches, which is one CPU core
+per process. Run serially, the GPU suite takes longer than one device call may last; split over the machine's
+cores it fits. The tests' tensors are small, so the shards share the one GPU; each shard's engines take a small
+share of its memory (RAGFUSE_GPU_MEMORY_UTILIZATION) so that one engine's KV cache cannot starve the others.
+
+Usage: python3 scripts/gpu_tests.py LOG [SHARDS] -- TEST_FILE...
+Writes every shard's output into LOG (one file: a device call brings few files back), prints a summary and
+exits non-zero when any shard fails.
+GPU_TESTS_TIMEOUT (seconds, default 480) bounds the whole run: shards still running then are killed and reported,
+so one device call always comes back with the logs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
+
+
+def collect(files: list[str]) -> list[str]:
+    """The node ids of every GPU test in `files`, in file order."""
+    res = subprocess.run([*PYTEST, "--collect-only", *files], capture_output=True, text=True, check=False)
+    ids = [line.strip() for line in res.stdout.splitlines() if "::" in line]
+    if not ids:
+        raise SystemExit(f"no GPU tests collected:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    return ids
+
+
+def main() -> int:
+    args = sys.argv[1:]
+    sep = args.index("--")
+    log_path, files = Path(args[0]), args[sep + 1:]
+    shards = int(args[1]) if sep > 1 else 12
+    out = Path(tempfile.mkdtemp(prefix="gpu-tests-"))
+    ids = collect(files)
+    groups = [ids[i::shards] for i in range(shards)]   # round robin spreads each file's slow tests
+    # each engine a test builds takes its KV cache from free GPU memory: leave room for the other shards
+    env = {**os.environ, "RAGFUSE_GPU_MEMORY_UTILIZATION": f"{0.5 / shards:.3f}"}
+    procs = []
+    for n, group in enumerate(g for g in groups if g):
+        log = (out / f"gpu-tests-{n}.log").open("w")
+        procs.append((n, subprocess.Popen([*PYTEST, "--durations=3", *group], stdout=log, stderr=subprocess.STDOUT,
+                                         env=env)))
+    deadline = time.monotonic() + float(os.environ.get("GPU_TESTS_TIMEOUT", "480"))
+    failed = 0
+    totals: dict[str, int] = {}
+    for n, proc in procs:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 1.0))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            print(f"--- shard {n} killed at the time limit")
+        text = (out / f"gpu-tests-{n}.log").read_text()
+        for count, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", text.splitlines()[-1] if text else ""):
+            totals[word] = totals.get(word, 0) + int(count)
+        if proc.returncode != 0:
+            failed += 1
+            print(f"--- shard {n} exit {proc.returncode}\n" + "\n".join(text.splitlines()[-40:]))
+    summary = f"{len(ids)} GPU tests in {len(procs)} shards: " + ", ".join(f"{v} {k}" for k, v in totals.items())
+    print(summary)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path.write_text("".join(f"===== shard {n}\n" + (out / f"gpu-tests-{n}.log").read_text() for n, _ in procs)
+                        + summary + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
