@@ -14,7 +14,7 @@ run() { echo "== $*"; "$@" 2>&1 | grep -v "it/s]" ; }
 case "$part" in
   tests|all)
     # every GPU test whose module imports on the GPU machine (no langchain/fastapi/gguf there)
-    run python3 scripts/gpu_tests.py "$out/gpu-tests.log" "${GPU_TEST_SHARDS:-14}" -- \
+    run python3 scripts/gpu_tests.py "$out/gpu-tests.log" "${GPU_TEST_SHARDS:-10}" -- \
       tests/test_kernels.py tests/test_kernels_dispatch.py tests/test_cuda_graphs.py tests/test_fusion_gpu.py \
       tests/test_fusion_graphs.py tests/test_fusion_prefetch.py tests/test_relay.py tests/test_relay_engine.py \
       tests/test_two_phase.py tests/test_sessions_gpu.py | tail -60 ;;&

@@ -3,7 +3,7 @@
 Why: most of a GPU test's time is Triton compiling the kernel specialisations it touches, which is one CPU core
 per process. Run serially, the GPU suite takes longer than one device call may last; split over the machine's
 cores it fits. The tests' tensors are small, so the shards share the one GPU; each shard's engines take a small
-share of its memory (RAGFUSE_GPU_MEMORY_UTILIZATION) so that one engine's KV cache cannot starve the others.
+share of its memory (RAGFUSE_TEST_GPU_SHARE, RAGFUSE_GPU_MEMORY_UTILIZATION) so that none starves the others.
 
 Usage: python3 scripts/gpu_tests.py LOG [SHARDS] -- TEST_FILE...
 Writes every shard's output into LOG (one file: a device call brings few files back), prints a summary and
@@ -38,12 +38,14 @@ def main() -> int:
     args = sys.argv[1:]
     sep = args.index("--")
     log_path, files = Path(args[0]), args[sep + 1:]
-    shards = int(args[1]) if sep > 1 else 12
+    shards = int(args[1]) if sep > 1 else 10
     out = Path(tempfile.mkdtemp(prefix="gpu-tests-"))
     ids = collect(files)
     groups = [ids[i::shards] for i in range(shards)]   # round robin spreads each file's slow tests
-    # each engine a test builds takes its KV cache from free GPU memory: leave room for the other shards
-    env = {**os.environ, "RAGFUSE_GPU_MEMORY_UTILIZATION": f"{0.5 / shards:.3f}"}
+    # each shard keeps to its share of GPU memory (tests/conftest.py), and each engine a test builds takes its
+    # KV cache from a small part of the free memory, leaving room for the other shards
+    env = {**os.environ, "RAGFUSE_TEST_GPU_SHARE": f"{0.95 / shards:.3f}",
+           "RAGFUSE_GPU_MEMORY_UTILIZATION": f"{0.3 / shards:.3f}"}
     procs = []
     for n, group in enumerate(g for g in groups if g):
         log = (out / f"gpu-tests-{n}.log").open("w")

@@ -13,6 +13,18 @@ if not torch.cuda.is_available():
     # Triton kernels are then tested through its CPU interpreter (tests/test_kernels.py); Triton reads
     # this when it is first imported. The engine itself never runs Triton off CUDA.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+elif "RAGFUSE_TEST_GPU_SHARE" in os.environ:
+    # several test processes share one GPU (scripts/gpu_tests.py): each keeps to its share, so that one
+    # process's cached allocations cannot leave another out of memory
+    torch.cuda.set_per_process_memory_fraction(float(os.environ["RAGFUSE_TEST_GPU_SHARE"]))
+
+
+@pytest.fixture(autouse=True)
+def _return_cached_gpu_memory():
+    """Freed GPU memory goes back to the device after each test, for the other processes sharing it."""
+    yield
+    if "RAGFUSE_TEST_GPU_SHARE" in os.environ:
+        torch.cuda.empty_cache()
 
 
 _LOADED: list = []  # the session's LLM once loaded
