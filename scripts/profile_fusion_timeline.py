@@ -32,9 +32,9 @@ class _Stamped(LayerPrefetcher):
 
     last: _Stamped | None = None
 
-    def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, layer: int, ahead: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         self.host.append(time.perf_counter())
-        return super().get(layer)
+        return super().get(layer, ahead)
 
     def __enter__(self) -> _Stamped:
         self.host: list[float] = []
@@ -70,52 +70,12 @@ def timeline(run: Any, repeats: int) -> tuple[float, list[str]]:
     return wall * 1e3, lines
 
 
-def attention_splits(eng: Any, n: int, active: int, query: int) -> list[str]:
-    """The steady layers' attention alone: ``active`` queries (the last ``query`` positions and the
-    rest spread over the prompt) over ``n`` keys, per split count and least share."""
-    from ragfuse.kernels import paged_attention_triton as pat
-
-    mc = eng.model_config
-    dev = eng.device
-    bs = eng.runner.kv_cache.layers[0][0].shape[1]
-    blocks = -(-n // bs)
-    kc = torch.randn(blocks, bs, mc.num_kv_heads, mc.head_dim, device=dev, dtype=eng.dtype)
-    vc = torch.randn_like(kc)
-    table = torch.arange(blocks, dtype=torch.int32, device=dev)[None]
-    g = torch.Generator().manual_seed(0)
-    spread = torch.randperm(n - query - 512, generator=g)[: active - query] + 512
-    pos = torch.cat([spread.sort().values, torch.arange(n - query, n)]).to(dev)
-    q = torch.randn(active, mc.num_heads, mc.head_dim, device=dev, dtype=eng.dtype)
-    bounds = torch.tensor([0, active, n], dtype=torch.int32, device=dev)
-    lines = [f"attention {active} queries at positions over {n} keys (us, median of 50):"]
-    keep = pat._prefill_min_share
-    for share in (2048, 1024, 512, 256):
-        pat._prefill_min_share = lambda d, s=share: s
-        for splits in (1, 2, 4, 8):
-            def call(s: int = splits) -> None:
-                pat.paged_prefill_attention_triton(q, kc, vc, table, bounds[2:], bounds[:2], mc.head_dim**-0.5,
-                                                   max_query_len=active, q_positions=pos, num_splits=s)
-            call()
-            ts = []
-            for _ in range(50):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                call()
-                b.record()
-                b.synchronize()
-                ts.append(a.elapsed_time(b) * 1e3)
-            lines.append(f"  min_share {share:5d} splits {splits}: {statistics.median(ts):7.1f}")
-    pat._prefill_min_share = keep
-    return lines
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--shape", default="mistral-7b")
     p.add_argument("--ratio", type=float, default=0.15)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--no-attention", action="store_true")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -164,10 +124,6 @@ def main() -> None:
         once("fuse", a.ratio)
     lines += ["\n== fuse kernels (one pass under the profiler)",
               prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60)]
-    if not a.no_attention:
-        st = once("fuse", a.ratio)
-        lines += attention_splits(eng, len(ids), st.active_per_layer[-1], len(query))
-        print("\n".join(lines[-17:]), flush=True)
     (out / "timeline.txt").write_text("\n".join(lines) + "\n")
 
 
