@@ -1,5 +1,6 @@
-"""CUDA graphs of the fused prefill's steady layers: which passes get them, and (on CUDA) that a
-replayed pass gives the eager pass's logits, for prompts of different lengths sharing one capture."""
+"""CUDA graphs of the fused prefill's steady layers and check-layer halves: which passes get them,
+and (on CUDA) that a replayed pass gives the eager pass's logits, for prompts of different lengths
+sharing one capture."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from ragfuse.engine.fusion import Segment, SelectionPolicy, TensorKV
-from ragfuse.engine.fusion.graphs import STORED_STEP, capacity
+from ragfuse.engine.fusion.graphs import HALF_MAX_ROWS, STORED_STEP, capacity, half_rows
 
 
 def test_capacity_pads_active_to_prefill_buckets_and_stored_to_steps():
@@ -16,14 +17,21 @@ def test_capacity_pads_active_to_prefill_buckets_and_stored_to_steps():
     assert capacity(417, 1) == (448, STORED_STEP)
 
 
+def test_check_layer_halves_pad_to_32_rows_up_to_their_cap():
+    assert half_rows(800) == 800 and half_rows(801) == 832 and half_rows(1184) == 1184
+    assert half_rows(HALF_MAX_ROWS) == HALF_MAX_ROWS and half_rows(HALF_MAX_ROWS + 1) is None
+
+
 def test_large_active_sets_and_passes_without_stored_kv_run_eagerly():
     assert capacity(2592, 3072) is None  # matmul-bound: launching hides behind the GPU work
     assert capacity(32, 0) is None
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode,ratio", [("reuse", 0.0), ("fuse", 0.15)])
-def test_replayed_fusion_equals_the_eager_pass(mode, ratio):
+@pytest.mark.parametrize("mode,ratio,checks", [("reuse", 0.0, (1,)), ("fuse", 0.15, (1,)), ("fuse", 0.15, (1, 2))])
+def test_replayed_fusion_equals_the_eager_pass(mode, ratio, checks):
+    """Steady layers and, in ``fuse``, the check layers' halves replayed (gradual filtering over two
+    check layers: a back half's output feeds the next check layer's front half in place)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from .test_fusion_gpu import engine
@@ -33,7 +41,7 @@ def test_replayed_fusion_equals_the_eager_pass(mode, ratio):
     graphs = runner.fusion_graphs
     assert graphs is not None
     g = torch.Generator().manual_seed(1)
-    policy = SelectionPolicy(ratio=ratio)
+    policy = SelectionPolicy(ratio=ratio, check_layers=checks, first_factor=2.0 if len(checks) > 1 else 1.0)
     for lengths in ((130, 77, 200), (120, 70, 190), (130, 77, 200)):  # one capacity, stale padding in between
         chunks = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in lengths]
         segs = [Segment(c, TensorKV(*kv)) for c, kv in zip(chunks, eng.compute_kv(chunks), strict=True)]
@@ -47,3 +55,4 @@ def test_replayed_fusion_equals_the_eager_pass(mode, ratio):
         assert st_g.active_per_layer == st_e.active_per_layer
         assert (replayed - eager).abs().max().item() < 1e-3 * eager.abs().max().item()
     assert len(graphs.capacities) == 1
+    assert bool(graphs.halves) == (mode == "fuse")

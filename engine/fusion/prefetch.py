@@ -33,10 +33,13 @@ RING_SLOTS = DEPTH + 1  # layer i's KV lands in slot i % RING_SLOTS of the devic
 class LayerPrefetcher:
     def __init__(
         self, sources: list[LayerSource], num_layers: int, device: torch.device, workers: int = 2,
-        ring: tuple[torch.Tensor, torch.Tensor] | None = None,
+        ring: tuple[torch.Tensor, torch.Tensor] | None = None, lazy: bool = False,
     ) -> None:
         """``ring``: the device buffers to load into, [RING_SLOTS, rows, kv_heads, head_dim] each (a CUDA
-        graph reads them at fixed addresses); by default made to fit the sources."""
+        graph reads them at fixed addresses); by default made to fit the sources. ``lazy``: start
+        with layer 0's loads only; the caller issues the rest with ``ahead`` once it has launched a
+        layer's work (each layer's copies take ~0.2 ms of host time to issue, which before layer 0
+        the GPU would sit out)."""
         self.sources = sources
         self.num_layers = num_layers
         self.device = device
@@ -53,6 +56,7 @@ class LayerPrefetcher:
         self._read_s = 0.0
         self._host_wait_s = 0.0
         self._next_issue = 0
+        self._lazy = lazy
 
     def __enter__(self) -> LayerPrefetcher:
         if self._stream is not None:  # KV just computed on the device (not yet finished) is read on the side stream
@@ -60,7 +64,7 @@ class LayerPrefetcher:
         if self._pool is not None:
             for i in range(min(self.depth + 1, self.num_layers)):
                 self._reads[i] = self._pool.submit(self._read, i)
-        self._issue_ready(self.depth)
+        self._issue_ready(0 if self._lazy else self.depth)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -134,9 +138,10 @@ class LayerPrefetcher:
         self._copy_events[layer] = (start, end)
         return k_buf, v_buf
 
-    def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, layer: int, ahead: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s stored (K before RoPE, V) for all segments, concatenated, on device (on
         CUDA: its ring slot, whose rows past the sources' tokens hold nothing of this pass).
+        ``ahead``: issue the next layers' loads here too; without, the caller calls ``ahead``.
 
         Valid until ``get(layer + depth + 1)``: its ring slot is then refilled."""
         if self._stream is None:
@@ -147,11 +152,15 @@ class LayerPrefetcher:
         asks.record(compute)  # fires when the previous layer's work is done: its ring slot is free again
         if layer > 0:
             self._freed[layer - 1] = asks
-        self._issue_ready(layer + self.depth, wait_for=layer)
+        self._issue_ready(layer + self.depth if ahead else layer, wait_for=layer)
         compute.wait_event(self._copy_events[layer][1])
         has.record(compute)
         self._waits.append((asks, has))
         return self._issued.pop(layer)
+
+    def ahead(self, layer: int) -> None:
+        """Issue the loads of the layers after ``layer`` (up to the depth) whose reads are in."""
+        self._issue_ready(layer + self.depth)
 
     @property
     def load_s(self) -> float:
