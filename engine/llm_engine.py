@@ -33,7 +33,7 @@ from .scheduler import Scheduler
 from .sequence import Sequence, Status
 from .sessions import SessionCorruptError, SessionStore, SessionTurn, begin_turn, take_snapshot
 from .sessions.history import extend
-from .sessions.prefix import HistoryWriter
+from .sessions.prefix import STAGE_AHEAD, HistoryWriter
 from .system_prompts import SystemPrompts
 
 log = logging.getLogger("ragfuse.engine")
@@ -426,7 +426,8 @@ class LLMEngine:
         chunks, after the history). A session whose KV fails its checksum is dropped and the turn
         recomputed (with a note)."""
         segments = turn.segments(tail)
-        self.preload_session_turn(turn)  # the history left after the read buffer (all of it without one)
+        # the history left after the read buffer: the layer-wise path queues its copies as its forward goes
+        self.preload_session_turn(turn, STAGE_AHEAD if tail is None else None)
         try:
             if tail is None and turn.source is not None and turn.source.staged:
                 rid, turn.fusion = self._add_after_history(turn, params, request_id)
@@ -461,7 +462,7 @@ class LLMEngine:
         def prefill(table: list[int]) -> tuple[torch.Tensor, FusionStats]:
             t = time.perf_counter()
             writer = HistoryWriter(turn.source, self.runner.kv_cache, table, self.config.block_size,
-                                   self.runner.model.model.rotary)
+                                   self.runner.model.model.rotary, lambda n: self.preload_session_turn(turn, n))
             with torch.inference_mode():
                 hidden = self.runner.forward_continuation(ids[n_hist:], n_hist, table, before_layer=writer)
                 logits = self.runner.model.compute_logits(hidden[-1:])[0]

@@ -3,9 +3,10 @@ cache pages and only the new tokens run through the model, from the prefill CUDA
 fit (a 256-token turn of a 7B model then costs its GPU time, ~11 ms on an H100, instead of its ~500
 launches from Python, ~25-35 ms).
 
-The history was staged (``SessionSource.stage``): every layer's copy is queued on a side stream at
-once, so the copy engine streams them back to back, or some of the first layers were copied earlier
-(the read buffer, filled while the previous job ran) and the turn's start queues the rest. It is
+The history is staged (``SessionSource.stage``): each layer's copy is queued on a side stream
+``STAGE_AHEAD`` layers before the forward reaches it (the host queues them between the layers'
+launches, far ahead of the device, so the copy engine still streams them back to back), or some of
+the first layers were copied earlier (the read buffer, filled while the previous job ran). It is
 written layer by layer, as the forward's ``before_layer``: a write stream waits *on the device* for
 layer i's copy, re-rotates it and writes it into the pages; the compute stream waits for that write,
 then replays layer i's graph. Later layers' copies and writes run meanwhile (AttentionStore's
@@ -21,6 +22,8 @@ ends later (``done_i``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ragfuse.kernels.paged_attention import sequence_slots
@@ -29,14 +32,18 @@ from ..kv_cache import KVCache
 from ..layers import RotaryEmbedding
 from .source import SessionSource
 
+STAGE_AHEAD = 3  # layers whose copies are queued before the forward's first launch, and kept queued ahead of it
+
 
 class HistoryWriter:
     """Writes the staged history (re-rotated to positions 0..n-1) into a sequence's cache pages, one
     layer per call (``writer(i)`` before layer i runs), on a stream of its own."""
 
     def __init__(
-        self, source: SessionSource, cache: KVCache, block_table: list[int], block_size: int, rotary: RotaryEmbedding
+        self, source: SessionSource, cache: KVCache, block_table: list[int], block_size: int, rotary: RotaryEmbedding,
+        stage: Callable[[int], None] | None = None,
     ) -> None:
+        """``stage(n)``: make sure the copies of the history's first ``n`` layers are queued."""
         from ragfuse.kernels.paged_attention_triton import write_kv_triton  # CUDA only: Triton is there
 
         self._write = write_kv_triton
@@ -50,8 +57,11 @@ class HistoryWriter:
         self.stream = torch.cuda.Stream(device)  # the layer-by-layer writes
         self.stream.wait_stream(torch.cuda.current_stream(device))  # the pages and slots are ready
         self._marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._stage = stage
 
     def __call__(self, layer: int) -> None:
+        if self._stage is not None:
+            self._stage(layer + STAGE_AHEAD)
         ready = torch.cuda.Event(enable_timing=True)
         ready.record()
         written = torch.cuda.Event()
