@@ -97,6 +97,7 @@ class LLMEngine:
         self._session_turns: dict[str, SessionTurn] = {}
         self._snapshot_stream: torch.cuda.Stream | None = None
         self._load_stream: torch.cuda.Stream | None = None
+        self._write_stream: torch.cuda.Stream | None = None  # a turn's history written into its pages
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -386,6 +387,7 @@ class LLMEngine:
         if self.device.type == "cuda":  # saving and loading copy beside the compute stream
             self._snapshot_stream = torch.cuda.Stream(self.device)
             self._load_stream = torch.cuda.Stream(self.device)
+            self._write_stream = torch.cuda.Stream(self.device)
 
     def begin_session_turn(
         self, session_id: str, conversation: list[int], reserve: int, new_tokens: int | None = None,
@@ -461,10 +463,11 @@ class LLMEngine:
 
         def prefill(table: list[int]) -> tuple[torch.Tensor, FusionStats]:
             t = time.perf_counter()
-            writer = HistoryWriter(turn.source, self.runner.kv_cache, table, self.config.block_size,
-                                   self.runner.model.model.rotary, lambda n: self.preload_session_turn(turn, n))
+            assert self._write_stream is not None
+            writer = HistoryWriter(turn.source, self.runner.kv_cache, table, self.runner.model.model.rotary,
+                                   self._write_stream, lambda n: self.preload_session_turn(turn, n))
             with torch.inference_mode():
-                hidden = self.runner.forward_continuation(ids[n_hist:], n_hist, table, before_layer=writer)
+                hidden = self.runner.forward_continuation(ids[n_hist:], n_hist, table, writer, keep=False)
                 logits = self.runner.model.compute_logits(hidden[-1:])[0]
             torch.cuda.synchronize(self.device)
             total = time.perf_counter() - t

@@ -60,8 +60,7 @@ def write_history_triton(
     half = head_dim // 2
     _write_history_kernel[(num_tokens,)](
         kv, rows if rows is not None else block_table, cos, sin, k_cache, v_cache, block_table, heads,
-        kv.stride(0), kv.stride(1), kv.stride(2), cos.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        kv.stride(0), kv.stride(1), kv.stride(2), cos.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
         PAGE=k_cache.shape[1], HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_H=triton.next_power_of_2(heads), HAS_ROWS=rows is not None, num_warps=4,
     )

@@ -117,7 +117,7 @@ def profile_history(eng: Any, history: list[int], new: list[int], reps: int, out
         planned = eng.begin_session_turn(sid, conversation, 1, new_tokens=len(fed))
         eng.preload_session_turn(planned)
         with eng.borrowed_blocks([[0] * (hist + n)]) as (table,), torch.inference_mode():
-            writer = HistoryWriter(planned.source, cache, table, eng.config.block_size, runner.model.model.rotary)
+            writer = HistoryWriter(planned.source, cache, table, runner.model.model.rotary, eng._write_stream)
             sync()
             t = time.perf_counter()
             if how == "writes":

@@ -66,6 +66,7 @@ class SessionSource:
         self._staged: list[torch.cuda.Event] | None = None  # per layer: its copy is done
         self._buffer: torch.Tensor | None = None  # the staged history [layers, K/V, rows, kv_heads, head_dim]
         self.stage_start: torch.cuda.Event | None = None
+        self._rows_on_device: torch.Tensor | None = None
 
     def stage(self, device: torch.device, stream: torch.cuda.Stream, layers: int | None = None) -> None:
         """Start copying a host-memory session's layers to ``device`` now, on ``stream`` with an
@@ -115,14 +116,17 @@ class SessionSource:
         """Whether copying to the device has started (some layers, or all)."""
         return self._staged is not None
 
-    def layer_on_device(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
-        """A staged layer's (K without position, V) for the current stream, which waits on the
-        device for its copy (the host never blocks), and the copy's event."""
+    def staged_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Event]:
+        """A staged layer for the current stream, which waits on the device for its copy (the host
+        never blocks): its stored rows [2, rows, kv_heads, head_dim] (K without position, V), the
+        fed rows' indices on the device (None: the first ``num_tokens``), and the copy's event."""
         assert self._staged is not None and self._buffer is not None, "stage first"
         ev = self._staged[layer]
-        torch.cuda.current_stream(self._buffer.device).wait_event(ev)
-        k, v = self._buffer[layer]
-        return self._pick(k, 0), self._pick(v, 0), ev
+        stream = torch.cuda.current_stream(self._buffer.device)
+        stream.wait_event(ev)
+        if self._rows is not None and self._rows_on_device is None:
+            self._rows_on_device = self._rows.to(self._buffer.device, non_blocking=True)
+        return self._buffer[layer], self._rows_on_device, ev
 
     def _pick(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """The fed rows of staged ``t`` along ``dim`` (all of them without a cut)."""
@@ -146,6 +150,7 @@ class SessionSource:
     def finish(self) -> None:
         self._staged = None
         self._buffer = None
+        self._rows_on_device = None
         if self._close is not None:
             self._close()
             self._close = None
