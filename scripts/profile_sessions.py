@@ -1,12 +1,14 @@
 """Profile a session turn on a CUDA device: where a turn's time goes beyond its forward.
 
-Usage: python3 scripts/profile_sessions.py OUT_DIR [--history 1024,4096,16384] [--sweep]
+Usage: python3 scripts/profile_sessions.py OUT_DIR [--history 1024,4096,16384] [--sweep] [--matmuls-only]
 Random weights of the bench's shape and engine (``ragfuse bench sessions``: mistral-7b, context for a
 28K history), one 256-token turn (+1 answer token) per history. Prints and writes OUT_DIR/profile.txt:
 medians of the turn as the bench times it (history copied at the turn's start, or all on the GPU
 before it: the floor) and of its parts (the forward alone, one graph or one per layer, with and
 without the history writes), per-kernel GPU time of a profiled turn, and with ``--sweep`` the turn's
 attention kernel alone under other tilings; gzipped Chrome traces of the 4K turns go beside it.
+``--matmuls-only``: just the layer's four matmuls at row counts around a 257-token turn (its prefill
+graph pads the rows to a bucket, and cuBLAS picks its tiles by the row count).
 """
 
 from __future__ import annotations
@@ -50,9 +52,14 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--sweep-after-s", type=float, default=110.0, help="skip the sweep when this late")
+    p.add_argument("--matmuls-only", action="store_true")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.matmuls_only:
+        matmuls()
+        (out / "matmuls.txt").write_text("\n".join(LINES) + "\n")
+        return
     start = time.perf_counter()
     eng, shape = _ttft_engine(argparse.Namespace(shape=None, device="cuda", new_tokens=a.new_tokens), 28672)
     say(f"engine {shape} ready in {time.perf_counter() - start:.1f} s")
@@ -199,6 +206,26 @@ def sweep_context(pat: Any, ctx: int, t: int, rows: int) -> None:
         except Exception as e:  # a tiling that does not fit: note it, go on
             say(f"  ctx {ctx:6d} tiles {tiles} splits {splits}: failed {e!r:.150}")
     pat._prefill_tiles = default
+
+
+def matmuls(rows: tuple[int, ...] = (256, 257, 272, 288, 320, 384)) -> None:
+    """A Mistral-7B layer's matmuls (qkv, o, gate|up, down) at each row count, graph replays."""
+    import triton.testing
+
+    from ragfuse.bench.shapes import shape_config
+
+    c = shape_config("mistral-7b")
+    h, kv, inter = c["hidden_size"], c["num_key_value_heads"] * c["head_dim"], c["intermediate_size"]
+    shapes = {"qkv": (h + 2 * kv, h), "o": (h, h), "gate_up": (2 * inter, h), "down": (h, inter)}
+    weights = {k: torch.randn(n, kk, device="cuda", dtype=torch.bfloat16) for k, (n, kk) in shapes.items()}
+    say("\n== one layer's matmuls by row count (ms per layer, graph replays)")
+    for m in rows:
+        parts = {}
+        for name, w in weights.items():
+            x = torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16)
+            parts[name] = float(triton.testing.do_bench_cudagraph(
+                lambda x=x, w=w: torch.nn.functional.linear(x, w), rep=30, return_mode="median"))
+        say(f"  rows {m:4d}: total {sum(parts.values()):.4f}  " + "  ".join(f"{k} {v:.4f}" for k, v in parts.items()))
 
 
 if __name__ == "__main__":
