@@ -428,11 +428,13 @@ class LLMEngine:
         chunks, after the history). A session whose KV fails its checksum is dropped and the turn
         recomputed (with a note)."""
         segments = turn.segments(tail)
-        # the history left after the read buffer: the layer-wise path queues its copies as its forward goes
-        self.preload_session_turn(turn, STAGE_AHEAD if tail is None else None)
+        # the history left after the read buffer: the layer-wise path queues its copies as its forward
+        # goes, STAGE_AHEAD layers past the read buffer's (the copy engine starts on them at once)
+        preloaded = turn.source.staged_layers if turn.source is not None else 0
+        self.preload_session_turn(turn, preloaded + STAGE_AHEAD if tail is None else None)
         try:
             if tail is None and turn.source is not None and turn.source.staged:
-                rid, turn.fusion = self._add_after_history(turn, params, request_id)
+                rid, turn.fusion = self._add_after_history(turn, params, request_id, preloaded)
             elif tail is not None or any(s.kv is not None for s in segments):
                 rid, turn.fusion = self.add_fused_request(segments, params, mode, policy, request_id)
             else:
@@ -451,11 +453,13 @@ class LLMEngine:
         return rid
 
     def _add_after_history(
-        self, turn: SessionTurn, params: SamplingParams, request_id: str | None
+        self, turn: SessionTurn, params: SamplingParams, request_id: str | None, preloaded: int
     ) -> tuple[str, FusionStats]:
         """A turn whose staged history is a cached prefix (``HistoryWriter``): written into the cache
         layer by layer between the layers' graph replays, beside them (from the read buffer where it
-        was copied ahead, else as its copy lands); only the new tokens run through the model."""
+        was copied ahead, else as its copy lands); only the new tokens run through the model. The
+        copies of the layers after the ``preloaded`` ones are queued ``STAGE_AHEAD`` ahead as the
+        forward's host loop goes (the copy engine then never waits for that loop)."""
         ids = turn.plan.token_ids  # checked when the turn was planned (begin_session_turn)
         params, rid = self._admit(len(ids), params, request_id)
         assert turn.source is not None and self.runner.kv_cache is not None
@@ -465,7 +469,7 @@ class LLMEngine:
             t = time.perf_counter()
             assert self._write_stream is not None
             writer = HistoryWriter(turn.source, self.runner.kv_cache, table, self.runner.model.model.rotary,
-                                   self._write_stream, lambda n: self.preload_session_turn(turn, n))
+                                   self._write_stream, lambda n: self.preload_session_turn(turn, n + preloaded))
             with torch.inference_mode():
                 hidden = self.runner.forward_continuation(ids[n_hist:], n_hist, table, writer, keep=False)
                 logits = self.runner.model.compute_logits(hidden[-1:])[0]

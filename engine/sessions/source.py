@@ -116,6 +116,11 @@ class SessionSource:
         """Whether copying to the device has started (some layers, or all)."""
         return self._staged is not None
 
+    @property
+    def staged_layers(self) -> int:
+        """Layers whose copies are queued (or done): the read buffer's before the turn starts."""
+        return len(self._staged) if self._staged is not None else 0
+
     def staged_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Event]:
         """A staged layer for the current stream, which waits on the device for its copy (the host
         never blocks): its stored rows [2, rows, kv_heads, head_dim] (K without position, V), the
