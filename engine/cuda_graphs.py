@@ -49,8 +49,10 @@ GRAPH_SYSTEMS = 4  # distinct system prompts (counting "none") a relay graph's t
 # hidden behind the GPU work) and may take the cuDNN attention path, which takes no lengths. Steps of
 # 32 up to 512: a new chat turn is often just past a power of two (a 256-token message after the
 # previous answer's last token is 257 tokens); padded to 512 its matmuls would double, to 320 they
-# cost 1.5 ms more than at 256 on an H100 (Mistral-7B shape).
-PREFILL_BUCKETS = (*range(64, 513, 32), 768, 1024)
+# cost 1.5 ms more than at 256 on an H100 (Mistral-7B shape). And 272: cuBLAS's tiles for 288 rows
+# are slower than for 320; a layer's matmuls took 0.2094 ms at 256 rows, 0.2309 at 257 (unpadded),
+# 0.2326 at 272, 0.2584 at 288 and 0.2456 at 320 (H100, kernels/NOTES.md).
+PREFILL_BUCKETS = (*range(64, 257, 32), 272, *range(288, 513, 32), 768, 1024)
 # Two-phase plan capacities of a tree graph: the smallest that holds the plan is used. Item rows past
 # the plan's cost one early-exiting program each; partial slots size a float32 buffer per layer.
 PLAN_ITEMS = (16, 32, 64, 128, 256)

@@ -33,7 +33,7 @@ from .scheduler import Scheduler
 from .sequence import Sequence, Status
 from .sessions import SessionCorruptError, SessionStore, SessionTurn, begin_turn, take_snapshot
 from .sessions.history import extend
-from .sessions.prefix import HistoryWriter
+from .sessions.prefix import STAGE_AHEAD, HistoryWriter
 from .system_prompts import SystemPrompts
 
 log = logging.getLogger("ragfuse.engine")
@@ -97,6 +97,7 @@ class LLMEngine:
         self._session_turns: dict[str, SessionTurn] = {}
         self._snapshot_stream: torch.cuda.Stream | None = None
         self._load_stream: torch.cuda.Stream | None = None
+        self._write_stream: torch.cuda.Stream | None = None  # a turn's history written into its pages
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -386,6 +387,7 @@ class LLMEngine:
         if self.device.type == "cuda":  # saving and loading copy beside the compute stream
             self._snapshot_stream = torch.cuda.Stream(self.device)
             self._load_stream = torch.cuda.Stream(self.device)
+            self._write_stream = torch.cuda.Stream(self.device)
 
     def begin_session_turn(
         self, session_id: str, conversation: list[int], reserve: int, new_tokens: int | None = None,
@@ -426,10 +428,13 @@ class LLMEngine:
         chunks, after the history). A session whose KV fails its checksum is dropped and the turn
         recomputed (with a note)."""
         segments = turn.segments(tail)
-        self.preload_session_turn(turn)  # the history left after the read buffer (all of it without one)
+        # the history left after the read buffer: the layer-wise path queues its copies as its forward
+        # goes, STAGE_AHEAD layers past the read buffer's (the copy engine starts on them at once)
+        preloaded = turn.source.staged_layers if turn.source is not None else 0
+        self.preload_session_turn(turn, preloaded + STAGE_AHEAD if tail is None else None)
         try:
             if tail is None and turn.source is not None and turn.source.staged:
-                rid, turn.fusion = self._add_after_history(turn, params, request_id)
+                rid, turn.fusion = self._add_after_history(turn, params, request_id, preloaded)
             elif tail is not None or any(s.kv is not None for s in segments):
                 rid, turn.fusion = self.add_fused_request(segments, params, mode, policy, request_id)
             else:
@@ -448,11 +453,13 @@ class LLMEngine:
         return rid
 
     def _add_after_history(
-        self, turn: SessionTurn, params: SamplingParams, request_id: str | None
+        self, turn: SessionTurn, params: SamplingParams, request_id: str | None, preloaded: int
     ) -> tuple[str, FusionStats]:
         """A turn whose staged history is a cached prefix (``HistoryWriter``): written into the cache
         layer by layer between the layers' graph replays, beside them (from the read buffer where it
-        was copied ahead, else as its copy lands); only the new tokens run through the model."""
+        was copied ahead, else as its copy lands); only the new tokens run through the model. The
+        copies of the layers after the ``preloaded`` ones are queued ``STAGE_AHEAD`` ahead as the
+        forward's host loop goes (the copy engine then never waits for that loop)."""
         ids = turn.plan.token_ids  # checked when the turn was planned (begin_session_turn)
         params, rid = self._admit(len(ids), params, request_id)
         assert turn.source is not None and self.runner.kv_cache is not None
@@ -460,10 +467,11 @@ class LLMEngine:
 
         def prefill(table: list[int]) -> tuple[torch.Tensor, FusionStats]:
             t = time.perf_counter()
-            writer = HistoryWriter(turn.source, self.runner.kv_cache, table, self.config.block_size,
-                                   self.runner.model.model.rotary)
+            assert self._write_stream is not None
+            writer = HistoryWriter(turn.source, self.runner.kv_cache, table, self.runner.model.model.rotary,
+                                   self._write_stream, lambda n: self.preload_session_turn(turn, n + preloaded))
             with torch.inference_mode():
-                hidden = self.runner.forward_continuation(ids[n_hist:], n_hist, table, before_layer=writer)
+                hidden = self.runner.forward_continuation(ids[n_hist:], n_hist, table, writer, keep=False)
                 logits = self.runner.model.compute_logits(hidden[-1:])[0]
             torch.cuda.synchronize(self.device)
             total = time.perf_counter() - t

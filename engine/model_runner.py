@@ -213,17 +213,18 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_continuation(
         self, token_ids: list[int], start: int, block_table: list[int],
-        before_layer: Callable[[int], None] | None = None,
+        before_layer: Callable[[int], None] | None = None, keep: bool = True,
     ) -> torch.Tensor:
         """Run ``token_ids`` at positions ``start...`` of a sequence whose first ``start`` tokens are
         cached in ``block_table`` (or written there layer by layer by ``before_layer``, see
-        ``forward``); returns their final hidden states."""
+        ``forward``); returns their final hidden states (with ``keep=False`` possibly a graph's
+        buffer, valid until the next forward)."""
         assert self.kv_cache is not None, "allocate_cache first"
         n = len(token_ids)
         meta = AttentionMetadata.build([n], [start + n], [block_table], self.block_size, self.device)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.arange(start, start + n, device=self.device)
-        return self.forward(ids, pos, meta, keep=True, before_layer=before_layer)
+        return self.forward(ids, pos, meta, keep=keep, before_layer=before_layer)
 
     def fused_prefill(
         self, block_table: list[int], segments: list[Segment], mode: FusionMode | str, policy: SelectionPolicy,

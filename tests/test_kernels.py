@@ -19,6 +19,7 @@ import torch
 
 from ragfuse.kernels.activation import silu_mul_ref
 from ragfuse.kernels.gemv import gemv_ref
+from ragfuse.kernels.history import write_history_ref
 from ragfuse.kernels.merge import merge_attention_ref
 from ragfuse.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from ragfuse.kernels.paged_attention import (
@@ -31,7 +32,7 @@ from ragfuse.kernels.rope import apply_rope_ref, cos_sin_table, inv_frequencies
 pytest.importorskip("triton")
 
 KERNEL_MODULES = ("norm_triton", "rope_triton", "merge_triton", "paged_attention_triton", "activation_triton",
-                  "gemv_triton")
+                  "gemv_triton", "history_triton")
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
@@ -287,6 +288,28 @@ def test_rope_rerotates_stored_k_by_delta(kern) -> None:
     stored = kern.apply_rope_triton(k, p, cos, sin)
     moved = kern.apply_rope_triton(stored, delta, cos, sin)
     assert rel_err(moved, apply_rope_ref(k, p + delta, cos, sin)) < 1e-5
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_write_history_matches_reference(kern, cut: bool) -> None:
+    """A stored layer written into scattered pages, K rotated to positions 0..n-1, and with a cut
+    history only the kept rows; every other slot of the cache keeps its value."""
+    page, heads, head_dim, stored, blocks = 4, 3, (128 if kern.big else 64), 23, 9
+    n = 15 if cut else 19
+    g = torch.Generator().manual_seed(1)
+    cos, sin = cos_sin_table(inv_frequencies(head_dim, 10000.0), 64)
+    cos, sin = cos.to(kern.device), sin.to(kern.device)
+    table = torch.randperm(blocks, generator=g)[: -(-n // page)].to(torch.int32).to(kern.device)
+    rows = torch.sort(torch.randperm(stored, generator=g)[:n]).values.to(kern.device) if cut else None
+    for dtype in kern.dtypes:
+        kv = torch.randn(2, stored, heads, head_dim, generator=g).to(dtype).to(kern.device)
+        k_cache = torch.randn(blocks, page, heads, head_dim, generator=g).to(dtype).to(kern.device)
+        v_cache = torch.randn(blocks, page, heads, head_dim, generator=g).to(dtype).to(kern.device)
+        k_ref, v_ref = k_cache.float(), v_cache.float()
+        write_history_ref(kv.float(), n, cos, sin, k_ref, v_ref, table, rows)
+        kern.write_history_triton(kv, n, cos, sin, k_cache, v_cache, table, rows)
+        assert rel_err(k_cache, k_ref) < TOL[dtype] / 2
+        assert torch.equal(v_cache.float(), v_ref)
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (7, 100), (2, 3, 64)])

@@ -64,40 +64,49 @@ class SessionSource:
         self._close = close
         self.num_layers = num_layers
         self._staged: list[torch.cuda.Event] | None = None  # per layer: its copy is done
-        self._buffer: torch.Tensor | None = None  # the staged history [K/V, layers, rows, kv_heads, head_dim]
+        self._buffer: torch.Tensor | None = None  # the staged history [layers, K/V, rows, kv_heads, head_dim]
         self.stage_start: torch.cuda.Event | None = None
+        self._rows_on_device: torch.Tensor | None = None
 
     def stage(self, device: torch.device, stream: torch.cuda.Stream, layers: int | None = None) -> None:
-        """Start copying a host-memory session's layers to ``device`` now, all on ``stream`` with an
+        """Start copying a host-memory session's layers to ``device`` now, on ``stream`` with an
         event per layer, so the copy engine streams them back to back while the new tokens are
         computed layer by layer (the loader then only waits for each layer's event). Disk sessions
         are read layer by layer instead.
 
-        ``layers``: copy only the first ``layers`` (the read buffer, filled while the previous job
-        runs or the turn waits in the queue: ``read_buffer_layers`` sizes it); a later call goes on
-        from there (the turn's start stages the rest). All layers land in one device buffer."""
+        ``layers``: copy only the first ``layers``; a later call goes on from there. The read
+        buffer is filled so while the previous job runs or the turn waits in the queue
+        (``read_buffer_layers`` sizes it), and a turn queues the rest a few layers ahead of its
+        forward (``HistoryWriter``): queuing all 64 copies before layer 0 held the forward's start
+        back by their host time. All layers land in one device buffer."""
         if self.tier != "cpu" or device.type != "cuda":
             return
         upto = self.num_layers if layers is None else min(layers, self.num_layers)
         done = len(self._staged) if self._staged is not None else 0
         if upto <= done:
             return
-        stream.wait_stream(torch.cuda.current_stream(device))
+        if self._buffer is None:
+            # the buffer may reuse memory a previous turn's streams read until the compute stream's
+            # point now: copy into it only after that (later calls only append to this stream)
+            stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             if self._buffer is None:
                 self.stage_start = torch.cuda.Event(enable_timing=True)
                 self.stage_start.record(stream)
                 first = self._read(0)
                 rows = first.shape[1] if self._rows is not None else self.num_tokens  # rows picked on the device
-                self._buffer = torch.empty((2, self.num_layers, rows, *first.shape[2:]), dtype=first.dtype,
+                self._buffer = torch.empty((self.num_layers, 2, rows, *first.shape[2:]), dtype=first.dtype,
                                            device=device)
                 self._staged = []
             buf, staged = self._buffer, self._staged
             assert staged is not None
             for i in range(done, upto):
                 t = self._read(i)
-                buf[0, i].copy_(t[0, : buf.shape[2]], non_blocking=True)
-                buf[1, i].copy_(t[1, : buf.shape[2]], non_blocking=True)
+                if t.shape[1] == buf.shape[2]:  # the stored rows are exactly the fed ones: one copy
+                    buf[i].copy_(t, non_blocking=True)
+                else:
+                    buf[i, 0].copy_(t[0, : buf.shape[2]], non_blocking=True)
+                    buf[i, 1].copy_(t[1, : buf.shape[2]], non_blocking=True)
                 ev = torch.cuda.Event(enable_timing=True)
                 ev.record(stream)
                 staged.append(ev)
@@ -107,13 +116,22 @@ class SessionSource:
         """Whether copying to the device has started (some layers, or all)."""
         return self._staged is not None
 
-    def layer_on_device(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
-        """A staged layer's (K without position, V) for the current stream, which waits on the
-        device for its copy (the host never blocks), and the copy's event."""
+    @property
+    def staged_layers(self) -> int:
+        """Layers whose copies are queued (or done): the read buffer's before the turn starts."""
+        return len(self._staged) if self._staged is not None else 0
+
+    def staged_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Event]:
+        """A staged layer for the current stream, which waits on the device for its copy (the host
+        never blocks): its stored rows [2, rows, kv_heads, head_dim] (K without position, V), the
+        fed rows' indices on the device (None: the first ``num_tokens``), and the copy's event."""
         assert self._staged is not None and self._buffer is not None, "stage first"
         ev = self._staged[layer]
-        torch.cuda.current_stream(self._buffer.device).wait_event(ev)
-        return self._pick(self._buffer[0, layer], 0), self._pick(self._buffer[1, layer], 0), ev
+        stream = torch.cuda.current_stream(self._buffer.device)
+        stream.wait_event(ev)
+        if self._rows is not None and self._rows_on_device is None:
+            self._rows_on_device = self._rows.to(self._buffer.device, non_blocking=True)
+        return self._buffer[layer], self._rows_on_device, ev
 
     def _pick(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """The fed rows of staged ``t`` along ``dim`` (all of them without a cut)."""
@@ -124,7 +142,8 @@ class SessionSource:
     def load_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._staged is not None and self._buffer is not None:
             self._staged[layer].synchronize()
-            return self._pick(self._buffer[0, layer], 0), self._pick(self._buffer[1, layer], 0)
+            k, v = self._buffer[layer]
+            return self._pick(k, 0), self._pick(v, 0)
         try:
             t = self._read(layer)
         except CorruptEntryError as exc:
@@ -136,6 +155,7 @@ class SessionSource:
     def finish(self) -> None:
         self._staged = None
         self._buffer = None
+        self._rows_on_device = None
         if self._close is not None:
             self._close()
             self._close = None
