@@ -57,6 +57,8 @@ def test_full_and_fuse_at_ratio_one_equal_plain_prefill(engine, rag_prompt):
     every, st = fused_logits(engine, rag_prompt, "fuse", SelectionPolicy(ratio=1.0))
     assert (every - ref).abs().max().item() < 1e-4
     assert st.recompute_ratio == 1.0 and st.reused_tokens == len(rag_prompt[0].token_ids)
+    # recomputing every chunk, fusion loads only the exact prefix's stored KV, not the chunks' it would discard
+    assert st.stored_tokens == len(rag_prompt[0].token_ids)
 
 
 def test_prefix_mode_reuses_the_exact_prefix(engine, rag_prompt):

@@ -155,7 +155,7 @@ def fuse_prefill(
     device = model.lm_head.weight.device
     ids = [t for s in segments for t in s.token_ids]
     n = len(ids)
-    used = _stored_segments(segments, mode)
+    used = _stored_segments(segments, mode, policy, system is not None)
     lay = _Layout.build(segments, used, mode, policy, system is not None)
     num_stored, num_fusable, num_active = len(lay.stored), lay.num_fusable, len(lay.active)
     # the attention kernel's [0, queries, keys] for each active-set size of the pass, made at once
@@ -264,7 +264,7 @@ def fuse_prefill(
     recomputed = candidates  # stored tokens still active after the last layer
     stats = FusionStats(
         mode=mode.value,
-        recompute_ratio=recomputed / num_fusable if num_fusable else (1.0 if mode is FusionMode.FULL else 0.0),
+        recompute_ratio=recomputed / num_fusable if num_fusable else float(_recomputes_all(mode, policy)),
         prompt_tokens=n,
         stored_tokens=num_stored,
         reused_tokens=num_stored - recomputed,
@@ -280,12 +280,21 @@ def fuse_prefill(
     return logits, stats
 
 
-def _stored_segments(segments: list[Segment], mode: FusionMode) -> set[int]:
-    """Indices of the segments whose stored KV this mode uses."""
-    if mode is FusionMode.FULL:
+def _recomputes_all(mode: FusionMode, policy: SelectionPolicy) -> bool:
+    return mode is FusionMode.FULL or (mode is FusionMode.FUSE and policy.ratio >= 1.0)
+
+
+def _stored_segments(
+    segments: list[Segment], mode: FusionMode, policy: SelectionPolicy, behind_system: bool
+) -> set[int]:
+    """Indices of the segments whose stored KV this mode uses. Fusion at ratio 1 (the controller's
+    choice when loading is slower than recomputing) loads only what it will not recompute: the
+    exact prefix, none behind a system prompt; loading the rest would only add its time."""
+    first = {0} if segments and segments[0].kv is not None else set()
+    if mode is FusionMode.FULL or (_recomputes_all(mode, policy) and behind_system):
         return set()
-    if mode is FusionMode.PREFIX:
-        return {0} if segments and segments[0].kv is not None else set()
+    if mode is FusionMode.PREFIX or _recomputes_all(mode, policy):
+        return first
     return {i for i, s in enumerate(segments) if s.kv is not None}
 
 
