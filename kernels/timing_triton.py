@@ -72,15 +72,23 @@ def paged(seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return k, v, tables
 
 
+def turn_inputs(t: int, ctx: int, rows: int | None = None) -> tuple[torch.Tensor, ...]:
+    """One sequence of ``t`` new tokens after ``ctx`` cached ones: paged K/V, block table, ``rows``
+    queries (default ``t``; more for a padded graph grid), sequence lengths, query bounds, and the
+    attention's causal FLOPs."""
+    n = ctx + t
+    k_cache, v_cache, tables = paged([n])
+    q = torch.randn(rows or t, H, D, device="cuda", dtype=DT)
+    lens = torch.tensor([n], dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, t], dtype=torch.int32, device="cuda")
+    return k_cache, v_cache, tables, q, lens, cu, 4 * H * D * (t * ctx + t * t / 2)
+
+
 def prefill(t: int, ctx: int, bw: float, rate: float) -> None:
     """One sequence of ``t`` new tokens after ``ctx`` cached ones."""
     n = ctx + t
-    k_cache, v_cache, tables = paged([n])
-    q = torch.randn(t, H, D, device="cuda", dtype=DT)
-    lens = torch.tensor([n], dtype=torch.int32, device="cuda")
-    cu = torch.tensor([0, t], dtype=torch.int32, device="cuda")
+    k_cache, v_cache, tables, q, lens, cu, flops = turn_inputs(t, ctx)
     scale = D**-0.5
-    flops = 4 * H * D * (t * ctx + t * t / 2)
     nbytes = (2 * t * H * D + 2 * n * KVH * D) * 2
     case = f"prefill t={t} ctx={ctx}"
     print(f"# {case}: floors {flops / rate * 1e3:.3f} ms (flops), {nbytes / bw * 1e3:.4f} ms (bytes)", flush=True)
@@ -117,12 +125,7 @@ def prefill(t: int, ctx: int, bw: float, rate: float) -> None:
 
 def split_prefill(t: int, ctx: int, rate: float) -> None:
     """A chat turn: ``t`` new tokens after ``ctx`` cached ones, the keys cut into 1..16 splits."""
-    n = ctx + t
-    k_cache, v_cache, tables = paged([n])
-    q = torch.randn(t, H, D, device="cuda", dtype=DT)
-    lens = torch.tensor([n], dtype=torch.int32, device="cuda")
-    cu = torch.tensor([0, t], dtype=torch.int32, device="cuda")
-    flops = 4 * H * D * (t * ctx + t * t / 2)
+    k_cache, v_cache, tables, q, lens, cu, flops = turn_inputs(t, ctx)
     case = f"turn t={t} ctx={ctx}"
     print(f"# {case}: flops floor {flops / rate * 1e3:.3f} ms", flush=True)
     for splits in (1, 2, 4, 8, 16, None):

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ragfuse.bench.sessions import _ttft_engine, int_list
+from ragfuse.bench.sessions import _ttft_engine, int_list, open_session
 from ragfuse.engine import SamplingParams
 from ragfuse.engine.sessions import SessionStore
 from ragfuse.engine.sessions.prefix import HistoryWriter
@@ -82,14 +82,8 @@ def profile_history(eng: Any, history: list[int], new: list[int], reps: int, out
     runner, cache = eng.runner, eng.runner.kv_cache
     hist = len(history)
     store = SessionStore(None, eng.fingerprint, eng.dtype, cpu_bytes=64 << 30, disk_bytes=64 << 30)
-    eng.enable_sessions(store)
     sid = f"s{hist}"
-    rid = eng.add_session_request(sid, history, one)
-    answer: list[int] = []
-    while not answer:
-        answer = [t for o in eng.step() if o.request_id == rid and o.finished for t in o.token_ids]
-    store.flush()
-    conversation = history + answer + new
+    conversation = open_session(eng, store, sid, history, new)
     fed = conversation[hist:]
 
     def turn(mode: str) -> float:
@@ -185,14 +179,9 @@ VARIANTS: list[tuple[tuple[int, int, int, int], int | None]] = [
 def sweep_context(pat: Any, ctx: int, t: int, rows: int) -> None:
     import triton.testing
 
-    from ragfuse.kernels.timing_triton import DT, D, H, paged
+    from ragfuse.kernels.timing_triton import D, turn_inputs
 
-    n = ctx + t
-    k_cache, v_cache, tables = paged([n])
-    q = torch.randn(rows, H, D, device="cuda", dtype=DT)
-    lens = torch.tensor([n], dtype=torch.int32, device="cuda")
-    cu = torch.tensor([0, t], dtype=torch.int32, device="cuda")
-    flops = 4 * H * D * (t * ctx + t * t / 2)
+    k_cache, v_cache, tables, q, lens, cu, flops = turn_inputs(t, ctx, rows)
     default = pat._prefill_tiles
     for tiles, splits in VARIANTS:
         pat._prefill_tiles = lambda d, dev, tiles=tiles: tiles

@@ -113,6 +113,20 @@ def run(args: argparse.Namespace) -> int:
 
 # ---- part 1: TTFT per turn ----------------------------------------------------------------------
 
+def open_session(eng: Any, store: Any, sid: str, history: list[int], new: list[int]) -> list[int]:
+    """Session ``sid`` holding ``history`` and its one-token reply, saved in ``store`` (flushed), and
+    the whole conversation a next turn feeds: history, reply, ``new``."""
+    from ragfuse.engine import SamplingParams
+
+    eng.enable_sessions(store)
+    rid = eng.add_session_request(sid, history, SamplingParams(max_tokens=1, ignore_eos=True))
+    answer: list[int] = []
+    while not answer:
+        answer = [t for o in eng.step() if o.request_id == rid and o.finished for t in o.token_ids]
+    store.flush()
+    return history + answer + new
+
+
 def _ttft_engine(args: argparse.Namespace, longest: int) -> Any:
     from ragfuse.engine import EngineConfig, LLMEngine, ModelConfig
 
@@ -179,14 +193,8 @@ def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
                 root = Path(tmp) / f"{tier}-{hist}" if tier != "cpu" else None
                 store = SessionStore(root, eng.fingerprint, eng.dtype,
                                      cpu_bytes=(64 << 30) if tier == "cpu" else 0, disk_bytes=64 << 30)
-                eng.enable_sessions(store)
                 sid = f"s{hist}"
-                rid = eng.add_session_request(sid, history, one)
-                answer: list[int] = []
-                while not answer:
-                    answer = [t for o in eng.step() if o.request_id == rid and o.finished for t in o.token_ids]
-                store.flush()
-                conversation = history + answer + new  # the whole conversation: history, reply, new turn
+                conversation = open_session(eng, store, sid, history, new)
                 staged = tier == "cpu" and eng.device.type == "cuda"
                 keys = ("ttft", "plan", "pre", "alone", "eager", "hidden", "load", "prefetch")
                 m: dict[str, list[float]] = {k: [] for k in keys}
