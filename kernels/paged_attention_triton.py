@@ -121,9 +121,14 @@ def _prefill_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, PREC: tl.constexpr,
-    HAS_POS: tl.constexpr,
+    HAS_POS: tl.constexpr, PACK: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
     """Program (query tile x split, sequence, query head). Tiles past a sequence's query length exit.
+
+    ``PACK``: the program is (query tile x split, sequence, KV head) instead, and its ``BLOCK_M`` rows
+    are ``BLOCK_Q`` queries x the ``GROUP`` query heads of that KV head, so each K/V tile gathered
+    through the page table serves every head that reads it (grouped-query models). ``BLOCK_Q`` is
+    the tile's query count either way (``BLOCK_M`` unpacked).
 
     Split-K: a tile's keys are cut into up to ``num_splits`` shares (``_split_share``) attended by
     programs of their own; a tile that needs one share writes ``out``/``lse`` directly, one that
@@ -135,15 +140,14 @@ def _prefill_kernel(
     m_block = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
     seq = tl.program_id(1)
-    head = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    m0 = m_block * BLOCK_M
+    m0 = m_block * BLOCK_Q
     if m0 >= q_len:
         return
     kv_len = tl.load(seq_lens_ptr + seq)
     lo, full_end, hi = _tile_span(q_start, q_len, kv_len, m0, q_positions_ptr, window,
-                                  BLOCK_M, BLOCK_N, SLIDING, HAS_POS)
+                                  BLOCK_Q, BLOCK_N, SLIDING, HAS_POS)
     share = _split_share(hi - lo, num_splits, min_share, BLOCK_N)
     parts = tl.cdiv(hi - lo, share)
     if split >= parts:
@@ -151,13 +155,20 @@ def _prefill_kernel(
     s_lo = lo + split * share
     s_hi = tl.minimum(s_lo + share, hi)
     s_full = tl.minimum(tl.maximum(full_end, s_lo), s_hi)
-    kv_head = head // GROUP
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_M)
+    if PACK:  # row r: query m0 + r // GROUP, query head r % GROUP of this KV head
+        kv_head = tl.program_id(2)
+        offs_m = m0 + offs_r // GROUP
+        heads = kv_head * GROUP + offs_r % GROUP
+    else:
+        kv_head = tl.program_id(2) // GROUP
+        offs_m = m0 + offs_r
+        heads = tl.program_id(2) + offs_r * 0
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     row_mask = offs_m < q_len
     rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)
     q_pos = tl.load(q_positions_ptr + rows, mask=row_mask, other=0) if HAS_POS else kv_len - q_len + offs_m
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -181,13 +192,13 @@ def _prefill_kernel(
     out = acc / l_safe[:, None]
     lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
     if parts == 1:
-        tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
-        tl.store(lse_ptr + rows * stride_lt + head, lse, mask=row_mask)
+        tl.store(lse_ptr + rows * stride_lt + heads, lse, mask=row_mask)
     else:
-        tl.store(part_out_ptr + rows[:, None] * stride_pt + split * stride_ps + head * stride_ph + offs_d[None, :],
-                 out, mask=row_mask[:, None] & d_mask[None, :])
-        tl.store(part_lse_ptr + rows * stride_plt + split * stride_pls + head, lse, mask=row_mask)
+        tl.store(part_out_ptr + rows[:, None] * stride_pt + split * stride_ps + heads[:, None] * stride_ph
+                 + offs_d[None, :], out, mask=row_mask[:, None] & d_mask[None, :])
+        tl.store(part_lse_ptr + rows * stride_plt + split * stride_pls + heads, lse, mask=row_mask)
 
 
 @triton.jit
@@ -410,6 +421,12 @@ def prefill_num_splits(
     return splits if max_seq_len >= splits * _prefill_min_share(device) else 1
 
 
+def prefill_packs(group: int, block_m: int, device: torch.device) -> bool:
+    """Whether a prefill tile holds all query heads of a KV head: for grouped-query models whose
+    group divides the tile (a power of two up to a quarter of it, so a tile keeps 4+ queries)."""
+    return 1 < group <= block_m // 4 and block_m % group == 0 and group & (group - 1) == 0
+
+
 def _prefill_min_share(device: torch.device) -> int:
     """Fewest keys a split takes (a multiple of the key tile); the interpreter's is small so tests
     exercise several splits on short sequences."""
@@ -429,6 +446,7 @@ def paged_prefill_attention_triton(
     q_positions: torch.Tensor | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    pack: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``paged_prefill_attention_ref``.
 
@@ -436,7 +454,8 @@ def paged_prefill_attention_triton(
     ``cu_seqlens_q`` back to the host. ``q_positions`` [total] (ascending within each sequence)
     places the queries at arbitrary positions, each seeing the keys at or before its own.
     ``max_seq_len`` (a host bound on the sequences' lengths) lets a small grid split its keys
-    (``prefill_num_splits``); ``num_splits`` forces the split count.
+    (``prefill_num_splits``); ``num_splits`` forces the split count. ``pack`` puts a KV head's query
+    heads in one tile (``_prefill_kernel``); None lets ``prefill_packs`` choose.
     """
     total, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -450,9 +469,16 @@ def paged_prefill_attention_triton(
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     block_m, block_n, warps, stages = _prefill_tiles(head_dim, q.device)
-    tiles = triton.cdiv(max_query_len, block_m)
+    group = num_heads // num_kv_heads
+    if pack is None:
+        pack = prefill_packs(group, block_m, q.device)
+    elif pack and block_m % group:
+        raise ValueError(f"cannot pack {group} query heads per KV head into {block_m}-row tiles")
+    block_q = block_m // group if pack else block_m  # queries per tile
+    tiles = triton.cdiv(max_query_len, block_q)
+    grid_heads = num_kv_heads if pack else num_heads
     if num_splits is None:
-        num_splits = 1 if max_seq_len is None else prefill_num_splits(tiles * num_seqs * num_heads, max_seq_len,
+        num_splits = 1 if max_seq_len is None else prefill_num_splits(tiles * num_seqs * grid_heads, max_seq_len,
                                                                       q.device)
     if num_splits > 1:
         part_out, part_lse = split_buffers(total, num_splits, num_heads, head_dim, q.device)
@@ -463,18 +489,19 @@ def paged_prefill_attention_triton(
     common = dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
                   SLIDING=sliding_window is not None, HAS_POS=q_positions is not None)
     part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1))
-    _prefill_kernel[(tiles * num_splits, num_seqs, num_heads)](
+    _prefill_kernel[(tiles * num_splits, num_seqs, grid_heads)](
         q, k_cache, v_cache, out, lse, part_out, part_lse, block_tables, seq_lens, cu_seqlens_q, positions,
         scale * _LOG2E, sliding_window or 0, num_splits, min_share,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), *part_strides,
         *_cache_strides(k_cache), *_cache_strides(v_cache), block_tables.stride(0),
-        GROUP=num_heads // num_kv_heads, PAGE=k_cache.shape[1], PREC=_dot_precision(q.dtype),
+        GROUP=group, PAGE=k_cache.shape[1], PREC=_dot_precision(q.dtype), PACK=pack, BLOCK_Q=block_q,
         num_warps=warps, num_stages=stages, **common,
     )
-    if num_splits > 1:
+    if num_splits > 1:  # per query head, over the same query tiles (so the same key spans and shares)
         _prefill_merge_kernel[(tiles, num_seqs, num_heads)](
             out, lse, part_out, part_lse, seq_lens, cu_seqlens_q, positions, sliding_window or 0, num_splits,
-            min_share, out.stride(0), out.stride(1), lse.stride(0), *part_strides, num_warps=4, **common,
+            min_share, out.stride(0), out.stride(1), lse.stride(0), *part_strides, num_warps=4,
+            **{**common, "BLOCK_M": block_q},
         )
     return out, lse
 

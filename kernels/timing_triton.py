@@ -1,7 +1,8 @@
 """Times the Triton kernels on the GPU against torch's own kernels and against the two floors.
 
-Run on the GPU machine: ``python -m ragfuse.kernels.timing_triton [out.json] [--turn]`` (``--turn``:
-only the session-turn cases). Shapes are Mistral-7B's attention (32 query heads, 8 KV heads,
+Run on the GPU machine: ``python -m ragfuse.kernels.timing_triton [out.json] [--turn | --pack]``
+(``--turn``: only the session-turn cases; ``--pack``: grouped-query packing against one head per
+tile). Shapes are Mistral-7B's attention (32 query heads, 8 KV heads,
 head_dim 128) in bf16. It first measures the two ceilings
 (device-to-device copy bandwidth, bf16 matmul rate), then for each case prints the kernel's time, the
 flops floor and the bytes floor; kernels/NOTES.md records the results.
@@ -9,6 +10,7 @@ flops floor and the bytes floor; kernels/NOTES.md records the results.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -136,6 +138,34 @@ def split_prefill(t: int, ctx: int, rate: float) -> None:
         record(case, f"triton splits={chosen}{'' if splits else ' (default)'}", ms(fn), flops)
 
 
+def pack_sweep(rate: float) -> None:
+    """Grouped-query packing (a KV head's 4 query heads in one tile) against one head per tile, over
+    tilings: a session turn after histories of 1K-28K, fusion's scattered recompute (416 and 1184 of
+    3104 positions) and whole prompts (512, 4096 tokens)."""
+    default = pat._prefill_tiles
+    g = torch.Generator(device="cpu").manual_seed(0)
+    cases = [(f"turn t=257 ctx={c}", 257, c, None) for c in (1024, 4096, 16384, 28672)]
+    for picked in (416, 1184):
+        pos = torch.randperm(3072, generator=g)[: picked - 32].sort().values.tolist() + list(range(3072, 3104))
+        cases.append((f"scattered {picked} of 3104", picked, 3104 - picked, torch.tensor(pos, device="cuda")))
+    cases += [(f"prefill t={t}", t, 0, None) for t in (512, 4096)]
+    for case, t, ctx, pos in cases:
+        k_cache, v_cache, tables, q, lens, cu, flops = turn_inputs(t, ctx)
+        if pos is not None:  # each query sees the keys up to its own position
+            flops = 4 * H * D * float((pos + 1).sum())
+        print(f"# {case}: flops floor {flops / rate * 1e3:.3f} ms", flush=True)
+        for tiles in [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3)]:
+            pat._prefill_tiles = lambda d, dev, tiles=tiles: tiles
+            for pack in (False, True):
+                fn = functools.partial(pat.paged_prefill_attention_triton, q, k_cache, v_cache, tables, lens, cu,
+                                       D**-0.5, None, t, q_positions=pos, max_seq_len=32768, pack=pack)
+                try:
+                    record(case, f"tiles={tiles} pack={pack}", ms(fn), flops)
+                except Exception as e:  # a tiling that does not fit shared memory: note it, go on
+                    print(f"{tiles} pack={pack} failed: {e!r:.200}", flush=True)
+    pat._prefill_tiles = default
+
+
 def decode(batch: int, ctx: int, bw: float) -> None:
     k_cache, v_cache, tables = paged([ctx] * batch)
     q = torch.randn(batch, H, D, device="cuda", dtype=DT)
@@ -213,6 +243,9 @@ def main() -> None:
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     bw, rate = ceilings()
+    if "--pack" in sys.argv:  # grouped-query packing alone
+        pack_sweep(rate)
+        return _save()
     for ctx in (1024, 4096, 16384, 28672):
         split_prefill(257, ctx, rate)
     if "--turn" in sys.argv:  # the session-turn cases alone

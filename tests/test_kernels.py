@@ -97,18 +97,20 @@ ATTN_SHAPES = [(4, 1, 64), (4, 2, 128), (2, 2, 64)]  # (heads, kv heads, head_di
 @pytest.mark.parametrize("heads,kv_heads,head_dim", ATTN_SHAPES)
 @pytest.mark.parametrize("page", [16, 5])
 @pytest.mark.parametrize("window", [None, 7])
-def test_prefill_matches_reference(kern, heads, kv_heads, head_dim, page, window) -> None:
-    """Varlen causal prefill: fresh sequences, cached prefixes, single tokens, tile/block edges."""
+@pytest.mark.parametrize("pack", [False, True])
+def test_prefill_matches_reference(kern, heads, kv_heads, head_dim, page, window, pack) -> None:
+    """Varlen causal prefill: fresh sequences, cached prefixes, single tokens, tile/block edges; each
+    tile one query head's rows, or (packed) every query head of a KV head."""
     if kern.big:
         q_lens, ctx = [300, 1, 129, 64, 17], [0, 257, 100, 64, 0]
         window = None if window is None else 100
     else:
         q_lens, ctx = [37, 1, 16, 20], [0, 19, 16, 33]
-    _check_varlen_prefill(kern, q_lens, ctx, heads, kv_heads, head_dim, page, window)
+    _check_varlen_prefill(kern, q_lens, ctx, heads, kv_heads, head_dim, page, window, pack=pack)
 
 
 def _check_varlen_prefill(kern, q_lens: list[int], ctx: list[int], heads: int, kv_heads: int, head_dim: int,
-                          page: int, window: int | None, num_splits: int | None = None) -> None:
+                          page: int, window: int | None, num_splits: int | None = None, pack: bool = False) -> None:
     """Sequences of ``ctx`` cached + ``q_lens`` new tokens through the Triton prefill, against the
     float32 reference, in every dtype the backend runs; outputs and split partials start poisoned so
     a row the kernel forgets to write cannot pass."""
@@ -126,7 +128,8 @@ def _check_varlen_prefill(kern, q_lens: list[int], ctx: list[int], heads: int, k
         poison(kern.device, (q.shape, dtype), (q.shape[:2], torch.float32), ((*parts, head_dim), torch.float32),
                (parts, torch.float32))
         out, lse = kern.paged_prefill_attention_triton(
-            q, k_cache, v_cache, tables, lens, cu, scale, window, max_query_len=max(q_lens), num_splits=num_splits
+            q, k_cache, v_cache, tables, lens, cu, scale, window, max_query_len=max(q_lens), num_splits=num_splits,
+            pack=pack,
         )
         assert out.dtype == dtype and lse.dtype == torch.float32
         assert rel_err(out, ref_out) < TOL[dtype], dtype
@@ -136,7 +139,8 @@ def _check_varlen_prefill(kern, q_lens: list[int], ctx: list[int], heads: int, k
 @pytest.mark.parametrize("heads,kv_heads,head_dim", ATTN_SHAPES[:2])
 @pytest.mark.parametrize("num_splits", [2, 3, 16])
 @pytest.mark.parametrize("window", [None, 7])
-def test_prefill_split_keys_matches_reference(kern, heads, kv_heads, head_dim, num_splits, window) -> None:
+@pytest.mark.parametrize("pack", [False, True])
+def test_prefill_split_keys_matches_reference(kern, heads, kv_heads, head_dim, num_splits, window, pack) -> None:
     """Split-K prefill (a new turn after a long history): each query tile's keys cut into shares
     merged by lse, beside tiles too short to split (written directly) in the same launch, and fresh
     sequences whose early tiles stay whole while later ones split."""
@@ -145,7 +149,7 @@ def test_prefill_split_keys_matches_reference(kern, heads, kv_heads, head_dim, n
         window = None if window is None else 9000
     else:
         q_lens, ctx = [37, 1, 16, 20, 5], [0, 19, 16, 300, 60]
-    _check_varlen_prefill(kern, q_lens, ctx, heads, kv_heads, head_dim, 16, window, num_splits)
+    _check_varlen_prefill(kern, q_lens, ctx, heads, kv_heads, head_dim, 16, window, num_splits, pack)
 
 
 def test_prefill_split_count_depends_only_on_host_sizes(kern) -> None:
@@ -162,7 +166,9 @@ def test_prefill_split_count_depends_only_on_host_sizes(kern) -> None:
 @pytest.mark.parametrize("heads,kv_heads,head_dim", ATTN_SHAPES)
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_prefill_at_scattered_positions_matches_reference(kern, heads, kv_heads, head_dim, window, num_splits) -> None:
+@pytest.mark.parametrize("pack", [False, True])
+def test_prefill_at_scattered_positions_matches_reference(kern, heads, kv_heads, head_dim, window, num_splits,
+                                                           pack) -> None:
     """Cache fusion's recompute: queries at scattered ascending positions over a whole cached
     sequence, each with its own causal bound (positions straddle tile and page edges), with the keys
     whole or split."""
@@ -181,7 +187,7 @@ def test_prefill_at_scattered_positions_matches_reference(kern, heads, kv_heads,
         lens = torch.tensor([seq_len], dtype=torch.int32, device=kern.device)
         out, lse = kern.paged_prefill_attention_triton(
             q, k_cache, v_cache, tables, lens, cu, scale, window, max_query_len=len(picks), q_positions=pos,
-            num_splits=num_splits,
+            num_splits=num_splits, pack=pack,
         )
         assert rel_err(out, ref_out) < TOL[dtype], dtype
         assert rel_err(lse, ref_lse) < 1e-4, dtype
