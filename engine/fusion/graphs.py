@@ -23,6 +23,7 @@ from torch import nn
 from ..cuda_graphs import PREFILL_BUCKETS, capture_call, prefill_bucket
 from .layer_step import KVCache, back, front
 from .prefetch import RING_SLOTS
+from .stale_shift import ShiftIndex
 
 STORED_STEP = 512  # stored-token capacities are multiples of this: few captures, little padding
 
@@ -47,6 +48,8 @@ class _Capacity:
                      torch.zeros(shape, dtype=kv_cache[0].dtype, device=device))
         self.stored_at = torch.zeros(stored, dtype=torch.long, device=device)
         self.stored_slots = torch.full((stored,), -1, dtype=torch.long, device=device)
+        self.spare = stored  # the stale shift's segment for rows without stored KV: one past any real one
+        self.stored_segment = torch.full((stored,), stored, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # by layer
 
 
@@ -68,6 +71,10 @@ class FusionGraphs:
         self.slots = torch.full((rows,), -1, dtype=torch.long, device=device)
         self.table = torch.zeros(1, self.max_blocks, dtype=torch.int32, device=device)
         self.bounds = torch.zeros(3, dtype=torch.int32, device=device)
+        # the stale shift's inputs (``stale_shift``); a share of 0 (a pass without it) shifts nothing
+        self.share = torch.zeros((), device=device)
+        self.shift_rows = torch.zeros(rows, dtype=torch.long, device=device)
+        self.shift_segment = torch.zeros(rows, dtype=torch.long, device=device)
         self.capacities: dict[tuple[int, int], _Capacity] = {}
         self.replays = 0  # layers served by a graph (for tests and the profile)
 
@@ -91,7 +98,7 @@ class FusionGraphs:
 
     def load(self, cap: _Capacity, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
              slots: torch.Tensor, stored_at: torch.Tensor, stored_slots: torch.Tensor, table: torch.Tensor,
-             bounds: torch.Tensor) -> None:
+             bounds: torch.Tensor, shift: ShiftIndex | None) -> None:
         """Copy a pass's state at its first steady layer into the static inputs, padding made inert.
         No residual yet (the pass starts here): a zero residual, as ``x + 0`` normed is ``x`` normed."""
         a, s, rows = hidden.shape[0], stored_at.shape[0], cap.rows
@@ -110,6 +117,17 @@ class FusionGraphs:
         cap.stored_slots[s:].fill_(-1)
         self.table[:, : table.shape[1]].copy_(table)
         self.bounds.copy_(bounds)
+        self.shift_rows[:rows].zero_()
+        self.shift_segment[:rows].fill_(cap.spare)
+        cap.stored_segment.fill_(cap.spare)
+        if shift is None:
+            self.share.zero_()
+            return
+        self.share.copy_(shift.share)
+        self.shift_rows[:a].copy_(shift.active_rows)
+        seg = shift.active_segment
+        self.shift_segment[:a].copy_(seg.masked_fill(seg == shift.num_segments - 1, cap.spare))
+        cap.stored_segment[:s].copy_(shift.stored_segment)
 
     def replay(self, cap: _Capacity, layer: int) -> None:
         cap.graphs[layer].replay()
@@ -126,8 +144,10 @@ class FusionGraphs:
         slot = layer % RING_SLOTS
         stored = (cap.ring[0][slot], cap.ring[1][slot], cap.stored_at, cap.stored_slots)
         positions = self.positions[:rows]
-        q, _, _, residual = front(mod, kv, block.rotary, stored, self.hidden[:rows], self.residual[:rows], positions,
-                                  self.slots[:rows])
+        shift = ShiftIndex(self.share, self.shift_rows[:rows], self.shift_segment[:rows], cap.stored_segment,
+                           cap.spare + 1)
+        q, _, _, residual, _ = front(mod, kv, block.rotary, stored, self.hidden[:rows], self.residual[:rows],
+                                     positions, self.slots[:rows], shift)
         # seq_len and the sequence's slots are read by the torch attention only; Triton reads bounds
         hidden, residual = back(mod, kv, q, residual, positions, self.table, 0, self.slots, self.bounds, None)
         self.hidden[:rows].copy_(hidden)
@@ -138,3 +158,7 @@ class FusionGraphs:
         self.slots.fill_(-1)
         self.bounds.zero_()
         cap.stored_slots.fill_(-1)
+        self.share.zero_()
+        self.shift_rows.zero_()
+        self.shift_segment.fill_(cap.spare)
+        cap.stored_segment.fill_(cap.spare)
