@@ -5,8 +5,11 @@ written into the sequence's cache pages, then the *active* tokens are computed a
 overwrites the stored one. Tokens without stored KV (the question, the chat template's tail) are
 always active. In ``fuse`` mode all tokens are active until the first check layer, where the
 stored tokens that deviate most from their stored KV are kept active and the rest drop out; later
-check layers narrow the set (gradual filtering). Active tokens attend to the whole fused prompt
-with an exact causal mask for their scattered positions.
+check layers narrow the set (gradual filtering; with ``revert_dropped`` the tokens a check drops get
+their stored KV back at that layer, so ratio 0 is exactly reuse). With ``stale_shift`` the stored KV
+of every layer first moves by its segment's mean deviation on the tokens computed there
+(``stale_shift.py``). Active tokens attend to the whole fused prompt with an exact causal mask for
+their scattered positions.
 
 Modes, comparable on the same input:
 - ``full``: every token computed (stored KV ignored): the reference.
