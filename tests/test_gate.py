@@ -25,7 +25,7 @@ def test_calibration_set_is_real_rag_prompts_the_eval_never_scores():
     from ragfuse.shared_data import shared_data
 
     name, prompts = calibration_prompts()
-    assert name == "shared-dev" and len(prompts) == 2 * len(gate.CALIBRATION_DATASETS)
+    assert name == "shared-dev" and len(prompts) == gate.PER_DATASET * len(gate.CALIBRATION_DATASETS)
     assert all(len(p["passages"]) == 6 for p in prompts)
     evaluated = {ex.question for ds in gate.CALIBRATION_DATASETS for ex in load_dataset(shared_data(ds), 20, 6)}
     assert not evaluated & {p["question"] for p in prompts}
