@@ -30,6 +30,7 @@ from torch import nn
 from ..cuda_graphs import PREFILL_BUCKETS, capture_call, prefill_bucket
 from .layer_step import KVCache, back, front
 from .prefetch import RING_SLOTS
+from .stale_shift import ShiftIndex
 
 STORED_STEP = 512  # stored-token capacities are multiples of this: few captures, little padding
 # a check layer's halves run 400-2000 tokens (6 x 512 at r = 15%: 1184 down to 416): captured at
@@ -55,7 +56,8 @@ def capacity(active: int, stored: int) -> tuple[int, int] | None:
 
 class _Stored:
     """The static stored-KV inputs of one stored capacity: the loader's ring and the stored tokens'
-    model positions and cache slots."""
+    model positions, cache slots and stale-shift segments (``spare``, one past any real segment, for
+    rows without a stored token: its shift is zero)."""
 
     def __init__(self, stored: int, kv_cache: KVCache, device: torch.device) -> None:
         _, _, kv_heads, head_dim = kv_cache[0].shape
@@ -64,6 +66,8 @@ class _Stored:
                      torch.zeros(shape, dtype=kv_cache[0].dtype, device=device))
         self.at = torch.zeros(stored, dtype=torch.long, device=device)
         self.slots = torch.full((stored,), -1, dtype=torch.long, device=device)
+        self.spare = stored
+        self.segment = torch.full((stored,), stored, dtype=torch.long, device=device)
 
 
 class _Capacity:
@@ -104,6 +108,10 @@ class FusionGraphs:
         self.v = torch.zeros(rows, kv_heads, head_dim, dtype=dtype, device=device)
         self.q_kept = torch.zeros(rows, heads, head_dim, dtype=dtype, device=device)
         self.residual_kept = torch.zeros(rows, hidden, dtype=dtype, device=device)
+        # the stale shift's inputs per active row (``set_shift``); a share of 0 shifts nothing
+        self.share = torch.zeros((), device=device)
+        self.shift_rows = torch.zeros(rows, dtype=torch.long, device=device)
+        self.shift_segment = torch.zeros(rows, dtype=torch.long, device=device)
         self.stored_inputs: dict[int, _Stored] = {}  # by stored capacity
         self.capacities: dict[tuple[int, int], _Capacity] = {}
         self.halves: dict[tuple[str, int, int, int], torch.cuda.CUDAGraph] = {}
@@ -150,6 +158,24 @@ class FusionGraphs:
         inputs.slots[:s].copy_(stored_slots)
         inputs.slots[s:].fill_(-1)
         self.table[:, : table.shape[1]].copy_(table)
+
+    def set_shift(self, cap: _Capacity, shift: ShiftIndex | None) -> None:
+        """The stale shift's inputs for the current active set, or a zero share without one. Every
+        pass sets them before its first replay, so no index or share of an earlier pass (maybe of
+        another capacity) reaches its graphs; padding rows fall in the spare segment."""
+        inputs, spare = cap.inputs, cap.inputs.spare
+        self.shift_rows.zero_()
+        self.shift_segment.fill_(spare)
+        inputs.segment.fill_(spare)
+        if shift is None:
+            self.share.zero_()
+            return
+        a, s = shift.active_rows.shape[0], shift.stored_segment.shape[0]
+        self.share.copy_(shift.share)
+        self.shift_rows[:a].copy_(shift.active_rows)
+        seg = shift.active_segment
+        self.shift_segment[:a].copy_(seg.masked_fill(seg == shift.num_segments - 1, spare))
+        inputs.segment[:s].copy_(shift.stored_segment)
 
     def stage(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
               slots: torch.Tensor, bounds: torch.Tensor) -> None:
@@ -230,8 +256,12 @@ class FusionGraphs:
         block, slot = self.model.model, layer % RING_SLOTS
         inputs = cap.inputs
         stored = (inputs.ring[0][slot], inputs.ring[1][slot], inputs.at, inputs.slots)
-        return front(block.layers[layer], self.kv_caches[layer], block.rotary, stored, self.hidden[:rows],
-                     self.residual[:rows], self.positions[:rows], self.slots[:rows])
+        shift = ShiftIndex(self.share, self.shift_rows[:rows], self.shift_segment[:rows], inputs.segment,
+                           inputs.spare + 1)
+        q, k_raw, v, residual, _ = front(block.layers[layer], self.kv_caches[layer], block.rotary, stored,
+                                         self.hidden[:rows], self.residual[:rows], self.positions[:rows],
+                                         self.slots[:rows], shift)
+        return q, k_raw, v, residual
 
     def _back_call(self, layer: int, rows: int, q: torch.Tensor, residual: torch.Tensor) -> None:
         # seq_len and the sequence's slots are read by the torch attention only; Triton reads bounds
@@ -245,3 +275,4 @@ class FusionGraphs:
         self.slots.fill_(-1)
         self.bounds.zero_()
         cap.inputs.slots.fill_(-1)
+        self.set_shift(cap, None)
