@@ -236,11 +236,20 @@ def fuse_prefill(
                               stored_segment, lay.num_segments)
 
         shift = shift_index()
+        in_graphs: list[ShiftIndex | None] = []  # the shift index last copied into the graphs' static inputs
+
+        def sync_shift() -> None:
+            """Copy the current shift index into the graphs' inputs before a replay that follows a change:
+            only then, since an index of the pass's first layers has more rows than any graph."""
+            assert graphs is not None and cap is not None
+            if not in_graphs or in_graphs[0] is not shift:
+                graphs.set_shift(cap, shift)
+                in_graphs[:] = [shift]
+
         counts: list[int] = []
         if cap is not None:
             assert graphs is not None
             graphs.begin(cap, stored_at, stored_slots, table)
-            graphs.set_shift(cap, shift)
         staged = False  # the active tokens' hidden state, positions and slots sit in the graphs' static inputs
         for li, layer in enumerate(block.layers):
             kv = kv_layers[li]
@@ -248,7 +257,7 @@ def fuse_prefill(
                 assert graphs is not None and not checks
                 if not staged:
                     graphs.stage(hidden, residual, pos_at, act_slots, bounds_all[size_i])
-                graphs.set_shift(cap, shift)
+                sync_shift()
                 for lj in range(steady, num_layers):
                     loader.get(lj, ahead=False)  # the compute stream waits for the layer's stored KV
                     graphs.replay(cap, lj)
@@ -263,6 +272,7 @@ def fuse_prefill(
             if check and cap is not None and graphs is not None and graphs.has(cap, "front", li, pos.shape[0]):
                 if not staged:
                     graphs.stage(hidden, residual, pos_at, act_slots, bounds_all[size_i])
+                sync_shift()
                 q, k_raw, v, residual = graphs.front(cap, li, pos.shape[0])
                 written = (k_st, v_st) if k_st is not None and v_st is not None else None  # unshifted
             else:
@@ -292,6 +302,7 @@ def fuse_prefill(
             assert a == sizes[size_i], "active-set size differs from the planned launch size"  # host ints: no sync
             counts.append(a)
             if kept is not None and cap is not None and graphs is not None and graphs.has(cap, "back", li, a):
+                sync_shift()
                 hidden, residual = graphs.back(cap, li, q, residual, kept, pos_at, act_slots, bounds_all[size_i])
                 staged = True
                 continue
