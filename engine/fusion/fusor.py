@@ -190,10 +190,8 @@ def fuse_prefill(
     steady = policy.check_layers[len(checks) - 1] + 1 if checks else 0
     use_graphs = (graphs is not None and system is None and bool(sources) and steady < num_layers
                   and graphs.accepts(sizes[-1], num_stored, len(block_table)))
-    # the stale shift moves stored KV by deviations measured in a check layer's front: those fronts run eagerly
     shifting = run is FusionMode.FUSE and policy.stale_shift > 0 and bool(sources)
-    halves = [h for c, (li, _) in enumerate(checks) for h in (("front", li, sizes[c]), ("back", li, sizes[c + 1]))
-              if not (shifting and h[0] == "front")]
+    halves = [h for c, (li, _) in enumerate(checks) for h in (("front", li, sizes[c]), ("back", li, sizes[c + 1]))]
     cap = graphs.prepare(sizes[-1], num_stored, range(steady, num_layers), halves) if use_graphs else None
     # layer 0's stored KV is on its way while the host sets the pass up; later layers' loads are
     # issued once each layer's work is launched (``ahead``)
@@ -273,8 +271,7 @@ def fuse_prefill(
                 if not staged:
                     graphs.stage(hidden, residual, pos_at, act_slots, bounds_all[size_i])
                 sync_shift()
-                q, k_raw, v, residual = graphs.front(cap, li, pos.shape[0])
-                written = (k_st, v_st) if k_st is not None and v_st is not None else None  # unshifted
+                q, k_raw, v, residual, written = graphs.front(cap, li, pos.shape[0], num_stored)
             else:
                 stored = (k_st, v_st, stored_at, stored_slots) if k_st is not None and v_st is not None else None
                 q, k_raw, v, residual, written = layer_step.front(layer, kv, rotary, stored, hidden, residual, pos_at,

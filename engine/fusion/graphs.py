@@ -57,7 +57,8 @@ def capacity(active: int, stored: int) -> tuple[int, int] | None:
 class _Stored:
     """The static stored-KV inputs of one stored capacity: the loader's ring and the stored tokens'
     model positions, cache slots and stale-shift segments (``spare``, one past any real segment, for
-    rows without a stored token: its shift is zero)."""
+    rows without a stored token: its shift is zero); and ``written``, where a check layer's front
+    leaves the stored KV as it wrote it (moved by the stale shift), which its selection compares with."""
 
     def __init__(self, stored: int, kv_cache: KVCache, device: torch.device) -> None:
         _, _, kv_heads, head_dim = kv_cache[0].shape
@@ -68,6 +69,8 @@ class _Stored:
         self.slots = torch.full((stored,), -1, dtype=torch.long, device=device)
         self.spare = stored
         self.segment = torch.full((stored,), stored, dtype=torch.long, device=device)
+        self.written = (torch.zeros(shape[1:], dtype=kv_cache[0].dtype, device=device),
+                        torch.zeros(shape[1:], dtype=kv_cache[0].dtype, device=device))
 
 
 class _Capacity:
@@ -190,13 +193,16 @@ class FusionGraphs:
         self._place(positions, slots)
         self.bounds.copy_(bounds)
 
-    def front(self, cap: _Capacity, layer: int, active: int) -> tuple[torch.Tensor, ...]:
-        """A check layer's front over the staged tokens: (q rotated, K before RoPE, V, residual)."""
+    def front(self, cap: _Capacity, layer: int, active: int,
+              stored: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """A check layer's front over the staged tokens: (q rotated, K before RoPE, V, residual) and
+        the ``stored`` tokens' (K before RoPE, V) as written."""
         rows = half_rows(active)
         assert rows is not None
         self.halves[self._key(cap, "front", layer, rows)].replay()
         self.replays += 1
-        return self.q[:active], self.k_raw[:active], self.v[:active], self.residual[:active]
+        written = tuple(w[:stored] for w in cap.inputs.written)
+        return self.q[:active], self.k_raw[:active], self.v[:active], self.residual[:active], written
 
     def back(self, cap: _Capacity, layer: int, q: torch.Tensor, residual: torch.Tensor, kept: torch.Tensor,
              positions: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,16 +243,19 @@ class FusionGraphs:
     def _step(self, layer: int, cap: _Capacity) -> None:
         """One steady layer over the static buffers; its outputs overwrite its inputs."""
         rows = cap.rows
-        q, _, _, residual = self._front_call(layer, rows, cap)
+        q, _, _, residual, _ = self._front_call(layer, rows, cap)
         self._back_call(layer, rows, q, residual)
 
     def _front(self, layer: int, rows: int, cap: _Capacity) -> None:
-        """A check layer's front over the static buffers, into ``q``, ``k_raw``, ``v`` and ``residual``."""
-        q, k_raw, v, residual = self._front_call(layer, rows, cap)
+        """A check layer's front over the static buffers, into ``q``, ``k_raw``, ``v``, ``residual``
+        and the stored KV as written."""
+        q, k_raw, v, residual, written = self._front_call(layer, rows, cap)
         self.q[:rows].copy_(q)
         self.k_raw[:rows].copy_(k_raw)
         self.v[:rows].copy_(v)
         self.residual[:rows].copy_(residual)
+        for out, w in zip(cap.inputs.written, written, strict=True):
+            out.copy_(w)
 
     def _back(self, layer: int, rows: int, cap: _Capacity) -> None:
         """A check layer's back over the kept rows, into ``hidden`` and ``residual``."""
@@ -258,10 +267,11 @@ class FusionGraphs:
         stored = (inputs.ring[0][slot], inputs.ring[1][slot], inputs.at, inputs.slots)
         shift = ShiftIndex(self.share, self.shift_rows[:rows], self.shift_segment[:rows], inputs.segment,
                            inputs.spare + 1)
-        q, k_raw, v, residual, _ = front(block.layers[layer], self.kv_caches[layer], block.rotary, stored,
-                                         self.hidden[:rows], self.residual[:rows], self.positions[:rows],
-                                         self.slots[:rows], shift)
-        return q, k_raw, v, residual
+        q, k_raw, v, residual, written = front(block.layers[layer], self.kv_caches[layer], block.rotary, stored,
+                                               self.hidden[:rows], self.residual[:rows], self.positions[:rows],
+                                               self.slots[:rows], shift)
+        assert written is not None
+        return q, k_raw, v, residual, written
 
     def _back_call(self, layer: int, rows: int, q: torch.Tensor, residual: torch.Tensor) -> None:
         # seq_len and the sequence's slots are read by the torch attention only; Triton reads bounds
