@@ -42,6 +42,8 @@ def parse_policy(spec: str, ratio: float) -> SelectionPolicy:
         cur = getattr(base, key)
         if isinstance(cur, tuple):
             kw[key] = tuple(int(x) for x in value.split(",") if x)
+        elif isinstance(cur, bool):
+            kw[key] = value.lower() in ("1", "true", "yes")
         else:
             kw[key] = type(cur)(value)
     return SelectionPolicy(**{**{f.name: getattr(base, f.name) for f in fields(SelectionPolicy)}, **kw})

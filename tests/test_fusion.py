@@ -9,6 +9,8 @@ import torch
 
 from ragfuse.engine import SamplingParams
 from ragfuse.engine.fusion import Segment, SelectionPolicy, TensorKV
+from ragfuse.engine.fusion.selection import question_attention
+from ragfuse.engine.fusion.stale_shift import ShiftIndex, shifted
 from ragfuse.kernels.paged_attention import attention_with_lse
 from ragfuse.shared_data import shared_data
 
@@ -82,6 +84,94 @@ def test_quality_improves_with_the_recompute_ratio(engine, rag_prompt):
         kls.append(kl(ref, got))
     assert kls[0] > 0.01  # reuse without recompute really is approximate here
     assert kls[0] > kls[1] > kls[2]
+
+
+def test_fuse_at_ratio_zero_is_reuse(engine, rag_prompt):
+    """Recomputing 0% of the stored tokens is full reuse, exactly, and costs what reuse costs."""
+    reuse, st_reuse = fused_logits(engine, rag_prompt, "reuse")
+    for policy in (SelectionPolicy.default().with_ratio(0.0), SelectionPolicy.paper(0.0)):
+        got, st = fused_logits(engine, rag_prompt, "fuse", policy)
+        assert (got - reuse).abs().max().item() == 0.0
+        assert st.recomputed_tokens == 0 and st.active_per_layer == st_reuse.active_per_layer
+
+
+def cache_pages(engine, segs, mode, policy=None):
+    """(K, V) the fused prefill leaves in the cache [layers, tokens, ...], and its stats."""
+    n = sum(len(s.token_ids) for s in segs)
+    table: list[int] = []
+    engine.blocks.grow(table, n)
+    try:
+        _, stats = engine.runner.fused_prefill(table, segs, mode, policy or SelectionPolicy())
+        k, v = engine.runner.kv_cache.gather(table, n)
+        return k.clone(), v.clone(), stats
+    finally:
+        engine.blocks.release(table)
+
+
+def test_dropped_candidates_get_their_stored_kv_back(engine, rag_prompt):
+    """With ``revert_dropped`` a check layer's fresh KV stays only for the tokens it keeps: every
+    stored token left out of the recompute holds its stored KV at every layer from the check on, as
+    in full reuse; without it the check layer keeps every token's fresh KV."""
+    k_reuse, v_reuse, _ = cache_pages(engine, rag_prompt, "reuse")
+    policy = SelectionPolicy(ratio=0.15, check_layers=(2,), revert_dropped=True)
+    k, v, st = cache_pages(engine, rag_prompt, "fuse", policy)
+    chosen = st.recomputed_positions.tolist()
+    assert len(chosen) == st.recomputed_tokens > 0
+    first = len(rag_prompt[0].token_ids)  # the exact prefix is never a candidate
+    stale = torch.ones(k.shape[1], dtype=torch.bool)
+    stale[chosen] = False
+    stale[-len(rag_prompt[-1].token_ids):] = stale[:first] = False
+    assert (k[2:, stale] - k_reuse[2:, stale]).abs().max().item() < 1e-5
+    assert (v[2:, stale] - v_reuse[2:, stale]).abs().max().item() < 1e-5
+    assert (v[1:2, stale] - v_reuse[1:2, stale]).abs().max().item() > 1e-2  # before the check: all fresh
+    k_all, v_all, _ = cache_pages(engine, rag_prompt, "fuse", SelectionPolicy(ratio=0.15, check_layers=(2,)))
+    assert (v_all[2:3, stale] - v_reuse[2:3, stale]).abs().max().item() > 1e-2
+
+
+def test_one_check_layer_selections_are_nested(engine, rag_prompt):
+    """With one check layer the ranking does not depend on the ratio (every token is computed up to
+    it), so a token recomputed at r stays recomputed at any larger r."""
+    picked = []
+    for r in (0.05, 0.15, 0.3):
+        _, st = fused_logits(engine, rag_prompt, "fuse", SelectionPolicy.paper(r))
+        picked.append(set(st.recomputed_positions.tolist()))
+    assert picked[0] < picked[1] < picked[2]
+
+
+def test_stale_shift_moves_each_segment_by_its_share_of_mean_deviation():
+    """Two stored segments of 3 rows; the active rows are stored rows 1, 2 (segment 0) and 4 (segment
+    1), plus a row without stored KV (the spare segment 2, which must shift nothing)."""
+    k_st, v_st = torch.zeros(6, 1, 2), torch.ones(6, 1, 2)
+    k_new = torch.tensor([[[2.0, 0.0]], [[4.0, 0.0]], [[0.0, 6.0]], [[9.0, 9.0]]])
+    v_new = torch.ones(4, 1, 2) * torch.tensor([3.0, 5.0, 1.0, 9.0])[:, None, None]
+    index = ShiftIndex(torch.tensor(0.5), torch.tensor([1, 2, 4, 0]), torch.tensor([0, 0, 1, 2]),
+                       torch.tensor([0, 0, 0, 1, 1, 1]), 3)
+    k, v = shifted(index, k_new, v_new, k_st, v_st)
+    assert torch.equal(k[:3, 0], torch.tensor([[1.5, 0.0]] * 3))  # mean (3, 0), half of it
+    assert torch.equal(k[3:, 0], torch.tensor([[0.0, 3.0]] * 3))
+    assert torch.equal(v[:3, 0], torch.full((3, 2), 2.5)) and torch.equal(v[3:, 0], torch.ones(3, 2))
+
+
+def test_default_policy_is_exact_at_the_ends_of_the_ratio_range(engine, rag_prompt):
+    """The shipped policy (stale shift, reverted drops) still gives reuse at 0% and full at 100%."""
+    ids = [t for s in rag_prompt for t in s.token_ids]
+    ref = engine.score(ids, last_n=1)[0].log_softmax(-1)
+    every, _ = fused_logits(engine, rag_prompt, "fuse", SelectionPolicy.default().with_ratio(1.0))
+    assert (every - ref).abs().max().item() < 1e-4
+    reuse, _ = fused_logits(engine, rag_prompt, "reuse")
+    none, _ = fused_logits(engine, rag_prompt, "fuse", SelectionPolicy.default().with_ratio(0.0))
+    assert (none - reuse).abs().max().item() == 0.0
+
+
+def test_question_attention_is_the_tail_queries_mean_attention():
+    torch.manual_seed(2)
+    q, k = torch.randn(5, 6, 8), torch.randn(20, 2, 8)
+    got = question_attention(q, k, 0.3)
+    ref = torch.zeros(20)
+    for i in range(5):  # query i sits at position 15 + i and sees keys 0..15+i
+        for h in range(6):
+            ref[: 16 + i] += (0.3 * k[: 16 + i, h // 3] @ q[i, h]).softmax(0) / 30
+    assert torch.allclose(got, ref, atol=1e-6) and abs(got.sum().item() - 1) < 1e-5
 
 
 def test_stored_keys_are_rotated_to_their_real_offset(engine, rag_prompt):

@@ -27,11 +27,20 @@ def test_large_active_sets_and_passes_without_stored_kv_run_eagerly():
     assert capacity(32, 0) is None
 
 
+SHIFTED = {"revert_dropped": True, "stale_shift": 0.5, "attention_weight": 0.1}  # as the shipped selection
+SHORT = ((130, 77, 200), (120, 70, 190), (130, 77, 200))  # one capacity, stale padding in between
+# the first check layer's 2504 tokens outgrow every half graph (eager), the later layers' do not
+LONG = ((1000, 800, 700), (990, 800, 700))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode,ratio,checks", [("reuse", 0.0, (1,)), ("fuse", 0.15, (1,)), ("fuse", 0.15, (1, 2))])
-def test_replayed_fusion_equals_the_eager_pass(mode, ratio, checks):
+@pytest.mark.parametrize("mode,ratio,checks,extra,prompts", [
+    ("reuse", 0.0, (1,), {}, SHORT), ("fuse", 0.15, (1,), {}, SHORT), ("fuse", 0.15, (1, 2), {}, SHORT),
+    ("fuse", 0.15, (1, 2), SHIFTED, SHORT), ("fuse", 0.15, (1, 2), SHIFTED, LONG)])
+def test_replayed_fusion_equals_the_eager_pass(mode, ratio, checks, extra, prompts):
     """Steady layers and, in ``fuse``, the check layers' halves replayed (gradual filtering over two
-    check layers: a back half's output feeds the next check layer's front half in place)."""
+    check layers: a back half's output feeds the next check layer's front half in place), also with
+    the stale shift, whose index is copied into the graphs' inputs only before the replays it feeds."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from .test_fusion_gpu import engine
@@ -41,8 +50,8 @@ def test_replayed_fusion_equals_the_eager_pass(mode, ratio, checks):
     graphs = runner.fusion_graphs
     assert graphs is not None
     g = torch.Generator().manual_seed(1)
-    policy = SelectionPolicy(ratio=ratio, check_layers=checks, first_factor=2.0 if len(checks) > 1 else 1.0)
-    for lengths in ((130, 77, 200), (120, 70, 190), (130, 77, 200)):  # one capacity, stale padding in between
+    policy = SelectionPolicy(ratio=ratio, check_layers=checks, first_factor=2.0 if len(checks) > 1 else 1.0, **extra)
+    for lengths in prompts:
         chunks = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in lengths]
         segs = [Segment(c, TensorKV(*kv)) for c, kv in zip(chunks, eng.compute_kv(chunks), strict=True)]
         segs.append(Segment([5, 6, 7, 8, 9]))

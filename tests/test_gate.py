@@ -6,13 +6,34 @@ import json
 
 import pytest
 
+from ragfuse import gate
 from ragfuse.engine.fusion import SelectionPolicy
-from ragfuse.gate import RATIOS, calibrate, calibrated_r_star
+from ragfuse.gate import RATIOS, calibrate, calibrated_r_star, calibration_prompts
+from ragfuse.probes import PROBES
+
+# the short probes keep these tests quick; the real calibration set is the same code on longer prompts
+SHORT = ("probes", PROBES)
 
 
 @pytest.fixture(scope="module")
 def calibration(engine):
-    return calibrate(engine, SelectionPolicy.default(), target=0.6)
+    return calibrate(engine, SelectionPolicy.default(), target=0.6, prompts=SHORT)
+
+
+def test_calibration_set_is_real_rag_prompts_the_eval_never_scores():
+    from ragfuse.eval_qa import load_dataset
+    from ragfuse.shared_data import shared_data
+
+    name, prompts = calibration_prompts()
+    assert name == "shared-dev" and len(prompts) == gate.PER_DATASET * len(gate.CALIBRATION_DATASETS)
+    assert all(len(p["passages"]) == 6 for p in prompts)
+    evaluated = {ex.question for ds in gate.CALIBRATION_DATASETS for ex in load_dataset(shared_data(ds), 20, 6)}
+    assert not evaluated & {p["question"] for p in prompts}
+
+
+def test_calibration_falls_back_to_the_probes_without_shared_data(tmp_path, monkeypatch):
+    monkeypatch.setattr(gate, "shared_data", lambda name: tmp_path / name)
+    assert calibration_prompts() == ("probes", PROBES)
 
 
 def test_r_star_is_the_least_ratio_reaching_the_target(calibration):
@@ -25,7 +46,7 @@ def test_r_star_is_the_least_ratio_reaching_the_target(calibration):
 
 
 def test_unreachable_target_falls_back_to_full_recompute(engine):
-    cal = calibrate(engine, SelectionPolicy.default(), target=1.01)  # gap_closed never exceeds 1
+    cal = calibrate(engine, SelectionPolicy.default(), target=1.01, prompts=SHORT)  # gap_closed never exceeds 1
     assert cal.fallback_to_full and cal.r_star == 1.0
     assert [float(r) for r in cal.gap_closed] == list(RATIOS)  # every ratio was tried
     assert all(g <= 1.0 for g in cal.gap_closed.values())
@@ -33,13 +54,13 @@ def test_unreachable_target_falls_back_to_full_recompute(engine):
 
 def test_calibration_is_cached_per_model_and_policy(engine, tmp_path, monkeypatch, calibration):
     monkeypatch.setenv("RAGFUSE_CACHE", str(tmp_path))
-    r = calibrated_r_star(engine, SelectionPolicy.default(), target=0.6)
+    r = calibrated_r_star(engine, SelectionPolicy.default(), target=0.6, prompts=SHORT)
     assert r == calibration.r_star
     (path,) = (tmp_path / "gate").glob("*.json")
     saved = json.loads(path.read_text())
     assert saved["r_star"] == r and saved["target_gap_closed"] == 0.6
     path.write_text(json.dumps({**saved, "r_star": 0.42}))  # a second call reads the cache, never re-probes
-    assert calibrated_r_star(engine, SelectionPolicy.default(), target=0.6) == 0.42
+    assert calibrated_r_star(engine, SelectionPolicy.default(), target=0.6, prompts=SHORT) == 0.42
     path.write_text("{not json")  # an unreadable cache calibrates again and is rewritten
-    assert calibrated_r_star(engine, SelectionPolicy.default(), target=0.6) == r
+    assert calibrated_r_star(engine, SelectionPolicy.default(), target=0.6, prompts=SHORT) == r
     assert json.loads(path.read_text())["r_star"] == r

@@ -5,8 +5,11 @@ written into the sequence's cache pages, then the *active* tokens are computed a
 overwrites the stored one. Tokens without stored KV (the question, the chat template's tail) are
 always active. In ``fuse`` mode all tokens are active until the first check layer, where the
 stored tokens that deviate most from their stored KV are kept active and the rest drop out; later
-check layers narrow the set (gradual filtering). Active tokens attend to the whole fused prompt
-with an exact causal mask for their scattered positions.
+check layers narrow the set (gradual filtering; with ``revert_dropped`` the tokens a check drops get
+their stored KV back at that layer, so ratio 0 is exactly reuse). With ``stale_shift`` the stored KV
+of every layer first moves by its segment's mean deviation on the tokens computed there
+(``stale_shift.py``). Active tokens attend to the whole fused prompt with an exact causal mask for
+their scattered positions.
 
 Modes, comparable on the same input:
 - ``full``: every token computed (stored KV ignored): the reference.
@@ -39,7 +42,8 @@ from . import layer_step
 from .graphs import FusionGraphs
 from .prefetch import LayerPrefetcher
 from .segments import Segment
-from .selection import SelectionPolicy, choose, deviation, keep_count
+from .selection import SelectionPolicy, choose, deviation, keep_count, question_attention
+from .stale_shift import ShiftIndex
 
 
 class FusionMode(str, Enum):
@@ -64,6 +68,9 @@ class FusionStats:
     total_s: float
     tiers: list[str] = field(default_factory=list)
     active_per_layer: list[int] = field(default_factory=list)
+    # prompt positions of the stored tokens recomputed past the last check layer, on the device
+    # (read only by whoever compares selections: the pass itself never waits for it)
+    recomputed_positions: torch.Tensor | None = None
 
     @property
     def load_hidden(self) -> float:
@@ -86,7 +93,10 @@ class _Layout:
     num_fusable: int
     candidates: int  # fusable tokens among them
     num_forced: int
+    tail: int  # positions after the last recompute candidate (the question): they rank candidates by attention
     check_sizes: list[tuple[int, int]]  # per check layer: (candidates before it, candidates it keeps)
+    segment: np.ndarray  # stored segment (0, 1, ... in prompt order) per position; num_segments - 1 if none
+    num_segments: int  # stored segments + 1 spare for positions without stored KV
 
     @classmethod
     def build(
@@ -94,11 +104,13 @@ class _Layout:
     ) -> _Layout:
         n = sum(len(s.token_ids) for s in segments)
         stored, exact, forced = np.zeros(n, bool), np.zeros(n, bool), np.zeros(n, bool)
+        segment = np.full(n, len(used), dtype=np.int64)
         offset = 0
         for i, seg in enumerate(segments):
             end = offset + len(seg.token_ids)
             if i in used:
                 stored[offset:end] = True
+                segment[offset:end] = sum(j < i for j in used)
                 sinks = min(policy.sink_tokens, len(seg.token_ids)) if mode is FusionMode.FUSE else 0
                 forced[offset : offset + sinks] = True
                 # KV stored from position 0 is exactly what full prefill computes for a prompt that
@@ -107,6 +119,7 @@ class _Layout:
                 exact[offset:end] = offset == 0 and not behind_system
             offset = end
         stored[n - 1] = exact[n - 1] = False  # the last token's hidden state gives the first answer token
+        segment[n - 1] = len(used)
         fusable = stored & ~exact
         forced &= fusable
         recompute = mode is FusionMode.FUSE or mode is FusionMode.FULL
@@ -122,9 +135,11 @@ class _Layout:
                 kept = num_forced + max(0, min(keep - num_forced, cand - num_forced))
                 sizes.append((cand, kept))
                 cand = kept
+        tail = n - 1 - int(np.flatnonzero(fusable)[-1]) if num_fusable else 0
         return cls(
             stored=np.flatnonzero(stored), fusable=fusable, forced=forced, active=active, num_fusable=num_fusable,
-            candidates=num_fusable if mode is FusionMode.FUSE else 0, num_forced=num_forced, check_sizes=sizes,
+            candidates=num_fusable if mode is FusionMode.FUSE else 0, num_forced=num_forced, tail=tail,
+            check_sizes=sizes, segment=segment, num_segments=len(used) + 1,
         )
 
 
@@ -152,11 +167,14 @@ def fuse_prefill(
     ``graphs`` the layers past the last check layer replay CUDA graphs where the sizes fit."""
     t_start = time.perf_counter()
     mode = FusionMode(mode)
+    # at ratio 0 with no token forced in, fusion recomputes no stored token: that is full reuse, run
+    # as such (no check layer computing every token only to select none of them)
+    run = FusionMode.REUSE if mode is FusionMode.FUSE and policy.ratio == 0 and not policy.sink_tokens else mode
     device = model.lm_head.weight.device
     ids = [t for s in segments for t in s.token_ids]
     n = len(ids)
-    used = _stored_segments(segments, mode, policy, system is not None)
-    lay = _Layout.build(segments, used, mode, policy, system is not None)
+    used = _stored_segments(segments, run, policy, system is not None)
+    lay = _Layout.build(segments, used, run, policy, system is not None)
     num_stored, num_fusable, num_active = len(lay.stored), lay.num_fusable, len(lay.active)
     # the attention kernel's [0, queries, keys] for each active-set size of the pass, made at once
     # checks narrow only the candidates: after one, the active set is the non-candidates plus what it kept
@@ -172,6 +190,7 @@ def fuse_prefill(
     steady = policy.check_layers[len(checks) - 1] + 1 if checks else 0
     use_graphs = (graphs is not None and system is None and bool(sources) and steady < num_layers
                   and graphs.accepts(sizes[-1], num_stored, len(block_table)))
+    shifting = run is FusionMode.FUSE and policy.stale_shift > 0 and bool(sources)
     halves = [h for c, (li, _) in enumerate(checks) for h in (("front", li, sizes[c]), ("back", li, sizes[c + 1]))]
     cap = graphs.prepare(sizes[-1], num_stored, range(steady, num_layers), halves) if use_graphs else None
     # layer 0's stored KV is on its way while the host sets the pass up; later layers' loads are
@@ -180,13 +199,14 @@ def fuse_prefill(
     with loader, torch.inference_mode():
         # one host-to-device transfer for everything the pass indexes with, from page-locked memory so
         # the host goes on at once (a copy from pageable memory waits for it)
-        parts = [np.asarray(ids, dtype=np.int64), lay.stored, lay.active, lay.fusable, lay.forced,
+        parts = [np.asarray(ids, dtype=np.int64), lay.stored, lay.active, lay.fusable, lay.forced, lay.segment,
                  np.asarray(block_table, dtype=np.int64), bounds]
         host = torch.from_numpy(np.concatenate([p.astype(np.int64, copy=False) for p in parts]))
         if device.type == "cuda":
             host = host.pin_memory()
-        ids_d, stored_pos, active_idx, fusable, forced, table_d, bounds_d = (
-            host.to(device, non_blocking=True).split([n, num_stored, num_active, n, n, len(block_table), len(bounds)])
+        ids_d, stored_pos, active_idx, fusable, forced, segment, table_d, bounds_d = (
+            host.to(device, non_blocking=True).split(
+                [n, num_stored, num_active, n, n, n, len(block_table), len(bounds)])
         )
         fusable, forced = fusable.bool(), forced.bool()
         row_of = torch.full((n,), -1, dtype=torch.long, device=device)  # prompt position -> row of the loaded KV
@@ -203,6 +223,27 @@ def fuse_prefill(
         pos, act_slots = active_idx, slots.index_select(0, active_idx)
         pos_at = pos + base
         size_i, candidates = 0, lay.candidates
+        share = torch.full((), policy.stale_shift, device=device) if shifting else None
+        stored_segment = segment.index_select(0, stored_pos) if shifting else None
+
+        def shift_index() -> ShiftIndex | None:
+            """The stale shift's indices for the current active set (made again when a check narrows it)."""
+            if share is None or stored_segment is None:
+                return None
+            return ShiftIndex(share, row_of.index_select(0, pos).clamp(min=0), segment.index_select(0, pos),
+                              stored_segment, lay.num_segments)
+
+        shift = shift_index()
+        in_graphs: list[ShiftIndex | None] = []  # the shift index last copied into the graphs' static inputs
+
+        def sync_shift() -> None:
+            """Copy the current shift index into the graphs' inputs before a replay that follows a change:
+            only then, since an index of the pass's first layers has more rows than any graph."""
+            assert graphs is not None and cap is not None
+            if not in_graphs or in_graphs[0] is not shift:
+                graphs.set_shift(cap, shift)
+                in_graphs[:] = [shift]
+
         counts: list[int] = []
         if cap is not None:
             assert graphs is not None
@@ -214,6 +255,7 @@ def fuse_prefill(
                 assert graphs is not None and not checks
                 if not staged:
                     graphs.stage(hidden, residual, pos_at, act_slots, bounds_all[size_i])
+                sync_shift()
                 for lj in range(steady, num_layers):
                     loader.get(lj, ahead=False)  # the compute stream waits for the layer's stored KV
                     graphs.replay(cap, lj)
@@ -228,25 +270,36 @@ def fuse_prefill(
             if check and cap is not None and graphs is not None and graphs.has(cap, "front", li, pos.shape[0]):
                 if not staged:
                     graphs.stage(hidden, residual, pos_at, act_slots, bounds_all[size_i])
-                q, k_raw, v, residual = graphs.front(cap, li, pos.shape[0])
+                sync_shift()
+                q, k_raw, v, residual, written = graphs.front(cap, li, pos.shape[0], num_stored)
             else:
                 stored = (k_st, v_st, stored_at, stored_slots) if k_st is not None and v_st is not None else None
-                q, k_raw, v, residual = layer_step.front(layer, kv, rotary, stored, hidden, residual, pos_at,
-                                                         act_slots)
+                q, k_raw, v, residual, written = layer_step.front(layer, kv, rotary, stored, hidden, residual, pos_at,
+                                                                  act_slots, shift)
             loader.ahead(li)
             kept = None
             if check:
                 _, (cand, kept_n) = checks.pop(0)
-                assert k_st is not None and v_st is not None
-                kept = _narrow(policy, len(lay.check_sizes) - len(checks) - 1, k_raw, v, k_st, v_st, pos, fusable,
-                               forced, row_of, cand, kept_n, lay.num_forced, num_fusable)
+                assert written is not None
+                attn = layer.self_attn.attn
+                weight = None
+                if policy.attention_weight:
+                    keys = kv[0].view(-1, *kv[0].shape[2:]).index_select(0, slots)
+                    weight = question_attention(q[-lay.tail :], keys, attn.scale)
+                kept = _narrow(policy, len(lay.check_sizes) - len(checks) - 1, k_raw, v, *written, pos, fusable,
+                               forced, row_of, cand, kept_n, lay.num_forced, num_fusable, weight)
                 pos = active_idx = active_idx.index_select(0, kept)
                 act_slots, pos_at = slots.index_select(0, pos), pos + base
+                if policy.revert_dropped:  # stored KV back in the pages, then the kept tokens' fresh KV over it
+                    attn.store(rotary(written[0], stored_at), written[1], kv, stored_slots)
+                    attn.store(rotary(k_raw.index_select(0, kept), pos_at), v.index_select(0, kept), kv, act_slots)
+                shift = shift_index()
                 size_i, candidates = size_i + 1, kept_n
             a = pos.shape[0]
             assert a == sizes[size_i], "active-set size differs from the planned launch size"  # host ints: no sync
             counts.append(a)
             if kept is not None and cap is not None and graphs is not None and graphs.has(cap, "back", li, a):
+                sync_shift()
                 hidden, residual = graphs.back(cap, li, q, residual, kept, pos_at, act_slots, bounds_all[size_i])
                 staged = True
                 continue
@@ -276,6 +329,7 @@ def fuse_prefill(
         total_s=total,
         tiers=sorted({s.tier for s in sources}),
         active_per_layer=counts,
+        recomputed_positions=pos.index_select(0, _first_true(fusable.index_select(0, pos), recomputed)),
     )
     return logits, stats
 
@@ -323,6 +377,7 @@ def _narrow(
     kept: int,
     num_forced: int,
     num_fusable: int,
+    weight: torch.Tensor | None,
 ) -> torch.Tensor:
     """Rows of the active tokens (ascending) that stay active after this check layer: every token
     without stored KV, and the ``kept`` candidates that deviate most from their stored KV."""
@@ -335,6 +390,8 @@ def _narrow(
         else (k_raw, k_st)
     v_new, v_old = (v.index_select(0, cand_rows), v_st.index_select(0, st_rows)) if policy.metric != "k" else (v, v_st)
     dev = deviation(policy.metric, k_new, v_new, k_old, v_old)
+    if weight is not None:  # the question's attention per prompt position
+        dev = dev * weight.index_select(0, cand_pos) ** policy.attention_weight
     keep_n = keep_count(policy.keep_share(check_index), num_fusable)
     chosen = choose(dev, keep_n, forced.index_select(0, cand_pos), num_forced)
     keep = ~is_cand  # tokens without stored KV always stay

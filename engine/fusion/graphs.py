@@ -30,6 +30,7 @@ from torch import nn
 from ..cuda_graphs import PREFILL_BUCKETS, capture_call, prefill_bucket
 from .layer_step import KVCache, back, front
 from .prefetch import RING_SLOTS
+from .stale_shift import ShiftIndex
 
 STORED_STEP = 512  # stored-token capacities are multiples of this: few captures, little padding
 # a check layer's halves run 400-2000 tokens (6 x 512 at r = 15%: 1184 down to 416): captured at
@@ -55,7 +56,9 @@ def capacity(active: int, stored: int) -> tuple[int, int] | None:
 
 class _Stored:
     """The static stored-KV inputs of one stored capacity: the loader's ring and the stored tokens'
-    model positions and cache slots."""
+    model positions, cache slots and stale-shift segments (``spare``, one past any real segment, for
+    rows without a stored token: its shift is zero); and ``written``, where a check layer's front
+    leaves the stored KV as it wrote it (moved by the stale shift), which its selection compares with."""
 
     def __init__(self, stored: int, kv_cache: KVCache, device: torch.device) -> None:
         _, _, kv_heads, head_dim = kv_cache[0].shape
@@ -64,6 +67,10 @@ class _Stored:
                      torch.zeros(shape, dtype=kv_cache[0].dtype, device=device))
         self.at = torch.zeros(stored, dtype=torch.long, device=device)
         self.slots = torch.full((stored,), -1, dtype=torch.long, device=device)
+        self.spare = stored
+        self.segment = torch.full((stored,), stored, dtype=torch.long, device=device)
+        self.written = (torch.zeros(shape[1:], dtype=kv_cache[0].dtype, device=device),
+                        torch.zeros(shape[1:], dtype=kv_cache[0].dtype, device=device))
 
 
 class _Capacity:
@@ -104,6 +111,10 @@ class FusionGraphs:
         self.v = torch.zeros(rows, kv_heads, head_dim, dtype=dtype, device=device)
         self.q_kept = torch.zeros(rows, heads, head_dim, dtype=dtype, device=device)
         self.residual_kept = torch.zeros(rows, hidden, dtype=dtype, device=device)
+        # the stale shift's inputs per active row (``set_shift``); a share of 0 shifts nothing
+        self.share = torch.zeros((), device=device)
+        self.shift_rows = torch.zeros(rows, dtype=torch.long, device=device)
+        self.shift_segment = torch.zeros(rows, dtype=torch.long, device=device)
         self.stored_inputs: dict[int, _Stored] = {}  # by stored capacity
         self.capacities: dict[tuple[int, int], _Capacity] = {}
         self.halves: dict[tuple[str, int, int, int], torch.cuda.CUDAGraph] = {}
@@ -151,6 +162,24 @@ class FusionGraphs:
         inputs.slots[s:].fill_(-1)
         self.table[:, : table.shape[1]].copy_(table)
 
+    def set_shift(self, cap: _Capacity, shift: ShiftIndex | None) -> None:
+        """The stale shift's inputs for the current active set, or a zero share without one. Every
+        pass sets them before its first replay, so no index or share of an earlier pass (maybe of
+        another capacity) reaches its graphs; padding rows fall in the spare segment."""
+        inputs, spare = cap.inputs, cap.inputs.spare
+        self.shift_rows.zero_()
+        self.shift_segment.fill_(spare)
+        inputs.segment.fill_(spare)
+        if shift is None:
+            self.share.zero_()
+            return
+        a, s = shift.active_rows.shape[0], shift.stored_segment.shape[0]
+        self.share.copy_(shift.share)
+        self.shift_rows[:a].copy_(shift.active_rows)
+        seg = shift.active_segment
+        self.shift_segment[:a].copy_(seg.masked_fill(seg == shift.num_segments - 1, spare))
+        inputs.segment[:s].copy_(shift.stored_segment)
+
     def stage(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
               slots: torch.Tensor, bounds: torch.Tensor) -> None:
         """Copy the active tokens' state from an eager layer into the static inputs, padding made inert.
@@ -164,13 +193,16 @@ class FusionGraphs:
         self._place(positions, slots)
         self.bounds.copy_(bounds)
 
-    def front(self, cap: _Capacity, layer: int, active: int) -> tuple[torch.Tensor, ...]:
-        """A check layer's front over the staged tokens: (q rotated, K before RoPE, V, residual)."""
+    def front(self, cap: _Capacity, layer: int, active: int,
+              stored: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """A check layer's front over the staged tokens: (q rotated, K before RoPE, V, residual) and
+        the ``stored`` tokens' (K before RoPE, V) as written."""
         rows = half_rows(active)
         assert rows is not None
         self.halves[self._key(cap, "front", layer, rows)].replay()
         self.replays += 1
-        return self.q[:active], self.k_raw[:active], self.v[:active], self.residual[:active]
+        written = tuple(w[:stored] for w in cap.inputs.written)
+        return self.q[:active], self.k_raw[:active], self.v[:active], self.residual[:active], written
 
     def back(self, cap: _Capacity, layer: int, q: torch.Tensor, residual: torch.Tensor, kept: torch.Tensor,
              positions: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,16 +243,19 @@ class FusionGraphs:
     def _step(self, layer: int, cap: _Capacity) -> None:
         """One steady layer over the static buffers; its outputs overwrite its inputs."""
         rows = cap.rows
-        q, _, _, residual = self._front_call(layer, rows, cap)
+        q, _, _, residual, _ = self._front_call(layer, rows, cap)
         self._back_call(layer, rows, q, residual)
 
     def _front(self, layer: int, rows: int, cap: _Capacity) -> None:
-        """A check layer's front over the static buffers, into ``q``, ``k_raw``, ``v`` and ``residual``."""
-        q, k_raw, v, residual = self._front_call(layer, rows, cap)
+        """A check layer's front over the static buffers, into ``q``, ``k_raw``, ``v``, ``residual``
+        and the stored KV as written."""
+        q, k_raw, v, residual, written = self._front_call(layer, rows, cap)
         self.q[:rows].copy_(q)
         self.k_raw[:rows].copy_(k_raw)
         self.v[:rows].copy_(v)
         self.residual[:rows].copy_(residual)
+        for out, w in zip(cap.inputs.written, written, strict=True):
+            out.copy_(w)
 
     def _back(self, layer: int, rows: int, cap: _Capacity) -> None:
         """A check layer's back over the kept rows, into ``hidden`` and ``residual``."""
@@ -230,8 +265,13 @@ class FusionGraphs:
         block, slot = self.model.model, layer % RING_SLOTS
         inputs = cap.inputs
         stored = (inputs.ring[0][slot], inputs.ring[1][slot], inputs.at, inputs.slots)
-        return front(block.layers[layer], self.kv_caches[layer], block.rotary, stored, self.hidden[:rows],
-                     self.residual[:rows], self.positions[:rows], self.slots[:rows])
+        shift = ShiftIndex(self.share, self.shift_rows[:rows], self.shift_segment[:rows], inputs.segment,
+                           inputs.spare + 1)
+        q, k_raw, v, residual, written = front(block.layers[layer], self.kv_caches[layer], block.rotary, stored,
+                                               self.hidden[:rows], self.residual[:rows], self.positions[:rows],
+                                               self.slots[:rows], shift)
+        assert written is not None
+        return q, k_raw, v, residual, written
 
     def _back_call(self, layer: int, rows: int, q: torch.Tensor, residual: torch.Tensor) -> None:
         # seq_len and the sequence's slots are read by the torch attention only; Triton reads bounds
@@ -245,3 +285,4 @@ class FusionGraphs:
         self.slots.fill_(-1)
         self.bounds.zero_()
         cap.inputs.slots.fill_(-1)
+        self.set_shift(cap, None)

@@ -15,6 +15,7 @@ from torch import nn
 from .. import ops
 from ..attention import RelayMetadata
 from ..layers import RotaryEmbedding
+from .stale_shift import ShiftIndex, shifted
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -28,23 +29,30 @@ def front(
     residual: torch.Tensor | None,
     positions: torch.Tensor,
     slots: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """KV of the layer in its pages; returns the active tokens' (q rotated, k before RoPE, v, residual).
+    shift: ShiftIndex | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """KV of the layer in its pages; returns the active tokens' (q rotated, k before RoPE, v, residual)
+    and the stored (K before RoPE, V) as written (``None`` without stored KV).
 
     ``stored`` = (K before RoPE, V, model positions, cache slots) of the stored tokens: written
-    first, so the active tokens' fresh KV, written after, overwrites theirs."""
+    first, so the active tokens' fresh KV, written after, overwrites theirs. With ``shift`` the
+    stored KV is first moved by its segment's mean deviation on the active tokens (``stale_shift``)."""
     attn = layer.self_attn.attn
-    if stored is not None:
-        k_st, v_st, at, st_slots = stored
-        attn.store(rotary(k_st, at), v_st, kv_cache, st_slots)
     if residual is None:
         residual, h = hidden, layer.input_layernorm(hidden)
     else:
         h, residual = layer.input_layernorm(hidden, residual)
     q, k_raw, v = layer.self_attn.project(h)
+    written = None
+    if stored is not None:
+        k_st, v_st, at, st_slots = stored
+        if shift is not None:
+            k_st, v_st = shifted(shift, k_raw, v, k_st, v_st)
+        attn.store(rotary(k_st, at), v_st, kv_cache, st_slots)
+        written = (k_st, v_st)
     q, k = ops.apply_rope_qk(q, k_raw, positions, rotary.cos, rotary.sin)
     attn.store(k, v, kv_cache, slots)
-    return q, k_raw, v, residual
+    return q, k_raw, v, residual, written
 
 
 def back(

@@ -41,6 +41,12 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-layers", default=",".join(map(str, d.check_layers)))
     p.add_argument("--first-factor", type=float, default=d.first_factor)
     p.add_argument("--sink-tokens", type=int, default=d.sink_tokens)
+    p.add_argument("--attention-weight", type=float, default=d.attention_weight,
+                   help="rank by deviation * (the question's attention to the token) ** this (0: deviation alone)")
+    p.add_argument("--revert-dropped", action=argparse.BooleanOptionalAction, default=d.revert_dropped,
+                   help="a check layer restores the stored KV of the candidates it drops (ratio 0 = reuse)")
+    p.add_argument("--stale-shift", type=float, default=d.stale_shift,
+                   help="share of its segment's mean fresh-minus-stored deviation added to each stale token's KV")
 
 
 def policy_from_args(args: argparse.Namespace, ratio: float) -> Any:
@@ -50,7 +56,9 @@ def policy_from_args(args: argparse.Namespace, ratio: float) -> Any:
     try:
         layers = tuple(int(x) for x in args.check_layers.split(",") if x.strip())
         return SelectionPolicy(ratio=ratio, check_layers=layers, first_factor=args.first_factor,
-                               metric=args.metric, sink_tokens=args.sink_tokens)
+                               metric=args.metric, sink_tokens=args.sink_tokens,
+                               attention_weight=args.attention_weight, revert_dropped=args.revert_dropped,
+                               stale_shift=args.stale_shift)
     except ValueError as exc:
         raise RagfuseError(f"bad selection policy: {exc}") from exc
 
