@@ -1,13 +1,15 @@
 """Profile one fused prefill on a CUDA device: where the time of ``fuse`` goes beyond its GPU work.
 
-Usage: python3 scripts/profile_fusion.py OUT_DIR [--shape mistral-7b] [--ratio 0.15] [--tier cpu]
-Writes OUT_DIR/profile-<mode>.txt (top kernels by GPU time, top host ops, sync counts, GPU busy vs
+Usage: python3 scripts/profile_fusion.py OUT_DIR [--shape mistral-7b] [--ratio 0.15] [--tier cpu] [--variants]
+``--variants`` also times ``fuse`` with each part of the shipped selection turned off in turn (what each
+costs). Writes OUT_DIR/profile-<mode>.txt (top kernels by GPU time, top host ops, sync counts, GPU busy vs
 wall time) and a gzipped Chrome trace of the fuse run. Random weights of a real shape, as the bench.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import shutil
 import statistics
@@ -34,6 +36,7 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=6)
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--query-tokens", type=int, default=32)
+    p.add_argument("--variants", action="store_true")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -52,23 +55,29 @@ def main() -> None:
     store = TieredKVStore([tier])
     policy = SelectionPolicy.default().with_ratio(a.ratio)
 
-    def once(mode: str):
+    def once(mode: str, pol: SelectionPolicy = policy):
         segs = [Segment(c, open_source(store, k) if mode != "full" else None) for c, k in zip(chunks, keys)]
         segs.append(Segment(query))
         with eng.borrowed_blocks([[t for s in segs for t in s.token_ids]]) as (table,):
-            return eng.runner.fused_prefill(table, segs, mode, policy)[1]
+            return eng.runner.fused_prefill(table, segs, mode, pol)[1]
 
+    off = {"shift": {"stale_shift": 0.0}, "revert": {"revert_dropped": False},
+           "attention weight": {"attention_weight": 0.0},
+           "all three": {"stale_shift": 0.0, "revert_dropped": False, "attention_weight": 0.0}}
+    runs = [(m, m, policy) for m in ("full", "reuse", "fuse")]
+    if a.variants:
+        runs += [(f"fuse without {k}", "fuse", dataclasses.replace(policy, **v)) for k, v in off.items()]
     report = []
-    for mode in ("full", "reuse", "fuse"):
+    for name, mode, pol in runs:
         for _ in range(2):
-            once(mode)
+            once(mode, pol)
         times = []
         for _ in range(5):
             torch.cuda.synchronize()
             t = time.perf_counter()
-            st = once(mode)
+            st = once(mode, pol)
             times.append(time.perf_counter() - t)
-        report.append(f"{mode}: wall median {statistics.median(times) * 1e3:.1f} ms  total {st.total_s * 1e3:.1f} "
+        report.append(f"{name}: wall median {statistics.median(times) * 1e3:.1f} ms  total {st.total_s * 1e3:.1f} "
                       f"load {st.load_s * 1e3:.1f} wait {st.load_wait_s * 1e3:.1f} ms  active/layer "
                       f"{st.active_per_layer[:5]}..{st.active_per_layer[-1]}")
         print(report[-1], flush=True)
