@@ -368,6 +368,14 @@ class DecodeGraphs:
                               self.pool)
 
 
+def captured_span(max_seq_len: int, max_model_len: int, split_span: int) -> int:
+    """The key length a prefill graph for sequences of up to ``max_seq_len`` keys is captured with:
+    the model's context once its attention may split the keys (``split_span``, keys at which a tile
+    splits), else one less, so that graph's attention launches one split and no programs that only
+    exit. Two graphs per bucket at most, both valid for every length they serve."""
+    return max_model_len if max_seq_len >= split_span else min(max_model_len, split_span - 1)
+
+
 def prefill_bucket(n: int) -> int | None:
     """The captured token count a prefill of ``n`` tokens runs as, or None when it runs eagerly."""
     return next((b for b in PREFILL_BUCKETS if b >= n), None)
@@ -385,6 +393,9 @@ class PrefillGraphs:
     host between layers, to put work on the stream before layer i reads the cache (a session turn
     writes layer i of its stored history into the pages there, while later layers' history is still
     on its way from host memory). Each layer graph reads the previous one's output buffers.
+
+    Graphs are keyed by (bucket, ``captured_span``): a turn after a short history and one after a
+    long history (whose attention splits its keys) replay graphs of their own.
     """
 
     def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
@@ -402,8 +413,11 @@ class PrefillGraphs:
         self.seq_lens = torch.zeros(1, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.zeros(2, dtype=torch.int32, device=device)
         self.pool = pool
-        self.graphs: dict[int, _Captured] = {}
-        self.layer_graphs: dict[int, list[_Captured]] = {}  # by bucket: one graph per layer
+        from ragfuse.kernels.paged_attention_triton import prefill_split_span  # Triton: CUDA engines only
+
+        self.split_span = prefill_split_span(device)
+        self.graphs: dict[tuple[int, int], _Captured] = {}
+        self.layer_graphs: dict[tuple[int, int], list[_Captured]] = {}  # one graph per layer
         self.replays = 0
         self.layer_replays = 0  # forwards served by the per-layer graphs (for tests and metrics)
         self._held: list[torch.Tensor] = []
@@ -419,11 +433,12 @@ class PrefillGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [n, hidden] of the sequence's ``n`` new tokens, by graph replay."""
-        size = self._bucket(input_ids)
-        captured = self.graphs.get(size)
+        key = self._key(input_ids, meta)
+        size = key[0]
+        captured = self.graphs.get(key)
         if captured is None:  # before the inputs are loaded: capturing makes them inert
-            captured = self.graphs[size] = capture_forward(
-                self.model, (self.input_ids[:size], self.positions[:size], self.kv_caches, self._meta(size)), self.pool
+            captured = self.graphs[key] = capture_forward(
+                self.model, (self.input_ids[:size], self.positions[:size], self.kv_caches, self._meta(*key)), self.pool
             )
         n = self._load_inputs(input_ids, positions, meta)
         captured.graph.replay()
@@ -435,10 +450,10 @@ class PrefillGraphs:
         before_layer: Callable[[int], None],
     ) -> torch.Tensor:
         """As ``run``, one layer's graph at a time, calling ``before_layer(i)`` before layer i's replay."""
-        size = self._bucket(input_ids)
-        layers = self.layer_graphs.get(size)
+        key = self._key(input_ids, meta)
+        layers = self.layer_graphs.get(key)
         if layers is None:
-            layers = self.layer_graphs[size] = self._capture_layers(size)
+            layers = self.layer_graphs[key] = self._capture_layers(*key)
         n = self._load_inputs(input_ids, positions, meta)
         for i, captured in enumerate(layers):
             before_layer(i)
@@ -451,6 +466,9 @@ class PrefillGraphs:
         size = prefill_bucket(input_ids.shape[0])
         assert size is not None, "accepts() first"
         return size
+
+    def _key(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[int, int]:
+        return self._bucket(input_ids), captured_span(meta.max_seq_len, self.max_model_len, self.split_span)
 
     def _load_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> int:
         """Copy the step into the static inputs (rows past it made inert); returns its token count."""
@@ -465,8 +483,8 @@ class PrefillGraphs:
         self.cu_seqlens_q.copy_(meta.cu_seqlens_q)
         return n
 
-    def _capture_layers(self, size: int) -> list[_Captured]:
-        meta = self._meta(size)
+    def _capture_layers(self, size: int, span: int) -> list[_Captured]:
+        meta = self._meta(size, span)
         ids, pos = self.input_ids[:size], self.positions[:size]
         hidden = residual = None
         out: list[_Captured] = []
@@ -478,8 +496,9 @@ class PrefillGraphs:
             self._held.append(residual)  # every layer's outputs stay allocated: later captures must not reuse them
         return out
 
-    def _meta(self, size: int) -> AttentionMetadata:
-        """Static metadata of a bucket's graphs (made inert for the warm-up and capture runs)."""
+    def _meta(self, size: int, span: int) -> AttentionMetadata:
+        """Static metadata of a bucket's graphs for sequences of up to ``span`` keys (made inert for the
+        warm-up and capture runs)."""
         meta = AttentionMetadata(
             is_prefill=True,
             slot_mapping=self.slot_mapping[:size],
@@ -487,7 +506,7 @@ class PrefillGraphs:
             seq_lens=self.seq_lens,
             cu_seqlens_q=self.cu_seqlens_q,
             max_query_len=size,  # sizes the grid; tiles past the real query count exit at once
-            max_seq_len=self.max_model_len,
+            max_seq_len=span,  # sets the key splits, which must hold for every length the graph serves
             block_size=self.block_size,
             has_prefix=True,  # keeps the paged Triton kernel, which reads the lengths on the device
         )

@@ -25,6 +25,8 @@ import triton.language as tl
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 _MAX_SPLITS = 16
+# a turn's attention gained from 8 splits of 16K+ keys and lost with 16 at every length (H100, NOTES.md)
+_PREFILL_MAX_SPLITS = 8
 _DECODE_BLOCK_N = 64
 _PREFILL_SPLIT_WAVES = 8  # programs per SM a split prefill aims for (H100 timings: NOTES.md)
 
@@ -385,13 +387,17 @@ def decode_num_splits(
     return max(1, min(_MAX_SPLITS, want, math.ceil(max_seq_len / _DECODE_BLOCK_N)))
 
 
-def _prefill_tiles(head_dim: int, device: torch.device) -> tuple[int, int, int, int]:
+def _prefill_tiles(head_dim: int, device: torch.device, pack: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages); the interpreter gets small tiles (fast, and tests
-    cross many tile boundaries)."""
+    cross many tile boundaries). Packed tiles of head_dim 128 take 128 rows (32 queries x 4 heads) and
+    8 warps: on an H100 a 257-token turn's attention after 1K-4K of history ran 8-20% faster than with
+    64-row tiles, as did fusion's scattered recompute of 416 queries (kernels/NOTES.md)."""
     if device.type != "cuda":
         return 16, 16, 4, 1
     if head_dim <= 64:
         return 128, 64, 4, 3
+    if pack:
+        return 128, 64, 8, 3
     return 64, 64, 4, 3  # best of five tilings on H100 at 512..8K tokens, prefix or not (NOTES.md)
 
 
@@ -417,17 +423,23 @@ def prefill_num_splits(
     if num_programs >= 2 * sms:
         return 1
     want = math.ceil(_PREFILL_SPLIT_WAVES * sms / max(1, num_programs))
-    splits = min(_MAX_SPLITS, 1 << (want - 1).bit_length())
+    splits = min(_PREFILL_MAX_SPLITS, 1 << (want - 1).bit_length())
     return splits if max_seq_len >= splits * _prefill_min_share(device) else 1
 
 
-def prefill_packs(group: int, block_m: int) -> bool:
+def prefill_packs(group: int) -> bool:
     """Whether a prefill tile holds all query heads of a KV head: for grouped-query models whose
-    group divides the tile (a power of two up to a quarter of it, so a tile keeps 4+ queries).
-    Packed 64-row tiles on an H100 (kernels/NOTES.md): a 257-token turn's attention 2% faster after
-    1K-4K of history, 6-12% after 16K-28K, fusion's scattered recompute 1.5-7%; a fresh prompt's
-    2-3% slower, a small share of its prefill, so one rule serves all (graphs fix it by host ints)."""
-    return 1 < group <= block_m // 4 and block_m % group == 0 and group & (group - 1) == 0
+    group is 2, 4 or 8 (every tiling's rows divide by it). On an H100 (kernels/NOTES.md) packing sped
+    up a 257-token turn's attention 2-12% and fusion's scattered recompute 1.5-7% at equal tiles, and
+    cost a fresh prompt 2-3%, a small share of its prefill: one rule serves all."""
+    return group in (2, 4, 8)
+
+
+def prefill_split_span(device: torch.device) -> int:
+    """Fewest keys at which a prefill tile splits (the most splits times the fewest keys a split
+    takes): a graph captured for shorter sequences is captured with fewer keys than this, gets one
+    split, and launches no programs that would only exit (2.5 us of a 4K turn's 0.13 ms a layer)."""
+    return _PREFILL_MAX_SPLITS * _prefill_min_share(device)
 
 
 def _prefill_min_share(device: torch.device) -> int:
@@ -471,11 +483,11 @@ def paged_prefill_attention_triton(
         q = q.contiguous()
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    block_m, block_n, warps, stages = _prefill_tiles(head_dim, q.device)
     group = num_heads // num_kv_heads
     if pack is None:
-        pack = prefill_packs(group, block_m)
-    elif pack and block_m % group:
+        pack = prefill_packs(group)
+    block_m, block_n, warps, stages = _prefill_tiles(head_dim, q.device, pack)
+    if pack and block_m % group:
         raise ValueError(f"cannot pack {group} query heads per KV head into {block_m}-row tiles")
     block_q = block_m // group if pack else block_m  # queries per tile
     tiles = triton.cdiv(max_query_len, block_q)

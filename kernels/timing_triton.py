@@ -96,7 +96,7 @@ def prefill(t: int, ctx: int, bw: float, rate: float) -> None:
     print(f"# {case}: floors {flops / rate * 1e3:.3f} ms (flops), {nbytes / bw * 1e3:.4f} ms (bytes)", flush=True)
     default = pat._prefill_tiles
     for tiles in [(64, 64, 4, 3), (128, 128, 8, 3)]:
-        pat._prefill_tiles = lambda d, dev, tiles=tiles: tiles
+        pat._prefill_tiles = lambda d, dev, pack=False, tiles=tiles: tiles
         try:
             fn = lambda: pat.paged_prefill_attention_triton(q, k_cache, v_cache, tables, lens, cu, scale, None, t)
             record(case, f"triton {tiles}", ms(fn), flops, nbytes)
@@ -126,16 +126,22 @@ def prefill(t: int, ctx: int, bw: float, rate: float) -> None:
 
 
 def split_prefill(t: int, ctx: int, rate: float) -> None:
-    """A chat turn: ``t`` new tokens after ``ctx`` cached ones, the keys cut into 1..16 splits."""
+    """A chat turn: ``t`` new tokens after ``ctx`` cached ones, the keys cut into 1..16 splits, for the
+    default tiling and 128-row tiles of 8 warps (packed, as the default for grouped-query models)."""
     k_cache, v_cache, tables, q, lens, cu, flops = turn_inputs(t, ctx)
     case = f"turn t={t} ctx={ctx}"
     print(f"# {case}: flops floor {flops / rate * 1e3:.3f} ms", flush=True)
-    for splits in (1, 2, 4, 8, 16, None):
-        fn = lambda splits=splits: pat.paged_prefill_attention_triton(
-            q, k_cache, v_cache, tables, lens, cu, D**-0.5, None, t, max_seq_len=32768, num_splits=splits
-        )
-        chosen = splits or pat.prefill_num_splits(pat.triton.cdiv(t, 64) * H, 32768, q.device)
-        record(case, f"triton splits={chosen}{'' if splits else ' (default)'}", ms(fn), flops)
+    default = pat._prefill_tiles
+    for tiles in (None, (128, 64, 8, 3)):
+        if tiles is not None:
+            pat._prefill_tiles = lambda d, dev, pack=False, tiles=tiles: tiles
+        block_q = pat._prefill_tiles(D, q.device, True)[0] // (H // KVH)
+        for splits in (1, 2, 4, 8, 16, None):
+            fn = functools.partial(pat.paged_prefill_attention_triton, q, k_cache, v_cache, tables, lens, cu,
+                                   D**-0.5, None, t, max_seq_len=32768, num_splits=splits)
+            chosen = splits or pat.prefill_num_splits(pat.triton.cdiv(t, block_q) * KVH, 32768, q.device)
+            record(case, f"tiles={tiles or 'default'} splits={chosen}{'' if splits else ' (default)'}", ms(fn), flops)
+    pat._prefill_tiles = default
 
 
 def pack_sweep(rate: float) -> None:
@@ -155,7 +161,7 @@ def pack_sweep(rate: float) -> None:
             flops = 4 * H * D * float((pos + 1).sum())
         print(f"# {case}: flops floor {flops / rate * 1e3:.3f} ms", flush=True)
         for tiles in [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3)]:
-            pat._prefill_tiles = lambda d, dev, tiles=tiles: tiles
+            pat._prefill_tiles = lambda d, dev, pack=False, tiles=tiles: tiles
             for pack in (False, True):
                 fn = functools.partial(pat.paged_prefill_attention_triton, q, k_cache, v_cache, tables, lens, cu,
                                        D**-0.5, None, t, q_positions=pos, max_seq_len=32768, pack=pack)

@@ -184,7 +184,7 @@ def sweep_context(pat: Any, ctx: int, t: int, rows: int) -> None:
     k_cache, v_cache, tables, q, lens, cu, flops = turn_inputs(t, ctx, rows)
     default = pat._prefill_tiles
     for tiles, splits in VARIANTS:
-        pat._prefill_tiles = lambda d, dev, tiles=tiles: tiles
+        pat._prefill_tiles = lambda d, dev, pack=False, tiles=tiles: tiles
 
         def call(splits: int | None = splits) -> object:
             return pat.paged_prefill_attention_triton(q, k_cache, v_cache, tables, lens, cu, D**-0.5, None, rows,

@@ -12,7 +12,7 @@ import torch
 
 from ragfuse.engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams
 from ragfuse.engine.attention import AttentionMetadata
-from ragfuse.engine.cuda_graphs import padded_size
+from ragfuse.engine.cuda_graphs import captured_span, padded_size
 
 SHAPE = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512,
@@ -45,6 +45,16 @@ def generate(engine: LLMEngine, ps: list[list[int]], n: int) -> list[list[int]]:
             if out.finished:
                 done[out.request_id] = out.token_ids
     return [done[k] for k in sorted(done, key=lambda r: int(r.split("-")[1]))]
+
+
+def test_turns_after_short_and_long_histories_get_graphs_of_their_own() -> None:
+    """Below the length at which attention splits its keys a graph is captured for fewer keys (one
+    split, no programs that only exit); from it on, for the model's whole context (key splits)."""
+    assert captured_span(4096, 32768, 16384) == 16383
+    assert captured_span(16383, 32768, 16384) == 16383
+    assert captured_span(16384, 32768, 16384) == 32768
+    assert captured_span(28672, 32768, 16384) == 32768
+    assert captured_span(1000, 4096, 16384) == 4096  # a context below the split length: one graph
 
 
 @pytest.mark.gpu
@@ -169,7 +179,8 @@ def test_prefill_graph_matches_eager_and_padding_writes_nothing(monkeypatch: pyt
             after_layers = runner.kv_cache.storage.clone()
             runner.kv_cache.storage.copy_(before)
             eager = runner.model(ids, pos, runner.kv_cache.layers, meta)
-        assert prefill_bucket(n) == 128 and set(graphs.graphs) == {128} and set(graphs.layer_graphs) == {128}
+        key = (128, captured_span(start + n, graphs.max_model_len, graphs.split_span))  # short: one key split
+        assert prefill_bucket(n) == 128 and set(graphs.graphs) == {key} and set(graphs.layer_graphs) == {key}
         assert calls == list(range(SHAPE["num_hidden_layers"]))
         for out in (replayed, layered):
             assert (out - eager).abs().max().item() < 1e-4 * eager.abs().max().item()
