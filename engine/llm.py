@@ -66,6 +66,7 @@ class LLM:
             raise
         finally:
             bar.close()
+        self.engine.close_turns()  # session turns among them: their answers' last tokens, then saved
         return [done[i] for i in ids]
 
     def stream(

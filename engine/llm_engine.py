@@ -95,6 +95,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.sessions: SessionStore | None = None
         self._session_turns: dict[str, SessionTurn] = {}
+        # finished session turns whose last token's KV the next decode step computes before the
+        # session is saved, so the next turn feeds only its new tokens (see _emit)
+        self._closing: dict[str, tuple[Sequence, SessionTurn]] = {}
         self._snapshot_stream: torch.cuda.Stream | None = None
         self._load_stream: torch.cuda.Stream | None = None
         self._write_stream: torch.cuda.Stream | None = None  # a turn's history written into its pages
@@ -242,6 +245,8 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         self._session_turns.pop(request_id, None)  # an unfinished turn is not saved
+        if request_id in self._closing:  # a finished one is, without its last token
+            self._close_turn(request_id)
         seq = self._seqs.pop(request_id, None)
         self._detok.pop(request_id, None)
         if seq is not None and not seq.finished:
@@ -398,6 +403,7 @@ class LLMEngine:
         if self.sessions is None:
             raise RequestError("sessions are not enabled on this engine (enable_sessions)")
         self.tokenize(conversation)
+        self.settle_session(session_id)
         return begin_turn(self.sessions, session_id, conversation, self.max_model_len, reserve,
                           len(conversation) if new_tokens is None else new_tokens, keep_first)
 
@@ -495,6 +501,31 @@ class LLMEngine:
         queue = [t.session_id for rid, t in self._session_turns.items() if rid != seq.request_id]
         self.sessions.save(turn.session_id, conversation, ranges, snap, queue)
 
+    def _close_turn(self, request_id: str) -> None:
+        """Save a finished turn's session with whatever KV its pages hold (after its closing step,
+        every token; before it, all but the last) and free the pages. A turn preempted while closing
+        holds none: its session keeps the previous turn's KV."""
+        seq, turn = self._closing.pop(request_id)
+        if seq.num_computed_tokens:
+            self._save_session(seq, turn)
+        self.scheduler.finish(seq, seq.finish_reason or "stop")
+
+    def settle_session(self, session_id: str) -> None:
+        """Save the session's finished turn now if it still waits for its closing step (its next
+        turn is starting, or the session is listed or deleted): the store never misses a turn."""
+        for rid, (_seq, turn) in list(self._closing.items()):
+            if turn.session_id == session_id:
+                self._close_turn(rid)
+
+    def close_turns(self) -> None:
+        """Run the closing step of finished session turns now, when nothing else would share it
+        (a caller that stops stepping once its requests finish, like ``LLM.chat``); with other
+        requests running it rides their next decode step instead."""
+        while self._closing and not self.scheduler.waiting and all(
+            s.request_id in self._closing for s in self.scheduler.running
+        ):
+            self.step()
+
     # ---- stepping -------------------------------------------------------------------------
 
     def step(self, hook: KVHook | None = None) -> list[RequestOutput]:
@@ -512,6 +543,10 @@ class LLMEngine:
         tokens = self.runner.run(batch, hook, plan)
         now = time.perf_counter()
         for seq, tok in zip(batch.seqs, tokens):
+            if seq.request_id in self._closing:
+                if not seq.num_uncomputed:  # its last token's KV is in: save, free, sample nothing
+                    self._close_turn(seq.request_id)
+                continue
             if tok is None:
                 continue
             seq.output_token_ids.append(tok)
@@ -544,8 +579,16 @@ class LLMEngine:
             seq.finish_time = time.perf_counter()
             if turn is not None:
                 del self._session_turns[seq.request_id]
-                self._save_session(seq, turn)
-            self.scheduler.finish(seq, reason)
+            if turn is not None and seq.num_uncomputed == 1 and seq.status is Status.RUNNING:
+                # the answer's last token has no KV yet: the next decode step (batched with the
+                # running ones) computes it, then the session is saved whole and its next turn
+                # prefills only its new tokens
+                seq.finish_reason = reason
+                self._closing[seq.request_id] = (seq, turn)
+            else:
+                if turn is not None:
+                    self._save_session(seq, turn)
+                self.scheduler.finish(seq, reason)
             self._seqs.pop(seq.request_id, None)
             self._detok.pop(seq.request_id, None)
         end = seq.finish_time or time.perf_counter()

@@ -344,7 +344,9 @@ class RagPipeline:
         finally:
             if last is None or not last.finished:
                 self.engine.abort(rid)
-        yield self._result(prep, stats, last, mode, t0, ttft, retrieve_s)
+        result = self._result(prep, stats, last, mode, t0, ttft, retrieve_s)
+        self.engine.close_turns()  # a session turn: its answer's last token, then the session saved
+        yield result
 
     def ask(self, question: str, **kwargs: Any) -> AskResult:
         return final(self.stream(question, **kwargs))

@@ -38,9 +38,10 @@ def test_cuda_session_turn_matches_recompute(tmp_path, where: str) -> None:
                     return out
 
     first = finish(eng.add_session_request("g", history, sp))
+    eng.close_turns()  # the answer's last token computed, then the session saved
     store.flush()
     rec = store._records["g"]
-    assert rec.num_rows == len(history) + sp.max_tokens - 1
+    assert rec.num_rows == len(history) + sp.max_tokens
     (k_ref, v_ref), = eng.compute_kv([rec.tokens[: rec.num_rows]])
     entry = store._memory.get("g") or store.disk.get(rec.key)
     k, v = entry.kv()

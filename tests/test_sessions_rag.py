@@ -18,7 +18,7 @@ def test_rag_turns_reuse_the_session_history(pipeline, engine, tmp_path):  # noq
         assert history == first.prompt_tokens + len(first.token_ids)
         second = pipeline.ask("Who built it?", mode="full", top_k=1, params=SP, session_id="rag")
         assert second.session["session_tier"] == "cpu"
-        assert second.session_tokens_reused == history - 1  # every token but the unsampled last one
+        assert second.session_tokens_reused == history  # the answer's last token too (its closing step)
         assert second.prompt_tokens > history
         assert second.session["prefilled_tokens"] == second.prompt_tokens - second.session_tokens_reused
     finally:

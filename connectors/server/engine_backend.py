@@ -128,13 +128,21 @@ class EngineBackend:
         return await self.loop.call(lambda _: self.library.delete(doc_id))
 
     async def list_sessions(self) -> list[dict[str, Any]]:
-        listed = await self.loop.call(lambda _: self.sessions.sessions())
+        def listing(engine: LLMEngine) -> list[Any]:
+            engine.close_turns()  # finished turns waiting for their closing step are listed whole
+            return self.sessions.sessions()
+
+        listed = await self.loop.call(listing)
         return [{"object": "session", "id": s.session_id, "tokens": s.tokens, "stored_tokens": s.stored_rows,
                  "bytes": s.nbytes, "tier": s.tier, "created": s.created, "last_access": s.last_access}
                 for s in listed]
 
     async def delete_session(self, session_id: str) -> bool:
-        return await self.loop.call(lambda _: self.sessions.delete(session_id))
+        def delete(engine: LLMEngine) -> bool:
+            engine.settle_session(session_id)  # a turn saved after the deletion would bring it back
+            return self.sessions.delete(session_id)
+
+        return await self.loop.call(delete)
 
     def relay_prompts(self) -> int:
         return len(self.pipeline.engine.systems)  # chats', the pipeline's and any registered by hand

@@ -114,8 +114,9 @@ def run(args: argparse.Namespace) -> int:
 # ---- part 1: TTFT per turn ----------------------------------------------------------------------
 
 def open_session(eng: Any, store: Any, sid: str, history: list[int], new: list[int]) -> list[int]:
-    """Session ``sid`` holding ``history`` and its one-token reply, saved in ``store`` (flushed), and
-    the whole conversation a next turn feeds: history, reply, ``new``."""
+    """Session ``sid`` holding ``history`` and its one-token reply (its KV computed by the turn's
+    closing step), saved in ``store`` (flushed), and the whole conversation a next turn feeds:
+    history, reply, ``new``."""
     from ragfuse.engine import SamplingParams
 
     eng.enable_sessions(store)
@@ -123,6 +124,7 @@ def open_session(eng: Any, store: Any, sid: str, history: list[int], new: list[i
     answer: list[int] = []
     while not answer:
         answer = [t for o in eng.step() if o.request_id == rid and o.finished for t in o.token_ids]
+    eng.close_turns()
     store.flush()
     return history + answer + new
 
@@ -206,7 +208,7 @@ def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
                     and starting it (as while the previous job runs); the copy's time is kept apart."""
                     sync()
                     t = time.perf_counter()
-                    turn = eng.begin_session_turn(sid, conversation, 1, new_tokens=len(new) + 1)
+                    turn = eng.begin_session_turn(sid, conversation, 1, new_tokens=len(new))
                     t_plan = time.perf_counter()
                     if preload is not None:
                         eng.preload_session_turn(turn, preload)
@@ -216,7 +218,7 @@ def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
                     rid = eng.start_session_turn(turn, one)
                     sync()
                     took = time.perf_counter() - t_start + t_plan - t
-                    assert turn.fusion is not None and turn.reused == hist, (turn.reused, hist)
+                    assert turn.fusion is not None and turn.reused == hist + 1, (turn.reused, hist)  # + the reply
                     m["plan"].append(t_plan - t)
                     m["hidden"].append(turn.fusion.load_hidden)
                     m["load"].append(turn.fusion.load_s)
@@ -239,7 +241,7 @@ def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
                     m["ttft"].append(turn_s())
                     if staged:
                         # the read buffer: the history copied to the GPU while the previous job ran
-                        turn = eng.begin_session_turn(sid, conversation, 1, new_tokens=len(new) + 1)
+                        turn = eng.begin_session_turn(sid, conversation, 1, new_tokens=len(new))
                         eng.preload_session_turn(turn)
                         sync()
                         t = time.perf_counter()
@@ -247,7 +249,7 @@ def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
                         sync()
                         m["pre"].append(time.perf_counter() - t)
                         # the copy alone, nothing to overlap with
-                        turn = eng.begin_session_turn(sid, conversation, 1, new_tokens=len(new) + 1)
+                        turn = eng.begin_session_turn(sid, conversation, 1, new_tokens=len(new))
                         sync()
                         t = time.perf_counter()
                         eng.preload_session_turn(turn)
