@@ -142,6 +142,42 @@ def test_sessions_survive_the_process(llm, sessions, tmp_path) -> None:
     assert again.metrics["session_tier"] == "disk" and again.metrics["session_tokens_reused"] > 0
 
 
+def test_closing_step_saves_the_whole_turn_and_a_turn_before_it_saves_all_but_the_last_token(llm, sessions) -> None:
+    """A finished turn is saved after its closing step computed the answer's last token, so the next
+    turn reuses every token of it; a next turn (or an abort) that comes before that step saves the
+    session at once without that token, and the answer is the same either way."""
+    store = sessions()
+    eng = llm.engine
+
+    def finished(rid: str):
+        while True:
+            for out in eng.step():
+                if out.request_id == rid and out.finished:
+                    return out
+
+    for early in (False, True):
+        sid = f"closing-{early}"
+        messages = [{"role": "user", "content": "Name a fruit."}]
+        ids = llm.chat_ids(messages)
+        out = finished(eng.add_session_request(sid, ids, SP))
+        assert store.tier_of(sid) is None  # the closing step has not run yet
+        if not early:
+            eng.close_turns()
+        stored = len(ids) + len(out.token_ids) - early
+        messages += [{"role": "assistant", "content": out.text}, {"role": "user", "content": "And a vegetable?"}]
+        conversation = llm.chat_ids(messages)
+        assert conversation[:stored] == (ids + out.token_ids)[:stored]  # the chat template re-tokenizes alike
+        again = llm.chat(messages, SP, session_id=sid)
+        assert again.metrics["session_tokens_reused"] == stored, early
+        assert again.token_ids == llm.chat(messages, SP).token_ids
+    rid = eng.add_session_request("aborted", ids, SP)
+    finished(rid)
+    eng.abort(rid)  # after it finished: the turn is kept, without its last token
+    store.flush()
+    assert store.tier_of("aborted") == "cpu"
+    assert not eng.has_unfinished()
+
+
 def test_forward_with_work_between_layers_matches_forward(engine) -> None:
     """The session writer's hook point: ``before_layer`` is called once per layer, in order, before
     the layer runs, and the forward's result is unchanged (eager here; a graph per layer on CUDA)."""
