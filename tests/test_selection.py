@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ragfuse.engine.fusion import SelectionPolicy
-from ragfuse.engine.fusion.selection import choose, deviation, keep_count
+from ragfuse.engine.fusion.selection import deviation, keep_count, keep_rows
 from tests.test_fusion import fused_logits, rag_prompt  # noqa: F401 (rag_prompt is a fixture)
 
 
@@ -43,11 +43,12 @@ def test_deviation_ranks_by_the_chosen_part_of_the_kv():
     assert both[1] > 0 and both[4] > 0 and (both[[0, 2, 3, 5]] == 0).all()
 
 
-def test_choose_keeps_forced_tokens_then_the_largest_deviations():
-    dev = torch.tensor([0.1, 0.9, 0.3, 0.8, 0.0, 0.5])
-    forced = torch.tensor([False, False, False, False, True, False])
-    assert sorted(choose(dev, 3, forced, 1).tolist()) == [1, 3, 4]
-    assert sorted(choose(dev, 3, torch.zeros(6, dtype=torch.bool), 0).tolist()) == [1, 3, 5]
+def test_keep_rows_keeps_the_must_rows_then_the_largest_deviations_in_ascending_order():
+    dev = torch.tensor([0.1, 0.9, 0.3, 0.8, 0.0, 0.5, float("nan")])
+    must = torch.tensor([False, False, False, False, True, False, True])  # row 6: no stored KV, its deviation unread
+    assert keep_rows(dev, must, 4).tolist() == [1, 3, 4, 6]
+    assert keep_rows(dev[:6], torch.zeros(6, dtype=torch.bool), 3).tolist() == [1, 3, 5]
+    assert keep_rows(dev, must, 7).tolist() == list(range(7))
     assert keep_count(0.15, 100) == 15 and keep_count(1.0, 7) == 7
 
 

@@ -42,7 +42,7 @@ from . import layer_step
 from .graphs import FusionGraphs
 from .prefetch import LayerPrefetcher
 from .segments import Segment
-from .selection import SelectionPolicy, choose, deviation, keep_count, question_attention
+from .selection import SelectionPolicy, deviation, future_mask, keep_count, keep_rows, question_attention
 from .stale_shift import ShiftIndex
 
 
@@ -92,7 +92,6 @@ class _Layout:
     active: np.ndarray  # positions computed at layer 0
     num_fusable: int
     candidates: int  # fusable tokens among them
-    num_forced: int
     tail: int  # positions after the last recompute candidate (the question): they rank candidates by attention
     check_sizes: list[tuple[int, int]]  # per check layer: (candidates before it, candidates it keeps)
     segment: np.ndarray  # stored segment (0, 1, ... in prompt order) per position; num_segments - 1 if none
@@ -138,7 +137,7 @@ class _Layout:
         tail = n - 1 - int(np.flatnonzero(fusable)[-1]) if num_fusable else 0
         return cls(
             stored=np.flatnonzero(stored), fusable=fusable, forced=forced, active=active, num_fusable=num_fusable,
-            candidates=num_fusable if mode is FusionMode.FUSE else 0, num_forced=num_forced, tail=tail,
+            candidates=num_fusable if mode is FusionMode.FUSE else 0, tail=tail,
             check_sizes=sizes, segment=segment, num_segments=len(used) + 1,
         )
 
@@ -209,6 +208,7 @@ def fuse_prefill(
                 [n, num_stored, num_active, n, n, n, len(block_table), len(bounds)])
         )
         fusable, forced = fusable.bool(), forced.bool()
+        must_keep = ~fusable | forced  # positions every check keeps active: no stored KV, or forced in
         row_of = torch.full((n,), -1, dtype=torch.long, device=device)  # prompt position -> row of the loaded KV
         row_of[stored_pos] = torch.arange(num_stored, device=device)
         table = table_d.to(torch.int32)[None]
@@ -221,7 +221,9 @@ def fuse_prefill(
         hidden = block.embed_tokens(ids_d.index_select(0, active_idx))
         residual: torch.Tensor | None = None
         pos, act_slots = active_idx, slots.index_select(0, active_idx)
-        pos_at = pos + base
+        pos_at = pos + base if base else pos
+        rows = row_of.index_select(0, pos).clamp(min=0)  # each active token's row of the loaded KV (any if none)
+        future = future_mask(n, lay.tail, device) if checks and policy.attention_weight else None
         size_i, candidates = 0, lay.candidates
         share = torch.full((), policy.stale_shift, device=device) if shifting else None
         stored_segment = segment.index_select(0, stored_pos) if shifting else None
@@ -230,8 +232,7 @@ def fuse_prefill(
             """The stale shift's indices for the current active set (made again when a check narrows it)."""
             if share is None or stored_segment is None:
                 return None
-            return ShiftIndex(share, row_of.index_select(0, pos).clamp(min=0), segment.index_select(0, pos),
-                              stored_segment, lay.num_segments)
+            return ShiftIndex(share, rows, segment.index_select(0, pos), stored_segment, lay.num_segments)
 
         shift = shift_index()
         in_graphs: list[ShiftIndex | None] = []  # the shift index last copied into the graphs' static inputs
@@ -240,9 +241,11 @@ def fuse_prefill(
             """Copy the current shift index into the graphs' inputs before a replay that follows a change:
             only then, since an index of the pass's first layers has more rows than any graph."""
             assert graphs is not None and cap is not None
-            if not in_graphs or in_graphs[0] is not shift:
+            if not in_graphs:
                 graphs.set_shift(cap, shift)
-                in_graphs[:] = [shift]
+            elif in_graphs[0] is not shift and shift is not None:  # a check narrowed the active set
+                graphs.set_active_shift(cap, shift)
+            in_graphs[:] = [shift]
 
         counts: list[int] = []
         if cap is not None:
@@ -285,11 +288,13 @@ def fuse_prefill(
                 weight = None
                 if policy.attention_weight:
                     keys = kv[0].view(-1, *kv[0].shape[2:]).index_select(0, slots)
-                    weight = question_attention(q[-lay.tail :], keys, attn.scale)
-                kept = _narrow(policy, len(lay.check_sizes) - len(checks) - 1, k_raw, v, *written, pos, fusable,
-                               forced, row_of, cand, kept_n, lay.num_forced, num_fusable, weight)
+                    weight = question_attention(q[-lay.tail :], keys, attn.scale, future)
+                kept = _narrow(policy.metric, policy.attention_weight, k_raw, v, *written, pos, rows, fusable,
+                               must_keep, pos.shape[0] - cand + kept_n, weight)
                 pos = active_idx = active_idx.index_select(0, kept)
-                act_slots, pos_at = slots.index_select(0, pos), pos + base
+                rows = rows.index_select(0, kept)
+                act_slots = slots.index_select(0, pos)
+                pos_at = pos + base if base else pos
                 if policy.revert_dropped:  # stored KV back in the pages, then the kept tokens' fresh KV over it
                     attn.store(rotary(written[0], stored_at), written[1], kv, stored_slots)
                     attn.store(rotary(k_raw.index_select(0, kept), pos_at), v.index_select(0, kept), kv, act_slots)
@@ -356,44 +361,35 @@ def _first_true(mask: torch.Tensor, count: int) -> torch.Tensor:
     """Ascending indices of ``mask``'s ``count`` True entries (the caller knows how many there are):
     ``nonzero`` without its read-back of the count to the host. Each True entry's index lands at its
     rank (a running count), every False one at the spare slot 0: four small launches, where a sort
-    took ~20 us of GPU time a call (H100 profile, 10 calls a pass)."""
+    took ~20 us of GPU time a call (H100 profile)."""
     rank = torch.cumsum(mask, 0) * mask
     out = torch.empty(count + 1, dtype=torch.long, device=mask.device)
     return out.scatter_(0, rank, torch.arange(mask.shape[0], device=mask.device))[1:]
 
 
 def _narrow(
-    policy: SelectionPolicy,
-    check_index: int,
+    metric: str,
+    attention_weight: float,
     k_raw: torch.Tensor,
     v: torch.Tensor,
     k_st: torch.Tensor,
     v_st: torch.Tensor,
     pos: torch.Tensor,
+    rows: torch.Tensor,
     fusable: torch.Tensor,
-    forced: torch.Tensor,
-    row_of: torch.Tensor,
-    candidates: int,
-    kept: int,
-    num_forced: int,
-    num_fusable: int,
+    must_keep: torch.Tensor,
+    total: int,
     weight: torch.Tensor | None,
 ) -> torch.Tensor:
     """Rows of the active tokens (ascending) that stay active after this check layer: every token
-    without stored KV, and the ``kept`` candidates that deviate most from their stored KV."""
-    is_cand = fusable.index_select(0, pos)
-    cand_rows = _first_true(is_cand, candidates)
-    cand_pos = pos.index_select(0, cand_rows)
-    st_rows = row_of.index_select(0, cand_pos)
-    # the candidates' rows of what the metric reads (the other pair goes in as is, unread)
-    k_new, k_old = (k_raw.index_select(0, cand_rows), k_st.index_select(0, st_rows)) if policy.metric != "v" \
-        else (k_raw, k_st)
-    v_new, v_old = (v.index_select(0, cand_rows), v_st.index_select(0, st_rows)) if policy.metric != "k" else (v, v_st)
-    dev = deviation(policy.metric, k_new, v_new, k_old, v_old)
+    without stored KV or forced in, and the candidates that deviate most from their stored KV,
+    ``total`` rows in all. Every active row is ranked (those without stored KV against a stored
+    placeholder row, then ranked first anyway): a dozen launches for the whole narrowing, where
+    ranking the candidates apart took ~30, each one host time while the GPU waited (H100 timeline:
+    check layers host-bound at ~2 ms each for ~1 ms of GPU work)."""
+    k_old = k_st.index_select(0, rows) if metric != "v" else k_raw  # the part the metric skips goes in unread
+    v_old = v_st.index_select(0, rows) if metric != "k" else v
+    dev = deviation(metric, k_raw, v, k_old, v_old, fusable.index_select(0, pos) if metric == "kv" else None)
     if weight is not None:  # the question's attention per prompt position
-        dev = dev * weight.index_select(0, cand_pos) ** policy.attention_weight
-    keep_n = keep_count(policy.keep_share(check_index), num_fusable)
-    chosen = choose(dev, keep_n, forced.index_select(0, cand_pos), num_forced)
-    keep = ~is_cand  # tokens without stored KV always stay
-    keep.index_fill_(0, cand_rows.index_select(0, chosen), True)  # (an indexed assignment would copy True over)
-    return _first_true(keep, pos.shape[0] - candidates + kept)
+        dev = dev * weight.index_select(0, pos) ** attention_weight
+    return keep_rows(dev, must_keep.index_select(0, pos), total)

@@ -167,18 +167,25 @@ class FusionGraphs:
         pass sets them before its first replay, so no index or share of an earlier pass (maybe of
         another capacity) reaches its graphs; padding rows fall in the spare segment."""
         inputs, spare = cap.inputs, cap.inputs.spare
-        self.shift_rows.zero_()
-        self.shift_segment.fill_(spare)
         inputs.segment.fill_(spare)
         if shift is None:
             self.share.zero_()
+            self.shift_rows.zero_()
+            self.shift_segment.fill_(spare)
             return
-        a, s = shift.active_rows.shape[0], shift.stored_segment.shape[0]
         self.share.copy_(shift.share)
+        inputs.segment[: shift.stored_segment.shape[0]].copy_(shift.stored_segment)
+        self.set_active_shift(cap, shift)
+
+    def set_active_shift(self, cap: _Capacity, shift: ShiftIndex) -> None:
+        """The active rows' part of ``set_shift``, all a check layer's narrowing changes (the share
+        and the stored rows' segments stay for the pass)."""
+        a, spare = shift.active_rows.shape[0], cap.inputs.spare
         self.shift_rows[:a].copy_(shift.active_rows)
+        self.shift_rows[a:].zero_()
         seg = shift.active_segment
         self.shift_segment[:a].copy_(seg.masked_fill(seg == shift.num_segments - 1, spare))
-        inputs.segment[:s].copy_(shift.stored_segment)
+        self.shift_segment[a:].fill_(spare)
 
     def stage(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
               slots: torch.Tensor, bounds: torch.Tensor) -> None:

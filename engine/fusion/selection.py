@@ -70,20 +70,44 @@ class SelectionPolicy:
 
 
 def deviation(
-    metric: str, k_new: torch.Tensor, v_new: torch.Tensor, k_old: torch.Tensor, v_old: torch.Tensor
+    metric: str,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_old: torch.Tensor,
+    v_old: torch.Tensor,
+    among: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token L2 deviation [tokens] of fresh K/V (before RoPE) from the stored K/V."""
+    """Per-token L2 deviation [tokens] of fresh K/V (before RoPE) from the stored K/V.
+
+    With both K and V (``kv``) each part is divided by the mean norm of its stored rows (those in
+    ``among`` when given: the candidates, not the rows compared with a placeholder), so neither
+    part dominates by scale; one part alone stays unscaled, since a common scale changes no
+    ranking. Differences are taken in the model's dtype and their norms accumulated in float32:
+    two launches a part, where casting both sides to float32 first took five (the fusor calls
+    this between layers, where every launch is host time the GPU may wait for)."""
     parts = []
-    if metric in ("k", "kv"):
-        dk = (k_new.float() - k_old.float()).flatten(1).norm(dim=1)
-        parts.append(dk / (k_old.float().flatten(1).norm(dim=1).mean() + 1e-6))
-    if metric in ("v", "kv"):
-        dv = (v_new.float() - v_old.float()).flatten(1).norm(dim=1)
-        parts.append(dv / (v_old.float().flatten(1).norm(dim=1).mean() + 1e-6))
+    for name, new, old in (("k", k_new, k_old), ("v", v_new, v_old)):
+        if metric not in (name, "kv"):
+            continue
+        dims = tuple(range(1, new.dim()))
+        part = torch.linalg.vector_norm(new - old, dim=dims, dtype=torch.float32)
+        if metric == "kv":
+            norms = torch.linalg.vector_norm(old, dim=dims, dtype=torch.float32)
+            mean = norms.mean() if among is None else (norms * among).sum() / among.sum().clamp(min=1)
+            part = part / (mean + 1e-6)
+        parts.append(part)
     return parts[0] if len(parts) == 1 else parts[0] + parts[1]
 
 
-def question_attention(q_tail: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+def future_mask(n: int, m: int, device: torch.device) -> torch.Tensor:
+    """[m, n] True where key position j lies after query row i, for the last ``m`` of ``n`` positions:
+    made once per fused prefill, as every check layer's ``question_attention`` has the same shape."""
+    return torch.arange(n, device=device)[None, :] > torch.arange(n - m, n, device=device)[:, None]
+
+
+def question_attention(
+    q_tail: torch.Tensor, keys: torch.Tensor, scale: float, future: torch.Tensor | None = None
+) -> torch.Tensor:
     """How much the prompt's last tokens (the question, computed fresh) attend to each position [n],
     averaged over their heads and themselves: a stored token's KV error reaches the answer mostly
     through the question's attention to it, so a deviation nobody attends to matters little.
@@ -98,18 +122,19 @@ def question_attention(q_tail: torch.Tensor, keys: torch.Tensor, scale: float) -
     group = heads // kv_heads
     q = q_tail.reshape(m, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(kv_heads, m * group, dim)
     scores = torch.bmm(q, keys.permute(1, 2, 0)).float().view(kv_heads, m, group, n) * scale
-    future = torch.arange(n, device=keys.device)[None, :] > torch.arange(n - m, n, device=keys.device)[:, None]
+    if future is None:
+        future = future_mask(n, m, keys.device)
     return scores.masked_fill(future[None, :, None, :], float("-inf")).softmax(-1).mean((0, 1, 2))
 
 
-def choose(dev: torch.Tensor, keep: int, forced: torch.Tensor, num_forced: int) -> torch.Tensor:
-    """Indices of the chosen candidates: the ``forced`` ones plus the highest deviations, ``keep`` in
-    all (forced tokens count toward ``keep``; all of them are kept even past it).
+def keep_rows(dev: torch.Tensor, must: torch.Tensor, total: int) -> torch.Tensor:
+    """Ascending rows of the active set that stay active: every ``must`` row (tokens without stored
+    KV, tokens forced in) and the highest deviations among the others, ``total`` rows in all.
 
-    ``num_forced`` (= ``forced.sum()``) comes from the host, so choosing reads nothing back from the
-    device: the fusor calls this between layers, where a read-back would stall the GPU queue."""
-    take = num_forced + max(0, min(keep - num_forced, dev.shape[0] - num_forced))
-    return torch.topk(dev.masked_fill(forced, float("inf")), take).indices
+    One top-k over the whole active set, with the ``must`` rows ranked first, instead of gathering
+    the candidates, ranking them and scattering the choice back; ``total`` comes from the host, so
+    nothing is read back from the device between layers (a read-back drains the GPU queue)."""
+    return torch.topk(dev.masked_fill(must, float("inf")), total, sorted=False).indices.sort().values
 
 
 def keep_count(share: float, num_stored: int) -> int:
