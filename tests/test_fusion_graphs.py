@@ -1,6 +1,6 @@
-"""CUDA graphs of the fused prefill's steady layers and check-layer halves: which passes get them,
-and (on CUDA) that a replayed pass gives the eager pass's logits, for prompts of different lengths
-sharing one capture."""
+"""CUDA graphs of the fused prefill's steady layers and whole check layers: which passes get them,
+and (on CUDA) that a replayed pass gives the eager pass's logits and selections, for prompts of
+different lengths sharing one capture."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ragfuse.engine.fusion import Segment, SelectionPolicy, TensorKV
-from ragfuse.engine.fusion.graphs import HALF_MAX_ROWS, STORED_STEP, capacity, half_rows
+from ragfuse.engine.fusion.graphs import CHECK_MAX_ROWS, PROMPT_STEP, STORED_STEP, CheckShape, capacity, check_rows
 
 
 def test_capacity_pads_active_to_prefill_buckets_and_stored_to_steps():
@@ -17,9 +17,16 @@ def test_capacity_pads_active_to_prefill_buckets_and_stored_to_steps():
     assert capacity(417, 1) == (448, STORED_STEP)
 
 
-def test_check_layer_halves_pad_to_32_rows_up_to_their_cap():
-    assert half_rows(800) == 800 and half_rows(801) == 832 and half_rows(1184) == 1184
-    assert half_rows(HALF_MAX_ROWS) == HALF_MAX_ROWS and half_rows(HALF_MAX_ROWS + 1) is None
+def test_check_layers_pad_rows_to_32_up_to_their_cap_and_prompts_to_steps():
+    assert check_rows(800) == 800 and check_rows(801) == 832 and check_rows(2592) == 2592
+    assert check_rows(CHECK_MAX_ROWS) == CHECK_MAX_ROWS and check_rows(CHECK_MAX_ROWS + 1) is None
+    shipped = SelectionPolicy.default()
+    shape = CheckShape.of(2, 1184, 990, 3104, 33, shipped)
+    assert shape is not None and (shape.rows_in, shape.rows_out, shape.prompt, shape.tail) == (1184, 992, 3584, 64)
+    assert PROMPT_STEP == 512
+    assert CheckShape.of(1, CHECK_MAX_ROWS + 1, 990, 3104, 33, shipped) is None
+    unweighted = CheckShape.of(2, 1184, 990, 3104, 33, SelectionPolicy.paper(0.15))
+    assert unweighted is not None and (unweighted.prompt, unweighted.tail) == (0, 0)  # no question attention
 
 
 def test_large_active_sets_and_passes_without_stored_kv_run_eagerly():
@@ -29,8 +36,7 @@ def test_large_active_sets_and_passes_without_stored_kv_run_eagerly():
 
 SHIFTED = {"revert_dropped": True, "stale_shift": 0.5, "attention_weight": 0.1}  # as the shipped selection
 SHORT = ((130, 77, 200), (120, 70, 190), (130, 77, 200))  # one capacity, stale padding in between
-# the first check layer's 2504 tokens outgrow every half graph (eager), the later layers' do not
-LONG = ((1000, 800, 700), (990, 800, 700))
+LONG = ((1000, 800, 700), (990, 800, 700))  # 2504 tokens at the first check layer
 
 
 @pytest.mark.gpu
@@ -38,9 +44,9 @@ LONG = ((1000, 800, 700), (990, 800, 700))
     ("reuse", 0.0, (1,), {}, SHORT), ("fuse", 0.15, (1,), {}, SHORT), ("fuse", 0.15, (1, 2), {}, SHORT),
     ("fuse", 0.15, (1, 2), SHIFTED, SHORT), ("fuse", 0.15, (1, 2), SHIFTED, LONG)])
 def test_replayed_fusion_equals_the_eager_pass(mode, ratio, checks, extra, prompts):
-    """Steady layers and, in ``fuse``, the check layers' halves replayed (gradual filtering over two
-    check layers: a back half's output feeds the next check layer's front half in place), also with
-    the stale shift, whose index is copied into the graphs' inputs only before the replays it feeds."""
+    """Steady layers and, in ``fuse``, whole check layers replayed (gradual filtering over two check
+    layers: one check graph's kept rows feed the next in place), also with the stale shift and the
+    question's attention weight, selecting the same tokens as the eager pass."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from .test_fusion_gpu import engine
@@ -62,6 +68,8 @@ def test_replayed_fusion_equals_the_eager_pass(mode, ratio, checks, extra, promp
         replayed, st_g = eng.score_fused(segs, [11, 12], mode, policy)
         assert graphs.replays > before
         assert st_g.active_per_layer == st_e.active_per_layer
+        if st_e.recomputed_positions is not None and st_g.recomputed_positions is not None:
+            assert st_g.recomputed_positions.tolist() == st_e.recomputed_positions.tolist()
         assert (replayed - eager).abs().max().item() < 1e-3 * eager.abs().max().item()
     assert len(graphs.capacities) == 1
-    assert bool(graphs.halves) == (mode == "fuse")
+    assert bool(graphs.checks) == (mode == "fuse")

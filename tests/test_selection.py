@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ragfuse.engine.fusion import SelectionPolicy
-from ragfuse.engine.fusion.selection import deviation, keep_count, keep_rows
+from ragfuse.engine.fusion.selection import check_keep, deviation, keep_count, question_attention
 from tests.test_fusion import fused_logits, rag_prompt  # noqa: F401 (rag_prompt is a fixture)
 
 
@@ -43,13 +43,58 @@ def test_deviation_ranks_by_the_chosen_part_of_the_kv():
     assert both[1] > 0 and both[4] > 0 and (both[[0, 2, 3, 5]] == 0).all()
 
 
-def test_keep_rows_keeps_the_must_rows_then_the_largest_deviations_in_ascending_order():
-    dev = torch.tensor([0.1, 0.9, 0.3, 0.8, 0.0, 0.5, float("nan")])
-    must = torch.tensor([False, False, False, False, True, False, True])  # row 6: no stored KV, its deviation unread
-    assert keep_rows(dev, must, 4).tolist() == [1, 3, 4, 6]
-    assert keep_rows(dev[:6], torch.zeros(6, dtype=torch.bool), 3).tolist() == [1, 3, 5]
-    assert keep_rows(dev, must, 7).tolist() == list(range(7))
+def test_check_keep_keeps_the_must_rows_then_the_largest_deviations_in_ascending_order():
+    torch.manual_seed(0)
+    k_st, v_st = torch.randn(5, 2, 4), torch.randn(5, 2, 4)
+    rows = torch.tensor([0, 1, 2, 3, 4, 0])  # row 5 (position 6): the question, no stored KV
+    positions = torch.tensor([1, 2, 3, 4, 5, 6])
+    v_new = v_st[rows].clone()
+    v_new[1] += 3.0
+    v_new[3] += 2.0
+    v_new[4] += 1.0
+    v_new[5] += 9.0  # compared with a placeholder row: must-keep anyway
+    must_keep = torch.tensor([False, False, False, False, False, True, True])  # position 5 forced in, 6 the question
+    keep = check_keep("v", 0.0, (k_st[rows], v_new), (k_st, v_st), rows, positions, must_keep, None, 4, 4)
+    assert keep.tolist() == [1, 3, 4, 5]  # positions 2, 4 (largest deviations), 5 (forced), 6 (question)
+    assert check_keep("v", 0.0, (k_st[rows], v_new), (k_st, v_st), rows, positions, must_keep, None, 6, 6).tolist() \
+        == list(range(6))
     assert keep_count(0.15, 100) == 15 and keep_count(1.0, 7) == 7
+
+
+@pytest.mark.parametrize("metric", ["v", "k", "kv"])
+def test_check_keep_with_padding_and_a_device_count_keeps_what_the_exact_call_keeps(metric):
+    """A check layer's CUDA graph runs the selection over capacities: padded rows (marked invalid,
+    deviating wildly), ``total`` rounded up and the real count as a tensor; it must keep the rows the
+    exact call keeps, then padding markers (one past any row)."""
+    torch.manual_seed(1)
+    a, pad, stored = 40, 24, 50
+    k_st, v_st = torch.randn(stored, 2, 8), torch.randn(stored, 2, 8)
+    rows = torch.randperm(stored)[:a]
+    positions = torch.arange(3, 3 + a)
+    k_new, v_new = k_st[rows] + torch.randn(a, 2, 8), v_st[rows] + torch.randn(a, 2, 8)
+    must_keep = torch.rand(80) < 0.2
+    weight = torch.rand(80)
+    exact = check_keep(metric, 0.1, (k_new, v_new), (k_st, v_st), rows, positions, must_keep, weight, 25, 25)
+    noise = (torch.randn(pad, 2, 8) * 100, torch.randn(pad, 2, 8) * 100)
+    padded = check_keep(metric, 0.1, (torch.cat([k_new, noise[0]]), torch.cat([v_new, noise[1]])), (k_st, v_st),
+                        torch.cat([rows, torch.zeros(pad, dtype=torch.long)]),
+                        torch.cat([positions, torch.zeros(pad, dtype=torch.long)]), must_keep, weight, 32,
+                        torch.tensor(25), torch.arange(a + pad) < a)
+    assert padded[:25].tolist() == exact.tolist() and (padded[25:] == a + pad).all()
+
+
+def test_question_attention_over_padded_queries_and_keys_equals_the_exact_one():
+    torch.manual_seed(2)
+    n, m = 30, 4
+    q, keys = torch.randn(m, 4, 8), torch.randn(n, 2, 8)
+    exact = question_attention(q, keys, 0.3)
+    q_pad = torch.cat([q, torch.full((3, 4, 8), float("nan"))])  # padding queries may hold anything
+    keys_pad = torch.cat([keys, torch.randn(10, 2, 8)])
+    key_pos, q_pos = torch.arange(n + 10), torch.tensor([26, 27, 28, 29, n - 1, n - 1, n - 1])
+    future = (key_pos[None, :] > q_pos[:, None]) | (key_pos >= n)[None, :]
+    padded = question_attention(q_pad, keys_pad, 0.3, future, torch.arange(7) < m)
+    torch.testing.assert_close(padded[:n], exact)
+    assert (padded[n:] == 0).all()
 
 
 def test_fusor_follows_the_funnel_layer_by_layer(engine, rag_prompt):  # noqa: F811

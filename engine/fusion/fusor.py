@@ -39,10 +39,10 @@ from ragfuse.kernels.paged_attention import sequence_slots
 from ..attention import RelayMetadata
 from ..models import LlamaForCausalLM
 from . import layer_step
-from .graphs import FusionGraphs
+from .graphs import CheckShape, FusionGraphs
 from .prefetch import LayerPrefetcher
 from .segments import Segment
-from .selection import SelectionPolicy, deviation, future_mask, keep_count, keep_rows, question_attention
+from .selection import SelectionPolicy, check_keep, future_mask, keep_count, question_attention
 from .stale_shift import ShiftIndex
 
 
@@ -163,7 +163,8 @@ def fuse_prefill(
 ) -> tuple[torch.Tensor, FusionStats]:
     """Fill ``block_table``'s cache pages with the prompt's KV and return the last token's logits.
     With ``system`` the prompt continues that registered system prompt (relay attention). With
-    ``graphs`` the layers past the last check layer replay CUDA graphs where the sizes fit."""
+    ``graphs`` the layers past the last check layer replay CUDA graphs where the sizes fit, and so do
+    the check layers when they follow one another (gradual filtering's 1-5) and all fit."""
     t_start = time.perf_counter()
     mode = FusionMode(mode)
     # at ratio 0 with no token forced in, fusion recomputes no stored token: that is full reuse, run
@@ -185,13 +186,15 @@ def fuse_prefill(
     sources = [segments[i].kv for i in sorted(used)]
     num_layers = model.config.num_layers
     # past the last check layer every layer runs the same active set: replayed from CUDA graphs, as are
-    # the halves of the check layers whose sizes fit a capture (check c narrows sizes[c] to sizes[c + 1])
+    # the check layers (check c narrows sizes[c] to sizes[c + 1]) when they run back to back and all fit
     steady = policy.check_layers[len(checks) - 1] + 1 if checks else 0
     use_graphs = (graphs is not None and system is None and bool(sources) and steady < num_layers
                   and graphs.accepts(sizes[-1], num_stored, len(block_table)))
     shifting = run is FusionMode.FUSE and policy.stale_shift > 0 and bool(sources)
-    halves = [h for c, (li, _) in enumerate(checks) for h in (("front", li, sizes[c]), ("back", li, sizes[c + 1]))]
-    cap = graphs.prepare(sizes[-1], num_stored, range(steady, num_layers), halves) if use_graphs else None
+    shapes = [CheckShape.of(li, sizes[c], sizes[c + 1], n, lay.tail, policy) for c, (li, _) in enumerate(checks)]
+    in_a_row = [li for li, _ in checks] == list(range(checks[0][0], steady)) if checks else False
+    check_shapes = [s for s in shapes if s is not None] if use_graphs and in_a_row and None not in shapes else []
+    cap = graphs.prepare(sizes[-1], num_stored, range(steady, num_layers), check_shapes) if use_graphs else None
     # layer 0's stored KV is on its way while the host sets the pass up; later layers' loads are
     # issued once each layer's work is launched (``ahead``)
     loader = LayerPrefetcher(sources, num_layers, device, ring=cap.ring if cap is not None else None, lazy=True)
@@ -223,7 +226,7 @@ def fuse_prefill(
         pos, act_slots = active_idx, slots.index_select(0, active_idx)
         pos_at = pos + base if base else pos
         rows = row_of.index_select(0, pos).clamp(min=0)  # each active token's row of the loaded KV (any if none)
-        future = future_mask(n, lay.tail, device) if checks and policy.attention_weight else None
+        future = future_mask(n, lay.tail, device) if checks and policy.attention_weight and not check_shapes else None
         size_i, candidates = 0, lay.candidates
         share = torch.full((), policy.stale_shift, device=device) if shifting else None
         stored_segment = segment.index_select(0, stored_pos) if shifting else None
@@ -235,50 +238,49 @@ def fuse_prefill(
             return ShiftIndex(share, rows, segment.index_select(0, pos), stored_segment, lay.num_segments)
 
         shift = shift_index()
-        in_graphs: list[ShiftIndex | None] = []  # the shift index last copied into the graphs' static inputs
-
-        def sync_shift() -> None:
-            """Copy the current shift index into the graphs' inputs before a replay that follows a change:
-            only then, since an index of the pass's first layers has more rows than any graph."""
-            assert graphs is not None and cap is not None
-            if not in_graphs:
-                graphs.set_shift(cap, shift)
-            elif in_graphs[0] is not shift and shift is not None:  # a check narrowed the active set
-                graphs.set_active_shift(cap, shift)
-            in_graphs[:] = [shift]
-
         counts: list[int] = []
         if cap is not None:
             assert graphs is not None
-            graphs.begin(cap, stored_at, stored_slots, table)
-        staged = False  # the active tokens' hidden state, positions and slots sit in the graphs' static inputs
+            graphs.begin(cap, stored_at, stored_slots, table, shift, slots, must_keep, lay.tail)
+        staged = False  # the active tokens' state sits in the graphs' static inputs (``graphs.stage``)
+
+        def stage() -> None:
+            assert graphs is not None and cap is not None
+            graphs.stage(cap, hidden, residual, pos_at, act_slots, rows, segment.index_select(0, pos),
+                         bounds_all[size_i], lay.num_segments)
+
         for li, layer in enumerate(block.layers):
             kv = kv_layers[li]
             if cap is not None and li == steady:
                 assert graphs is not None and not checks
                 if not staged:
-                    graphs.stage(hidden, residual, pos_at, act_slots, bounds_all[size_i])
-                sync_shift()
+                    stage()
                 for lj in range(steady, num_layers):
                     loader.get(lj, ahead=False)  # the compute stream waits for the layer's stored KV
                     graphs.replay(cap, lj)
                     loader.ahead(lj)
-                    counts.append(pos.shape[0])
-                hidden, residual = graphs.output(pos.shape[0])
+                    counts.append(sizes[size_i])
+                hidden, residual, pos = graphs.output(sizes[size_i])
                 break
+            if check_shapes and checks and li == checks[0][0]:  # a whole check layer from its graph
+                assert graphs is not None and cap is not None
+                loader.get(li, ahead=False)
+                if not staged:
+                    stage()
+                    staged = True
+                graphs.check(cap, check_shapes[len(check_shapes) - len(checks)], bounds_all[size_i + 1])
+                loader.ahead(li)
+                _, (_, candidates) = checks.pop(0)
+                size_i += 1
+                counts.append(sizes[size_i])
+                continue
             k_st = v_st = None
             if sources:
                 k_st, v_st = (t[:num_stored] for t in loader.get(li, ahead=False))
             check = bool(checks) and li == checks[0][0]
-            if check and cap is not None and graphs is not None and graphs.has(cap, "front", li, pos.shape[0]):
-                if not staged:
-                    graphs.stage(hidden, residual, pos_at, act_slots, bounds_all[size_i])
-                sync_shift()
-                q, k_raw, v, residual, written = graphs.front(cap, li, pos.shape[0], num_stored)
-            else:
-                stored = (k_st, v_st, stored_at, stored_slots) if k_st is not None and v_st is not None else None
-                q, k_raw, v, residual, written = layer_step.front(layer, kv, rotary, stored, hidden, residual, pos_at,
-                                                                  act_slots, shift)
+            stored = (k_st, v_st, stored_at, stored_slots) if k_st is not None and v_st is not None else None
+            q, k_raw, v, residual, written = layer_step.front(layer, kv, rotary, stored, hidden, residual, pos_at,
+                                                              act_slots, shift)
             loader.ahead(li)
             kept = None
             if check:
@@ -289,8 +291,9 @@ def fuse_prefill(
                 if policy.attention_weight:
                     keys = kv[0].view(-1, *kv[0].shape[2:]).index_select(0, slots)
                     weight = question_attention(q[-lay.tail :], keys, attn.scale, future)
-                kept = _narrow(policy.metric, policy.attention_weight, k_raw, v, *written, pos, rows, fusable,
-                               must_keep, pos.shape[0] - cand + kept_n, weight)
+                keep = pos.shape[0] - cand + kept_n
+                kept = check_keep(policy.metric, policy.attention_weight, (k_raw, v), written, rows, pos, must_keep,
+                                  weight, keep, keep)
                 pos = active_idx = active_idx.index_select(0, kept)
                 rows = rows.index_select(0, kept)
                 act_slots = slots.index_select(0, pos)
@@ -303,11 +306,6 @@ def fuse_prefill(
             a = pos.shape[0]
             assert a == sizes[size_i], "active-set size differs from the planned launch size"  # host ints: no sync
             counts.append(a)
-            if kept is not None and cap is not None and graphs is not None and graphs.has(cap, "back", li, a):
-                sync_shift()
-                hidden, residual = graphs.back(cap, li, q, residual, kept, pos_at, act_slots, bounds_all[size_i])
-                staged = True
-                continue
             if kept is not None:
                 q, residual = q.index_select(0, kept), residual.index_select(0, kept)
             hidden, residual = layer_step.back(layer, kv, q, residual, None if a == n else pos, table, n, slots,
@@ -365,31 +363,3 @@ def _first_true(mask: torch.Tensor, count: int) -> torch.Tensor:
     rank = torch.cumsum(mask, 0) * mask
     out = torch.empty(count + 1, dtype=torch.long, device=mask.device)
     return out.scatter_(0, rank, torch.arange(mask.shape[0], device=mask.device))[1:]
-
-
-def _narrow(
-    metric: str,
-    attention_weight: float,
-    k_raw: torch.Tensor,
-    v: torch.Tensor,
-    k_st: torch.Tensor,
-    v_st: torch.Tensor,
-    pos: torch.Tensor,
-    rows: torch.Tensor,
-    fusable: torch.Tensor,
-    must_keep: torch.Tensor,
-    total: int,
-    weight: torch.Tensor | None,
-) -> torch.Tensor:
-    """Rows of the active tokens (ascending) that stay active after this check layer: every token
-    without stored KV or forced in, and the candidates that deviate most from their stored KV,
-    ``total`` rows in all. Every active row is ranked (those without stored KV against a stored
-    placeholder row, then ranked first anyway): a dozen launches for the whole narrowing, where
-    ranking the candidates apart took ~30, each one host time while the GPU waited (H100 timeline:
-    check layers host-bound at ~2 ms each for ~1 ms of GPU work)."""
-    k_old = k_st.index_select(0, rows) if metric != "v" else k_raw  # the part the metric skips goes in unread
-    v_old = v_st.index_select(0, rows) if metric != "k" else v
-    dev = deviation(metric, k_raw, v, k_old, v_old, fusable.index_select(0, pos) if metric == "kv" else None)
-    if weight is not None:  # the question's attention per prompt position
-        dev = dev * weight.index_select(0, pos) ** attention_weight
-    return keep_rows(dev, must_keep.index_select(0, pos), total)

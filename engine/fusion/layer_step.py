@@ -3,8 +3,8 @@
 ``front`` writes the stored tokens' KV (K rotated to its real positions) and the active tokens'
 fresh KV into the layer's cache pages; ``back`` runs the active tokens' attention over the whole
 fused prompt and the rest of the layer. A check layer narrows the active set in between, using the
-fresh and stored KV; every other layer runs both halves back to back, eagerly or from a CUDA graph
-(``graphs.FusionGraphs``), the same code either way.
+fresh and stored KV; every other layer runs both halves back to back. Eagerly or inside a CUDA graph
+(``graphs.FusionGraphs``, which captures whole check layers too), it is the same code.
 """
 
 from __future__ import annotations

@@ -106,14 +106,20 @@ def future_mask(n: int, m: int, device: torch.device) -> torch.Tensor:
 
 
 def question_attention(
-    q_tail: torch.Tensor, keys: torch.Tensor, scale: float, future: torch.Tensor | None = None
+    q_tail: torch.Tensor,
+    keys: torch.Tensor,
+    scale: float,
+    future: torch.Tensor | None = None,
+    q_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """How much the prompt's last tokens (the question, computed fresh) attend to each position [n],
     averaged over their heads and themselves: a stored token's KV error reaches the answer mostly
     through the question's attention to it, so a deviation nobody attends to matters little.
 
     ``q_tail`` [m, H, D] are the queries (rotated) of the last m positions, ``keys`` [n, KVH, D] the
-    layer's rotated keys of the whole prompt (fresh for active tokens, stored for the rest).
+    layer's rotated keys of the whole prompt (fresh for active tokens, stored for the rest),
+    ``future`` [m, n] True where a key is hidden from a query. In a CUDA graph the shapes are
+    capacities: ``q_valid`` [m] marks the real queries (a padding query must still see one key).
     Each KV head's group of query heads is one batched product against its keys, in the model's
     dtype: repeating the keys per query head in float32 first (an einsum's way) cost ~0.6 ms per
     check layer on an H100 at 3K tokens, for a weight the policy only raises to a small power."""
@@ -124,17 +130,58 @@ def question_attention(
     scores = torch.bmm(q, keys.permute(1, 2, 0)).float().view(kv_heads, m, group, n) * scale
     if future is None:
         future = future_mask(n, m, keys.device)
-    return scores.masked_fill(future[None, :, None, :], float("-inf")).softmax(-1).mean((0, 1, 2))
+    probs = scores.masked_fill(future[None, :, None, :], float("-inf")).softmax(-1)
+    if q_valid is None:
+        return probs.mean((0, 1, 2))
+    per_query = torch.where(q_valid[:, None], probs.mean((0, 2)), 0.0)  # (a padding query may be NaN)
+    return per_query.sum(0) / q_valid.sum().clamp(min=1)
 
 
-def keep_rows(dev: torch.Tensor, must: torch.Tensor, total: int) -> torch.Tensor:
-    """Ascending rows of the active set that stay active: every ``must`` row (tokens without stored
-    KV, tokens forced in) and the highest deviations among the others, ``total`` rows in all.
+def check_keep(
+    metric: str,
+    attention_weight: float,
+    fresh: tuple[torch.Tensor, torch.Tensor],
+    stored: tuple[torch.Tensor, torch.Tensor],
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    must_keep: torch.Tensor,
+    weight: torch.Tensor | None,
+    total: int,
+    count: torch.Tensor | int,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A check layer's narrowing: the ``total`` rows of the active set (ascending) that stay active.
 
-    One top-k over the whole active set, with the ``must`` rows ranked first, instead of gathering
-    the candidates, ranking them and scattering the choice back; ``total`` comes from the host, so
-    nothing is read back from the device between layers (a read-back drains the GPU queue)."""
-    return torch.topk(dev.masked_fill(must, float("inf")), total, sorted=False).indices.sort().values
+    Every ``must_keep`` position (no stored KV, or forced in) stays; the rest are ranked by their
+    fresh (K before RoPE, V) ``fresh`` [active] against the ``stored`` rows ``rows`` [active] of the
+    loaded KV, weighted by the question's attention ``weight`` [positions] ** ``attention_weight``.
+    One top-k over the whole active set, with the must-keep rows ranked first: a dozen launches,
+    where gathering the candidates, ranking them apart and scattering the choice back took ~30
+    (every launch is host time the GPU may wait for between layers). ``positions`` [active] index
+    the per-position inputs.
+
+    The same code runs eagerly (exact sizes: ``count == total``) and inside a check layer's CUDA
+    graph, whose sizes are capacities: there ``valid`` [active] marks the real rows (padding is
+    never kept) and ``count`` (on the device) the real rows kept; entries past it come out as
+    ``len(rows)`` (one past any row), sorted last."""
+    k_new, v_new = fresh
+    k_st, v_st = stored
+    k_old = k_st.index_select(0, rows) if metric != "v" else k_new  # the part the metric skips goes in unread
+    v_old = v_st.index_select(0, rows) if metric != "k" else v_new
+    must = must_keep.index_select(0, positions)
+    among = None
+    if metric == "kv":  # each part's scale from the rows ranked on merit
+        among = ~must if valid is None else ~must & valid
+    dev = deviation(metric, k_new, v_new, k_old, v_old, among)
+    if weight is not None:
+        dev = dev * weight.index_select(0, positions) ** attention_weight
+    key = dev.masked_fill(must, float("inf"))
+    if valid is not None:
+        key = key.masked_fill(~valid, float("-inf"))
+    top = torch.topk(key, total).indices  # highest first: the real ones lead
+    if not isinstance(count, int) or count != total:
+        top = torch.where(torch.arange(total, device=top.device) < count, top, rows.shape[0])
+    return top.sort().values
 
 
 def keep_count(share: float, num_stored: int) -> int:
