@@ -73,3 +73,30 @@ def test_replayed_fusion_equals_the_eager_pass(mode, ratio, checks, extra, promp
         assert (replayed - eager).abs().max().item() < 1e-3 * eager.abs().max().item()
     assert len(graphs.capacities) == 1
     assert bool(graphs.checks) == (mode == "fuse")
+
+
+@pytest.mark.gpu
+def test_least_recently_used_check_graphs_are_dropped_past_the_cap():
+    """A server fusing prompts of many sizes keeps at most ``max_checks`` check-layer graphs; a pass
+    whose graphs were dropped captures them again and still equals the eager pass."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from .test_fusion_gpu import engine
+
+    eng = engine("triton")
+    graphs = eng.runner.fusion_graphs
+    assert graphs is not None
+    graphs.max_checks = 2  # one two-check pass's worth
+    g = torch.Generator().manual_seed(2)
+    policy = SelectionPolicy(ratio=0.15, check_layers=(1, 2), first_factor=2.0, **SHIFTED)
+    for lengths in ((130, 77, 200), (260, 150, 300), (130, 77, 200)):  # the third needs the first's again
+        chunks = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in lengths]
+        segs = [Segment(c, TensorKV(*kv)) for c, kv in zip(chunks, eng.compute_kv(chunks), strict=True)]
+        segs.append(Segment([5, 6, 7, 8, 9]))
+        eng.runner.fusion_graphs = None
+        eager, _ = eng.score_fused(segs, [11, 12], "fuse", policy)
+        eng.runner.fusion_graphs = graphs
+        before = graphs.replays
+        replayed, _ = eng.score_fused(segs, [11, 12], "fuse", policy)
+        assert graphs.replays > before and len(graphs.checks) <= 2
+        assert (replayed - eager).abs().max().item() < 1e-3 * eager.abs().max().item()

@@ -30,6 +30,7 @@ capacity, which the loader fills (``LayerPrefetcher(ring=...)``).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,7 @@ STORED_STEP = 512  # stored-token capacities are multiples of this: few captures
 CHECK_STEP = 32
 CHECK_MAX_ROWS = 4096
 PROMPT_STEP = 512  # the question's attention runs over the prompt's positions, padded to this
+MAX_CHECK_GRAPHS = 256  # check-layer graphs kept (least recently used go first): a server sees many prompt sizes
 
 
 def check_rows(active: int) -> int | None:
@@ -148,7 +150,8 @@ class FusionGraphs:
         self.tail = torch.zeros((), dtype=torch.long, device=device)
         self.stored_inputs: dict[int, _Stored] = {}  # by stored capacity
         self.capacities: dict[tuple[int, int], _Capacity] = {}
-        self.checks: dict[tuple[CheckShape, int], torch.cuda.CUDAGraph] = {}
+        self.checks: OrderedDict[tuple[CheckShape, int], torch.cuda.CUDAGraph] = OrderedDict()  # least recent first
+        self.max_checks = MAX_CHECK_GRAPHS
         self.replays = 0  # layers served by a graph (for tests and the profile)
 
     def accepts(self, active: int, stored: int, num_blocks: int) -> bool:
@@ -167,12 +170,18 @@ class FusionGraphs:
             cap = self.capacities[key] = _Capacity(*key, inputs)
         missing = [li for li in layers if li not in cap.graphs]
         todo = [c for c in checks if (c, cap.stored) not in self.checks]
+        for c in checks:
+            if (c, cap.stored) in self.checks:
+                self.checks.move_to_end((c, cap.stored))
         if missing or todo:
             self._make_inert(cap)
             for li in missing:
                 cap.graphs[li], _ = capture_call(self._step, (li, cap), self.pool)
             for c in todo:
                 self.checks[(c, cap.stored)], _ = capture_call(self._check, (c, cap), self.pool)
+        # this pass's own graphs are the most recent: never the ones dropped
+        while len(self.checks) > max(self.max_checks, len(checks)):
+            self.checks.popitem(last=False)
         return cap
 
     def begin(self, cap: _Capacity, stored_at: torch.Tensor, stored_slots: torch.Tensor, table: torch.Tensor,
@@ -310,8 +319,12 @@ class FusionGraphs:
         self.residual[:rows].copy_(residual)
 
     def _make_inert(self, cap: _Capacity) -> None:
-        """Inputs that write and attend to nothing, for the capture runs."""
+        """Inputs that write and attend to nothing, for the capture runs. Positions and stored rows
+        too: a larger pass may have left ones past this capacity's buffers, which a capture run would
+        index with."""
         self.slots.fill_(-1)
+        self.positions.zero_()
+        self.rows.zero_()
         self.bounds.zero_()
         self.share.zero_()
         self.tail.zero_()
