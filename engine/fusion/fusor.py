@@ -191,9 +191,10 @@ def fuse_prefill(
     use_graphs = (graphs is not None and system is None and bool(sources) and steady < num_layers
                   and graphs.accepts(sizes[-1], num_stored, len(block_table)))
     shifting = run is FusionMode.FUSE and policy.stale_shift > 0 and bool(sources)
-    shapes = [CheckShape.of(li, sizes[c], sizes[c + 1], n, lay.tail, policy) for c, (li, _) in enumerate(checks)]
-    in_a_row = [li for li, _ in checks] == list(range(checks[0][0], steady)) if checks else False
-    check_shapes = [s for s in shapes if s is not None] if use_graphs and in_a_row and None not in shapes else []
+    check_shapes: list[CheckShape] = []
+    if use_graphs and checks and [li for li, _ in checks] == list(range(checks[0][0], steady)):
+        shapes = [CheckShape.of(li, sizes[c], sizes[c + 1], n, lay.tail, policy) for c, (li, _) in enumerate(checks)]
+        check_shapes = [s for s in shapes if s is not None] if None not in shapes else []
     cap = graphs.prepare(sizes[-1], num_stored, range(steady, num_layers), check_shapes) if use_graphs else None
     # layer 0's stored KV is on its way while the host sets the pass up; later layers' loads are
     # issued once each layer's work is launched (``ahead``)
@@ -298,9 +299,9 @@ def fuse_prefill(
                 rows = rows.index_select(0, kept)
                 act_slots = slots.index_select(0, pos)
                 pos_at = pos + base if base else pos
-                if policy.revert_dropped:  # stored KV back in the pages, then the kept tokens' fresh KV over it
-                    attn.store(rotary(written[0], stored_at), written[1], kv, stored_slots)
-                    attn.store(rotary(k_raw.index_select(0, kept), pos_at), v.index_select(0, kept), kv, act_slots)
+                if policy.revert_dropped:
+                    layer_step.revert(layer, kv, rotary, written, (stored_at, stored_slots),
+                                      (k_raw.index_select(0, kept), v.index_select(0, kept), pos_at, act_slots))
                 shift = shift_index()
                 size_i, candidates = size_i + 1, kept_n
             a = pos.shape[0]

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ..cuda_graphs import PREFILL_BUCKETS, capture_call, prefill_bucket
-from .layer_step import KVCache, back, front
+from .layer_step import KVCache, back, front, revert
 from .prefetch import RING_SLOTS
 from .selection import SelectionPolicy, check_keep, question_attention
 from .stale_shift import ShiftIndex
@@ -239,9 +239,6 @@ class FusionGraphs:
         self.checks[(shape, cap.stored)].replay()
         self.replays += 1
 
-    def has_check(self, cap: _Capacity, shape: CheckShape) -> bool:
-        return (shape, cap.stored) in self.checks
-
     def replay(self, cap: _Capacity, layer: int) -> None:
         cap.graphs[layer].replay()
         self.replays += 1
@@ -270,11 +267,10 @@ class FusionGraphs:
         spare = cap.inputs.spare
         state = [(self.positions, 0), (self.slots, -1), (self.rows, 0), (self.segment, spare)]
         kept_state = [torch.where(live, buf[:rows_in].index_select(0, take), pad) for buf, pad in state]
-        if shape.revert:  # stored KV back in the pages, then the kept tokens' fresh KV over it
-            attn, rotary = self.model.model.layers[shape.layer].self_attn.attn, self.model.model.rotary
-            kv = self.kv_caches[shape.layer]
-            attn.store(rotary(written[0], cap.inputs.at), written[1], kv, cap.inputs.slots)
-            attn.store(rotary(k_raw.index_select(0, take), kept_state[0]), v.index_select(0, take), kv, kept_state[1])
+        if shape.revert:
+            revert(self.model.model.layers[shape.layer], self.kv_caches[shape.layer], self.model.model.rotary, written,
+                   (cap.inputs.at, cap.inputs.slots),
+                   (k_raw.index_select(0, take), v.index_select(0, take), kept_state[0], kept_state[1]))
         q_kept, residual_kept = q.index_select(0, take), residual.index_select(0, take)
         for (buf, pad), new in zip(state, kept_state, strict=True):
             buf[:rows_out].copy_(new)

@@ -55,6 +55,24 @@ def front(
     return q, k_raw, v, residual, written
 
 
+def revert(
+    layer: nn.Module,
+    kv_cache: KVCache,
+    rotary: RotaryEmbedding,
+    written: tuple[torch.Tensor, torch.Tensor],
+    stored: tuple[torch.Tensor, torch.Tensor],
+    kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:
+    """After a check layer's selection: the stored KV back in the pages (``written`` = the stored
+    (K before RoPE, V) as ``front`` wrote them, at ``stored`` = (model positions, slots)), then the
+    kept tokens' fresh KV over it (``kept`` = K before RoPE, V, positions, slots), so the tokens the
+    check dropped read as stored KV from this layer on."""
+    attn = layer.self_attn.attn
+    attn.store(rotary(written[0], stored[0]), written[1], kv_cache, stored[1])
+    k_raw, v, positions, slots = kept
+    attn.store(rotary(k_raw, positions), v, kv_cache, slots)
+
+
 def back(
     layer: nn.Module,
     kv_cache: KVCache,
