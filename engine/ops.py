@@ -1,5 +1,5 @@
-"""Dispatch of the element-wise ops (RMSNorm, RoPE, SwiGLU's SiLU-and-multiply), of the one-row
-linear layers of a batch-1 decode, and choice of the kernel backend.
+"""Dispatch of the element-wise ops (RMSNorm, RoPE, SwiGLU's SiLU-and-multiply, cache fusion's
+stored-KV writes), of the one-row linear layers of a batch-1 decode, and choice of the kernel backend.
 
 The choice is made per call from the tensor's device, so one model object runs on CPU and CUDA:
 Triton on CUDA when it imports, the torch references elsewhere. ``RAGFUSE_KERNELS=torch`` forces the
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from ragfuse.kernels.activation import silu_mul_ref
 from ragfuse.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from ragfuse.kernels.rope import apply_rope_ref
+from ragfuse.kernels.stored_kv import segment_shift_ref, write_stored_kv_ref
 
 KERNELS_ENV = "RAGFUSE_KERNELS"
 BACKENDS = ("auto", "triton", "torch")
@@ -26,6 +27,7 @@ if HAVE_TRITON:
     from ragfuse.kernels.gemv_triton import gemv_triton
     from ragfuse.kernels.norm_triton import fused_add_rms_norm_triton, rms_norm_triton
     from ragfuse.kernels.rope_triton import apply_rope_qk_triton, apply_rope_triton
+    from ragfuse.kernels.stored_kv_triton import segment_shift_triton, write_stored_kv_triton
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
@@ -95,3 +97,23 @@ def apply_rope_qk(
         assert k_out is not None
         return q_out, k_out
     return apply_rope_ref(q, positions, cos, sin), apply_rope_ref(k, positions, cos, sin)
+
+
+def segment_shift(
+    k_new: torch.Tensor, v_new: torch.Tensor, k_st: torch.Tensor, v_st: torch.Tensor, active_rows: torch.Tensor,
+    active_segment: torch.Tensor, share: torch.Tensor, num_segments: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-segment stale shift of stored K/V (``kernels.stored_kv.segment_shift_ref``)."""
+    fn = segment_shift_triton if _triton(k_new) else segment_shift_ref
+    return fn(k_new, v_new, k_st, v_st, active_rows, active_segment, share, num_segments)
+
+
+def write_stored_kv(
+    k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor,
+    shift: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, keep: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Stored K (before RoPE) and V shifted, rotated and written at ``slots``: one launch on CUDA
+    (``kernels.stored_kv.write_stored_kv_ref``)."""
+    fn = write_stored_kv_triton if _triton(k) else write_stored_kv_ref
+    return fn(k, v, positions, cos, sin, *kv_cache, slots, shift, keep)

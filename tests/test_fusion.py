@@ -10,7 +10,7 @@ import torch
 from ragfuse.engine import SamplingParams
 from ragfuse.engine.fusion import Segment, SelectionPolicy, TensorKV
 from ragfuse.engine.fusion.selection import question_attention
-from ragfuse.engine.fusion.stale_shift import ShiftIndex, shifted
+from ragfuse.engine.fusion.stale_shift import ShiftIndex, segment_shift
 from ragfuse.kernels.paged_attention import attention_with_lse
 from ragfuse.shared_data import shared_data
 
@@ -146,7 +146,8 @@ def test_stale_shift_moves_each_segment_by_its_share_of_mean_deviation():
     v_new = torch.ones(4, 1, 2) * torch.tensor([3.0, 5.0, 1.0, 9.0])[:, None, None]
     index = ShiftIndex(torch.tensor(0.5), torch.tensor([1, 2, 4, 0]), torch.tensor([0, 0, 1, 2]),
                        torch.tensor([0, 0, 0, 1, 1, 1]), 3)
-    k, v = shifted(index, k_new, v_new, k_st, v_st)
+    mk, mv, segment = segment_shift(index, k_new, v_new, k_st, v_st)
+    k, v = k_st + mk.index_select(0, segment), v_st + mv.index_select(0, segment)
     assert torch.equal(k[:3, 0], torch.tensor([[1.5, 0.0]] * 3))  # mean (3, 0), half of it
     assert torch.equal(k[3:, 0], torch.tensor([[0.0, 3.0]] * 3))
     assert torch.equal(v[:3, 0], torch.full((3, 2), 2.5)) and torch.equal(v[3:, 0], torch.ones(3, 2))

@@ -28,11 +28,12 @@ from ragfuse.kernels.paged_attention import (
     paged_prefill_attention_ref,
 )
 from ragfuse.kernels.rope import apply_rope_ref, cos_sin_table, inv_frequencies
+from ragfuse.kernels.stored_kv import segment_shift_ref, write_stored_kv_ref
 
 pytest.importorskip("triton")
 
 KERNEL_MODULES = ("norm_triton", "rope_triton", "merge_triton", "paged_attention_triton", "activation_triton",
-                  "gemv_triton", "history_triton")
+                  "gemv_triton", "history_triton", "stored_kv_triton")
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
@@ -316,6 +317,67 @@ def test_write_history_matches_reference(kern, cut: bool) -> None:
         kern.write_history_triton(kv, n, cos, sin, k_cache, v_cache, table, rows)
         assert rel_err(k_cache, k_ref) < TOL[dtype] / 2
         assert torch.equal(v_cache.float(), v_ref)
+
+
+def test_segment_shift_matches_reference(kern) -> None:
+    """Mean deviation per stored segment over the active rows (fresh K/V as strided views of a packed
+    projection), times the share; the spare last segment (rows without stored KV, padding) and a
+    segment with no active row shift nothing."""
+    heads, head_dim, stored, active, segments = 2, (128 if kern.big else 64), 40, 150 if not kern.big else 700, 5
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randint(0, stored, (active,), generator=g)
+    seg = torch.randint(0, 3, (active,), generator=g)  # segment 3 has no active row
+    seg[::4] = segments - 1
+    share = torch.tensor(0.5)
+    for dtype in kern.dtypes:
+        packed = torch.randn(active, 3 * heads * head_dim, generator=g).to(dtype)
+        k_new, v_new = (t.view(active, heads, head_dim) for t in packed[:, heads * head_dim:].chunk(2, dim=-1))
+        k_st, v_st = torch.randn(2, stored, heads, head_dim, generator=g).to(dtype)
+        ref_k, ref_v = segment_shift_ref(k_new.float(), v_new.float(), k_st.float(), v_st.float(), rows, seg, share,
+                                         segments)
+        dev = [t.to(kern.device) for t in (k_new, v_new, k_st, v_st, rows, seg, share)]
+        mk, mv = kern.segment_shift_triton(*dev, segments)
+        assert mk.dtype == torch.float32 and mk.shape == (segments, heads, head_dim)
+        mk, mv = mk.cpu(), mv.cpu()
+        assert rel_err(mk, ref_k) < 1e-5 and rel_err(mv, ref_v) < 1e-5
+        assert not mk[3:].any() and not mv[3:].any()
+
+
+@pytest.mark.parametrize("shifted", [False, True])
+@pytest.mark.parametrize("keep", [False, True])
+def test_write_stored_kv_matches_reference(kern, shifted: bool, keep: bool) -> None:
+    """Stored rows shifted by their segment, K rotated to its position, both written at scattered
+    slots (a slot of -1 writes nothing, every other slot keeps its value); with ``keep`` the shifted
+    rows come back exactly as the reference rounds them."""
+    page, heads, head_dim, rows, blocks, segments = 4, 3, (128 if kern.big else 64), 29, 12, 3
+    g = torch.Generator().manual_seed(4)
+    cos, sin = cos_sin_table(inv_frequencies(head_dim, 10000.0), 256)
+    slots = torch.randperm(blocks * page, generator=g)[:rows]
+    slots[[3, 17]] = -1
+    positions = torch.randint(0, 256, (rows,), generator=g)
+    segment = torch.randint(0, segments, (rows,), generator=g)
+    mk, mv = torch.randn(2, segments, heads, head_dim, generator=g) * 0.1
+    untouched = torch.ones(blocks * page, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    for dtype in kern.dtypes:
+        k, v = torch.randn(2, rows, heads, head_dim, generator=g).to(dtype)
+        k_cache, v_cache = torch.randn(2, blocks, page, heads, head_dim, generator=g).to(dtype)
+        k_ref, v_ref = k_cache.float(), v_cache.float()
+        shift = (mk, mv, segment) if shifted else None
+        written = write_stored_kv_ref(k, v, positions, cos, sin, k_cache.clone(), v_cache.clone(), slots, shift)
+        assert written is not None
+        write_stored_kv_ref(written[0].float(), written[1].float(), positions, cos, sin, k_ref, v_ref, slots)
+        kc, vc = k_cache.to(kern.device), v_cache.to(kern.device)
+        on = [t.to(kern.device) for t in (k, v, positions, cos, sin)]
+        out = kern.write_stored_kv_triton(*on, kc, vc, slots.to(kern.device),
+                                          tuple(t.to(kern.device) for t in shift) if shift else None, keep)
+        assert (out is not None) == keep
+        if out is not None:
+            assert torch.equal(out[0].cpu(), written[0]) and torch.equal(out[1].cpu(), written[1])
+        kc, vc = kc.cpu(), vc.cpu()
+        assert rel_err(kc, k_ref) < TOL[dtype] / 2 and rel_err(vc, v_ref) < TOL[dtype] / 2
+        for new, old in ((kc, k_cache), (vc, v_cache)):
+            assert torch.equal(new.reshape(-1, heads, head_dim)[untouched], old.reshape(-1, heads, head_dim)[untouched])
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (7, 100), (2, 3, 64)])

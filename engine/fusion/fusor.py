@@ -189,7 +189,7 @@ def fuse_prefill(
     # the check layers (check c narrows sizes[c] to sizes[c + 1]) when they run back to back and all fit
     steady = policy.check_layers[len(checks) - 1] + 1 if checks else 0
     use_graphs = (graphs is not None and system is None and bool(sources) and steady < num_layers
-                  and graphs.accepts(sizes[-1], num_stored, len(block_table)))
+                  and graphs.accepts(sizes[-1], num_stored, len(block_table), len(used)))
     shifting = run is FusionMode.FUSE and policy.stale_shift > 0 and bool(sources)
     check_shapes: list[CheckShape] = []
     if use_graphs and checks and [li for li, _ in checks] == list(range(checks[0][0], steady)):
@@ -239,6 +239,7 @@ def fuse_prefill(
             return ShiftIndex(share, rows, segment.index_select(0, pos), stored_segment, lay.num_segments)
 
         shift = shift_index()
+        shift_from = checks[0][0] if checks else num_layers
         counts: list[int] = []
         if cap is not None:
             assert graphs is not None
@@ -280,8 +281,10 @@ def fuse_prefill(
                 k_st, v_st = (t[:num_stored] for t in loader.get(li, ahead=False))
             check = bool(checks) and li == checks[0][0]
             stored = (k_st, v_st, stored_at, stored_slots) if k_st is not None and v_st is not None else None
+            # before the first check every fusable token is active and overwrites its stored KV: a shift
+            # there would move only KV that is never read (the exact prefix's segment has no active rows)
             q, k_raw, v, residual, written = layer_step.front(layer, kv, rotary, stored, hidden, residual, pos_at,
-                                                              act_slots, shift)
+                                                              act_slots, shift if li >= shift_from else None, check)
             loader.ahead(li)
             kept = None
             if check:
@@ -300,7 +303,7 @@ def fuse_prefill(
                 act_slots = slots.index_select(0, pos)
                 pos_at = pos + base if base else pos
                 if policy.revert_dropped:
-                    layer_step.revert(layer, kv, rotary, written, (stored_at, stored_slots),
+                    layer_step.revert(kv, rotary, written, (stored_at, stored_slots),
                                       (k_raw.index_select(0, kept), v.index_select(0, kept), pos_at, act_slots))
                 shift = shift_index()
                 size_i, candidates = size_i + 1, kept_n

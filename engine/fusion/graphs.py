@@ -49,6 +49,10 @@ CHECK_STEP = 32
 CHECK_MAX_ROWS = 4096
 PROMPT_STEP = 512  # the question's attention runs over the prompt's positions, padded to this
 MAX_CHECK_GRAPHS = 256  # check-layer graphs kept (least recently used go first): a server sees many prompt sizes
+# stored segments a graphed pass may have: the stale shift's kernels work on all captured segments at
+# once (a one-hot matrix of them), so the spare sits just past this many, making 64 with it (a spare at
+# the stored capacity made 3073 of them, 2.6 ms a layer on an H100); more segments run eagerly
+MAX_SEGMENTS = 63
 
 
 def check_rows(active: int) -> int | None:
@@ -95,7 +99,7 @@ class CheckShape:
 
 class _Stored:
     """The static stored-KV inputs of one stored capacity: the loader's ring and the stored tokens'
-    model positions, cache slots and stale-shift segments (``spare``, one past any real segment, for
+    model positions, cache slots and stale-shift segments (``spare`` = ``MAX_SEGMENTS``, past any real one, for
     rows without a stored token: its shift is zero)."""
 
     def __init__(self, stored: int, kv_cache: KVCache, device: torch.device) -> None:
@@ -105,8 +109,8 @@ class _Stored:
                      torch.zeros(shape, dtype=kv_cache[0].dtype, device=device))
         self.at = torch.zeros(stored, dtype=torch.long, device=device)
         self.slots = torch.full((stored,), -1, dtype=torch.long, device=device)
-        self.spare = stored
-        self.segment = torch.full((stored,), stored, dtype=torch.long, device=device)
+        self.spare = MAX_SEGMENTS
+        self.segment = torch.full((stored,), self.spare, dtype=torch.long, device=device)
 
 
 class _Capacity:
@@ -154,8 +158,11 @@ class FusionGraphs:
         self.max_checks = MAX_CHECK_GRAPHS
         self.replays = 0  # layers served by a graph (for tests and the profile)
 
-    def accepts(self, active: int, stored: int, num_blocks: int) -> bool:
-        return capacity(active, stored) is not None and num_blocks <= self.max_blocks
+    def accepts(self, active: int, stored: int, num_blocks: int, segments: int) -> bool:
+        """Whether a pass of ``active`` rows past its checks, ``stored`` stored tokens in ``segments``
+        stored segments, over ``num_blocks`` cache blocks, replays graphs."""
+        return (capacity(active, stored) is not None and num_blocks <= self.max_blocks
+                and segments <= MAX_SEGMENTS)
 
     def prepare(self, active: int, stored: int, layers: range, checks: list[CheckShape]) -> _Capacity:
         """The capacity for these counts with ``layers`` and the ``checks`` captured (what is
@@ -250,13 +257,14 @@ class FusionGraphs:
     def _step(self, layer: int, cap: _Capacity) -> None:
         """One steady layer over the static buffers; its outputs overwrite its inputs."""
         rows = cap.rows
-        q, _, _, residual, _ = self._front_call(layer, rows, cap)
+        q, _, _, residual, _ = self._front_call(layer, rows, cap, keep=False)
         self._back_call(layer, rows, q, residual)
 
     def _check(self, shape: CheckShape, cap: _Capacity) -> None:
         """One check layer over the static buffers, narrowing the active rows' state in place."""
         rows_in, rows_out = shape.rows_in, shape.rows_out
         q, k_raw, v, residual, written = self._front_call(shape.layer, rows_in, cap)
+        assert written is not None
         positions, slots = self.positions[:rows_in], self.slots[:rows_in]
         valid = slots >= 0  # every real active token has a slot: padding has -1
         weight = self._question_weight(shape, q, positions, valid) if shape.tail else None
@@ -268,7 +276,7 @@ class FusionGraphs:
         state = [(self.positions, 0), (self.slots, -1), (self.rows, 0), (self.segment, spare)]
         kept_state = [torch.where(live, buf[:rows_in].index_select(0, take), pad) for buf, pad in state]
         if shape.revert:
-            revert(self.model.model.layers[shape.layer], self.kv_caches[shape.layer], self.model.model.rotary, written,
+            revert(self.kv_caches[shape.layer], self.model.model.rotary, written,
                    (cap.inputs.at, cap.inputs.slots),
                    (k_raw.index_select(0, take), v.index_select(0, take), kept_state[0], kept_state[1]))
         q_kept, residual_kept = q.index_select(0, take), residual.index_select(0, take)
@@ -296,15 +304,14 @@ class FusionGraphs:
         scale = self.model.model.layers[shape.layer].self_attn.attn.scale
         return question_attention(q.index_select(0, idx), keys, scale, future, q_ok)
 
-    def _front_call(self, layer: int, rows: int, cap: _Capacity) -> tuple[torch.Tensor, ...]:
+    def _front_call(self, layer: int, rows: int, cap: _Capacity, keep: bool = True) -> tuple[torch.Tensor, ...]:
         block, slot = self.model.model, layer % RING_SLOTS
         inputs = cap.inputs
         stored = (inputs.ring[0][slot], inputs.ring[1][slot], inputs.at, inputs.slots)
         shift = ShiftIndex(self.share, self.rows[:rows], self.segment[:rows], inputs.segment, inputs.spare + 1)
         q, k_raw, v, residual, written = front(block.layers[layer], self.kv_caches[layer], block.rotary, stored,
                                                self.hidden[:rows], self.residual[:rows], self.positions[:rows],
-                                               self.slots[:rows], shift)
-        assert written is not None
+                                               self.slots[:rows], shift, keep)
         return q, k_raw, v, residual, written
 
     def _back_call(self, layer: int, rows: int, q: torch.Tensor, residual: torch.Tensor) -> None:

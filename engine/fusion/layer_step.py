@@ -15,7 +15,7 @@ from torch import nn
 from .. import ops
 from ..attention import RelayMetadata
 from ..layers import RotaryEmbedding
-from .stale_shift import ShiftIndex, shifted
+from .stale_shift import ShiftIndex, segment_shift
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -30,9 +30,11 @@ def front(
     positions: torch.Tensor,
     slots: torch.Tensor,
     shift: ShiftIndex | None = None,
+    keep: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """KV of the layer in its pages; returns the active tokens' (q rotated, k before RoPE, v, residual)
-    and the stored (K before RoPE, V) as written (``None`` without stored KV).
+    and, with ``keep`` (a check layer compares and reverts them), the stored (K before RoPE, V) as
+    written (``None`` without stored KV or without ``keep``).
 
     ``stored`` = (K before RoPE, V, model positions, cache slots) of the stored tokens: written
     first, so the active tokens' fresh KV, written after, overwrites theirs. With ``shift`` the
@@ -46,17 +48,14 @@ def front(
     written = None
     if stored is not None:
         k_st, v_st, at, st_slots = stored
-        if shift is not None:
-            k_st, v_st = shifted(shift, k_raw, v, k_st, v_st)
-        attn.store(rotary(k_st, at), v_st, kv_cache, st_slots)
-        written = (k_st, v_st)
+        moved = segment_shift(shift, k_raw, v, k_st, v_st) if shift is not None else None
+        written = ops.write_stored_kv(k_st, v_st, at, rotary.cos, rotary.sin, kv_cache, st_slots, moved, keep)
     q, k = ops.apply_rope_qk(q, k_raw, positions, rotary.cos, rotary.sin)
     attn.store(k, v, kv_cache, slots)
     return q, k_raw, v, residual, written
 
 
 def revert(
-    layer: nn.Module,
     kv_cache: KVCache,
     rotary: RotaryEmbedding,
     written: tuple[torch.Tensor, torch.Tensor],
@@ -67,10 +66,9 @@ def revert(
     (K before RoPE, V) as ``front`` wrote them, at ``stored`` = (model positions, slots)), then the
     kept tokens' fresh KV over it (``kept`` = K before RoPE, V, positions, slots), so the tokens the
     check dropped read as stored KV from this layer on."""
-    attn = layer.self_attn.attn
-    attn.store(rotary(written[0], stored[0]), written[1], kv_cache, stored[1])
+    ops.write_stored_kv(*written, stored[0], rotary.cos, rotary.sin, kv_cache, stored[1], keep=False)
     k_raw, v, positions, slots = kept
-    attn.store(rotary(k_raw, positions), v, kv_cache, slots)
+    ops.write_stored_kv(k_raw, v, positions, rotary.cos, rotary.sin, kv_cache, slots, keep=False)
 
 
 def back(

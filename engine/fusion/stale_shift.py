@@ -9,7 +9,9 @@ overstates the common part: a share of 0.5 did best. On the default model at 15%
 took MuSiQue's gap_closed from 0.53 to 0.71 (``scripts/selection_study.py``, 6 cases), for the
 price of a mean and an add per layer, no recompute.
 
-The inputs are index tensors of fixed size (stored row and segment per active row, segment per
+The means (one small kernel over the active rows) and the shifted stored KV's rotation and write (one
+pass over the stored rows) are ``ops.segment_shift`` and ``ops.write_stored_kv``. The inputs are
+index tensors of fixed size (stored row and segment per active row, segment per
 stored row; rows with no stored KV count toward a spare last segment whose shift is zero), so the
 same code runs eagerly and inside the fused prefill's CUDA graphs.
 """
@@ -19,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .. import ops
 
 
 @dataclass
@@ -37,17 +41,12 @@ class ShiftIndex:
     num_segments: int
 
 
-def shifted(
+def segment_shift(
     index: ShiftIndex, k_new: torch.Tensor, v_new: torch.Tensor, k_st: torch.Tensor, v_st: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stored K (before RoPE) and V [stored, KVH, D] moved by their segment's share of mean
-    deviation, measured on the active rows' fresh ``k_new``/``v_new`` [active, KVH, D]."""
-    seg, s = index.active_segment, index.num_segments
-    dk = (k_new - k_st.index_select(0, index.active_rows)).float()
-    dv = (v_new - v_st.index_select(0, index.active_rows)).float()
-    count = torch.zeros(s, device=dk.device).index_add_(0, seg, torch.ones_like(seg, dtype=torch.float))
-    scale = (index.share / count.clamp(min=1.0)).masked_fill(torch.arange(s, device=dk.device) == s - 1, 0.0)
-    mk = torch.zeros(s, *dk.shape[1:], device=dk.device).index_add_(0, seg, dk) * scale[:, None, None]
-    mv = torch.zeros(s, *dv.shape[1:], device=dv.device).index_add_(0, seg, dv) * scale[:, None, None]
-    rows = index.stored_segment
-    return k_st + mk.index_select(0, rows).to(k_st.dtype), v_st + mv.index_select(0, rows).to(v_st.dtype)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The shift of every stored row, as ``ops.write_stored_kv`` applies it: (K shift, V shift) per
+    segment [segments, KVH, D] float32, measured on the active rows' fresh ``k_new``/``v_new``
+    [active, KVH, D] against their stored ``k_st``/``v_st`` rows, and each stored row's segment."""
+    mk, mv = ops.segment_shift(k_new, v_new, k_st, v_st, index.active_rows, index.active_segment, index.share,
+                               index.num_segments)
+    return mk, mv, index.stored_segment
