@@ -1,5 +1,6 @@
 """Dispatch of the element-wise ops (RMSNorm, RoPE, SwiGLU's SiLU-and-multiply, cache fusion's
-stored-KV writes), of the one-row linear layers of a batch-1 decode, and choice of the kernel backend.
+stored-KV writes and question attention), of the one-row linear layers of a batch-1 decode, and
+choice of the kernel backend.
 
 The choice is made per call from the tensor's device, so one model object runs on CPU and CUDA:
 Triton on CUDA when it imports, the torch references elsewhere. ``RAGFUSE_KERNELS=torch`` forces the
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 from ragfuse.kernels.activation import silu_mul_ref
 from ragfuse.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
+from ragfuse.kernels.question_attention import question_attention_ref
 from ragfuse.kernels.rope import apply_rope_ref
 from ragfuse.kernels.stored_kv import segment_shift_ref, write_stored_kv_ref
 
@@ -26,6 +28,7 @@ if HAVE_TRITON:
     from ragfuse.kernels.activation_triton import silu_mul_triton
     from ragfuse.kernels.gemv_triton import gemv_triton
     from ragfuse.kernels.norm_triton import fused_add_rms_norm_triton, rms_norm_triton
+    from ragfuse.kernels.question_attention_triton import question_attention_triton
     from ragfuse.kernels.rope_triton import apply_rope_qk_triton, apply_rope_triton
     from ragfuse.kernels.stored_kv_triton import segment_shift_triton, write_stored_kv_triton
 
@@ -117,3 +120,14 @@ def write_stored_kv(
     (``kernels.stored_kv.write_stored_kv_ref``)."""
     fn = write_stored_kv_triton if _triton(k) else write_stored_kv_ref
     return fn(k, v, positions, cos, sin, *kv_cache, slots, shift, keep)
+
+
+def question_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tensor, q_pos: torch.Tensor, n: torch.Tensor, scale: float,
+    q_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The question's mean attention per prompt position (``kernels.question_attention``): two
+    launches on CUDA, where the torch ops took ~20."""
+    fn = question_attention_triton if _triton(q) else question_attention_ref
+    return fn(q, k_cache, slots, q_pos, n, scale, q_valid)
+

@@ -8,7 +8,7 @@ layer's KV being there. A device time close to the host's says the host was behi
 waiting for launches); far past it says the device set the pace. Beside that: the engine's own
 full prefill of the same prompt (``forward_fresh``), which ``full`` should match, and the steady
 layers' attention (the selected tokens and the query at their positions) over split counts.
-Writes OUT_DIR/timeline.txt.
+Writes OUT_DIR/timeline.txt and the profiled fuse pass's trace OUT_DIR/fuse-trace.json.
 """
 
 from __future__ import annotations
@@ -120,8 +120,9 @@ def main() -> None:
     print(lines[-1], flush=True)
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         once("fuse", a.ratio)
+    prof.export_chrome_trace(str(out / "fuse-trace.json"))  # every kernel's start and length, for gaps
     lines += ["\n== fuse kernels (one pass under the profiler)",
               prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60)]
     (out / "timeline.txt").write_text("\n".join(lines) + "\n")

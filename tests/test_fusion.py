@@ -9,9 +9,9 @@ import torch
 
 from ragfuse.engine import SamplingParams
 from ragfuse.engine.fusion import Segment, SelectionPolicy, TensorKV
-from ragfuse.engine.fusion.selection import question_attention
 from ragfuse.engine.fusion.stale_shift import ShiftIndex, segment_shift
 from ragfuse.kernels.paged_attention import attention_with_lse
+from ragfuse.kernels.question_attention import question_attention_ref
 from ragfuse.shared_data import shared_data
 
 DATA = shared_data("musique_dev.json")
@@ -167,7 +167,10 @@ def test_default_policy_is_exact_at_the_ends_of_the_ratio_range(engine, rag_prom
 def test_question_attention_is_the_tail_queries_mean_attention():
     torch.manual_seed(2)
     q, k = torch.randn(5, 6, 8), torch.randn(20, 2, 8)
-    got = question_attention(q, k, 0.3)
+    slots = torch.randperm(24)[:20]  # position p's key sits at slot slots[p] of 6 pages of 4
+    k_cache = torch.zeros(24, 2, 8)
+    k_cache[slots] = k
+    got = question_attention_ref(q, k_cache.view(6, 4, 2, 8), slots, torch.arange(15, 20), torch.tensor(20), 0.3)
     ref = torch.zeros(20)
     for i in range(5):  # query i sits at position 15 + i and sees keys 0..15+i
         for h in range(6):

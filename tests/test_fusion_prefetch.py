@@ -32,3 +32,30 @@ def test_layers_arrive_whole_and_in_order_from_memory_and_disk(tmp_path, device)
     if device == "cuda":
         torch.cuda.synchronize()
     assert loader.load_s > 0 and loader.wait_s <= loader.load_s  # waiting is part of loading, never more
+
+
+@pytest.mark.gpu
+def test_skipped_leading_layers_are_not_copied_and_later_ones_are(tmp_path):
+    """``skip``: a source's first layers leave its rows of the ring as they were (the fusor
+    overwrites them unread); from the first layer past the skip its KV arrives whole."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    entries = [make_entry(1, tokens=24), make_entry(2, tokens=40)]
+    mem = MemoryTier("cpu", "cpu", 1 << 30, pin=True)
+    for e in entries:
+        mem.put(e, keep_evicted=False)
+    store = TieredKVStore([mem])
+    sources = [open_source(store, e.key) for e in entries]
+    k0, _ = entries[0].layer(0)
+    shape = (3, 64, *k0.shape[1:])  # RING_SLOTS slots of 64 rows
+    ring = (torch.full(shape, -7.0, dtype=k0.dtype, device="cuda"), torch.full(shape, -7.0, dtype=k0.dtype,
+                                                                              device="cuda"))
+    with LayerPrefetcher(sources, LAYERS, torch.device("cuda"), ring=ring, skip=[0, 2]) as loader:
+        for layer in range(LAYERS):
+            k, v = (t[:64].cpu() for t in loader.get(layer))
+            (ak, av), (bk, bv) = (e.layer(layer) for e in entries)
+            assert torch.equal(k[:24], ak) and torch.equal(v[:24], av)  # never skipped
+            if layer < 2:
+                assert (k[24:] == -7).all() and (v[24:] == -7).all()
+            else:
+                assert torch.equal(k[24:], bk) and torch.equal(v[24:], bv)

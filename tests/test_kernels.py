@@ -27,13 +27,14 @@ from ragfuse.kernels.paged_attention import (
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
 )
+from ragfuse.kernels.question_attention import question_attention_ref
 from ragfuse.kernels.rope import apply_rope_ref, cos_sin_table, inv_frequencies
 from ragfuse.kernels.stored_kv import segment_shift_ref, write_stored_kv_ref
 
 pytest.importorskip("triton")
 
 KERNEL_MODULES = ("norm_triton", "rope_triton", "merge_triton", "paged_attention_triton", "activation_triton",
-                  "gemv_triton", "history_triton", "stored_kv_triton")
+                  "gemv_triton", "history_triton", "stored_kv_triton", "question_attention_triton")
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
@@ -341,6 +342,32 @@ def test_segment_shift_matches_reference(kern) -> None:
         mk, mv = mk.cpu(), mv.cpu()
         assert rel_err(mk, ref_k) < 1e-5 and rel_err(mv, ref_v) < 1e-5
         assert not mk[3:].any() and not mv[3:].any()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_question_attention_matches_reference(kern, padded: bool) -> None:
+    """The question's mean attention per position with grouped query heads, keys gathered through
+    scattered slots, several shares of positions and row blocks; padded (a CUDA graph's capacities):
+    invalid queries and positions past the real length count for nothing."""
+    heads, kv_heads, head_dim, page, blocks = 8, 2, (128 if kern.big else 32), 16, 40
+    m, p = (12, 600) if kern.big else (7, 90)
+    n = p - 13 if padded else p
+    g = torch.Generator().manual_seed(5)
+    slots = torch.randperm(blocks * page, generator=g)[:p]
+    q_pos = torch.arange(n - m, n)
+    valid = None
+    if padded:
+        q_pos[-3:] = n - 1
+        valid = torch.arange(m) < m - 3
+    for dtype in kern.dtypes:
+        q = torch.randn(m, heads, head_dim, generator=g).to(dtype)
+        k_cache = torch.randn(blocks, page, kv_heads, head_dim, generator=g).to(dtype)
+        ref = question_attention_ref(q.float(), k_cache.float(), slots, q_pos, torch.tensor(n), 0.2, valid)
+        dev = [t.to(kern.device) for t in (q, k_cache, slots, q_pos, torch.tensor(n, dtype=torch.int32))]
+        got = kern.question_attention_triton(*dev, 0.2, None if valid is None else valid.to(kern.device)).cpu()
+        assert got.dtype == torch.float32 and got.shape == (p,)
+        assert rel_err(got, ref) < TOL[dtype]
+        assert abs(got.sum().item() - 1) < 1e-3 and not got[n:].any()
 
 
 @pytest.mark.parametrize("shifted", [False, True])

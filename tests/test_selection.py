@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ragfuse.engine.fusion import SelectionPolicy
-from ragfuse.engine.fusion.selection import check_keep, deviation, keep_count, question_attention
+from ragfuse.engine.fusion.selection import check_keep, deviation, keep_count
+from ragfuse.kernels.question_attention import question_attention_ref
 from tests.test_fusion import fused_logits, rag_prompt  # noqa: F401 (rag_prompt is a fixture)
 
 
@@ -84,15 +85,16 @@ def test_check_keep_with_padding_and_a_device_count_keeps_what_the_exact_call_ke
 
 
 def test_question_attention_over_padded_queries_and_keys_equals_the_exact_one():
+    """A CUDA graph's capacities: padding queries (any values, marked invalid) count for nothing and
+    padding positions past the real length get no attention."""
     torch.manual_seed(2)
     n, m = 30, 4
-    q, keys = torch.randn(m, 4, 8), torch.randn(n, 2, 8)
-    exact = question_attention(q, keys, 0.3)
+    q, k_cache = torch.randn(m, 4, 8), torch.randn(10, 4, 2, 8)
+    slots = torch.randperm(40)
+    exact = question_attention_ref(q, k_cache, slots[:n], torch.arange(n - m, n), torch.tensor(n), 0.3)
     q_pad = torch.cat([q, torch.full((3, 4, 8), float("nan"))])  # padding queries may hold anything
-    keys_pad = torch.cat([keys, torch.randn(10, 2, 8)])
-    key_pos, q_pos = torch.arange(n + 10), torch.tensor([26, 27, 28, 29, n - 1, n - 1, n - 1])
-    future = (key_pos[None, :] > q_pos[:, None]) | (key_pos >= n)[None, :]
-    padded = question_attention(q_pad, keys_pad, 0.3, future, torch.arange(7) < m)
+    q_pos = torch.tensor([26, 27, 28, 29, n - 1, n - 1, n - 1])
+    padded = question_attention_ref(q_pad, k_cache, slots, q_pos, torch.tensor(n), 0.3, torch.arange(7) < m)
     torch.testing.assert_close(padded[:n], exact)
     assert (padded[n:] == 0).all()
 

@@ -34,15 +34,14 @@ from enum import Enum
 import numpy as np
 import torch
 
-from ragfuse.kernels.paged_attention import sequence_slots
-
+from .. import ops
 from ..attention import RelayMetadata
 from ..models import LlamaForCausalLM
 from . import layer_step
-from .graphs import CheckShape, FusionGraphs
+from .graphs import CheckShape, FirstShape, FusionGraphs
 from .prefetch import LayerPrefetcher
 from .segments import Segment
-from .selection import SelectionPolicy, check_keep, future_mask, keep_count, question_attention
+from .selection import SelectionPolicy, check_keep, keep_count
 from .stale_shift import ShiftIndex
 
 
@@ -171,7 +170,7 @@ def fuse_prefill(
     # as such (no check layer computing every token only to select none of them)
     run = FusionMode.REUSE if mode is FusionMode.FUSE and policy.ratio == 0 and not policy.sink_tokens else mode
     device = model.lm_head.weight.device
-    ids = [t for s in segments for t in s.token_ids]
+    ids = np.concatenate([np.asarray(s.token_ids, dtype=np.int64) for s in segments])
     n = len(ids)
     used = _stored_segments(segments, run, policy, system is not None)
     lay = _Layout.build(segments, used, run, policy, system is not None)
@@ -179,7 +178,7 @@ def fuse_prefill(
     # the attention kernel's [0, queries, keys] for each active-set size of the pass, made at once
     # checks narrow only the candidates: after one, the active set is the non-candidates plus what it kept
     sizes = [num_active, *(num_active - lay.candidates + k for _, k in lay.check_sizes)]
-    bounds = np.array([[0, a, n] for a in sizes], dtype=np.int64).reshape(-1)
+    bounds = np.array([[0, a, n] for a in sizes], dtype=np.int32)
     checks = list(zip(policy.check_layers, lay.check_sizes, strict=False))
     block = model.model
     rotary = block.rotary
@@ -192,64 +191,87 @@ def fuse_prefill(
                   and graphs.accepts(sizes[-1], num_stored, len(block_table), len(used)))
     shifting = run is FusionMode.FUSE and policy.stale_shift > 0 and bool(sources)
     check_shapes: list[CheckShape] = []
+    first_shapes: list[FirstShape] = []  # the layers before the first check, when every later one replays
     if use_graphs and checks and [li for li, _ in checks] == list(range(checks[0][0], steady)):
         shapes = [CheckShape.of(li, sizes[c], sizes[c + 1], n, lay.tail, policy) for c, (li, _) in enumerate(checks)]
         check_shapes = [s for s in shapes if s is not None] if None not in shapes else []
-    cap = graphs.prepare(sizes[-1], num_stored, range(steady, num_layers), check_shapes) if use_graphs else None
+        firsts = [FirstShape.of(li, sizes[0]) for li in range(checks[0][0])]
+        first_shapes = [s for s in firsts if s is not None] if check_shapes and None not in firsts else []
+    cap = (graphs.prepare(sizes[-1], num_stored, range(steady, num_layers), [*first_shapes, *check_shapes])
+           if use_graphs else None)
     # layer 0's stored KV is on its way while the host sets the pass up; later layers' loads are
-    # issued once each layer's work is launched (``ahead``)
-    loader = LayerPrefetcher(sources, num_layers, device, ring=cap.ring if cap is not None else None, lazy=True)
+    # issued once each layer's work is launched (``ahead``). Before the first check every fusable
+    # token is active: its stored KV is overwritten unread there, so it is not copied
+    first_read = checks[0][0] if run is FusionMode.FUSE and checks else 0
+    skip = [first_read if start < n and lay.fusable[start] else 0 for start in _starts(segments, used)]
+    loader = LayerPrefetcher(sources, num_layers, device, ring=cap.ring if cap is not None else None, lazy=True,
+                             skip=skip)
     with loader, torch.inference_mode():
-        # one host-to-device transfer for everything the pass indexes with, from page-locked memory so
-        # the host goes on at once (a copy from pageable memory waits for it)
-        parts = [np.asarray(ids, dtype=np.int64), lay.stored, lay.active, lay.fusable, lay.forced, lay.segment,
-                 np.asarray(block_table, dtype=np.int64), bounds]
-        host = torch.from_numpy(np.concatenate([p.astype(np.int64, copy=False) for p in parts]))
-        if device.type == "cuda":
-            host = host.pin_memory()
-        ids_d, stored_pos, active_idx, fusable, forced, segment, table_d, bounds_d = (
-            host.to(device, non_blocking=True).split(
-                [n, num_stored, num_active, n, n, n, len(block_table), len(bounds)])
-        )
-        fusable, forced = fusable.bool(), forced.bool()
-        must_keep = ~fusable | forced  # positions every check keeps active: no stored KV, or forced in
-        row_of = torch.full((n,), -1, dtype=torch.long, device=device)  # prompt position -> row of the loaded KV
-        row_of[stored_pos] = torch.arange(num_stored, device=device)
-        table = table_d.to(torch.int32)[None]
-        slots = sequence_slots(table[0], n, kv_layers[0][0].shape[1])
-        stored_slots = slots[stored_pos]
-        bounds_all = bounds_d.to(torch.int32).view(len(sizes), 3)
+        # everything the pass indexes with, worked out in numpy and sent in one host-to-device
+        # transfer: each torch op here would be a launch (~20 us of host time) before layer 0, while
+        # the GPU has nothing to do yet
+        block_size = kv_layers[0][0].shape[1]
+        table_h = np.asarray(block_table, dtype=np.int64)
+        at = np.arange(n)
+        slots_h = table_h[at // block_size] * block_size + at % block_size
+        row_of = np.full(n, -1, dtype=np.int64)  # prompt position -> row of the loaded KV
+        row_of[lay.stored] = np.arange(num_stored)
         base = system.num_tokens if system is not None else 0  # page position p is model position base + p
+        host = {
+            "ids": ids[lay.active], "stored_at": lay.stored + base, "active": lay.active,
+            "active_at": lay.active + base, "slots": slots_h, "stored_slots": slots_h[lay.stored],
+            "active_slots": slots_h[lay.active],
+            "rows": np.maximum(row_of[lay.active], 0),  # each active token's row of the loaded KV (any if none)
+            "active_segment": lay.segment[lay.active],
+            "stored_segment": lay.segment[lay.stored], "table": table_h.astype(np.int32)[None],
+            "bounds": bounds, "fusable": lay.fusable,
+            "must_keep": ~lay.fusable | lay.forced,  # positions every check keeps: no stored KV, or forced in
+            "share": np.float32(policy.stale_shift), "tail": np.int64(lay.tail),
+            "tail_pos": np.arange(n - lay.tail, n),  # the question's positions (it ranks by its attention)
+        }
+        if cap is not None:  # the graphs' static inputs, padded here: one copy each into place
+            assert graphs is not None
+            first = ((host["active_at"], host["active_slots"], host["rows"], host["active_segment"])
+                     if first_shapes else None)
+            host |= graphs.host_inputs(cap, host["stored_at"], host["stored_slots"],
+                                       host["stored_segment"] if shifting else None, slots_h, host["must_keep"],
+                                       first, first_shapes[0].rows if first_shapes else 0, lay.num_segments)
+        dev = _to_device(device, host)
+        fusable, must_keep, slots = dev["fusable"], dev["must_keep"], dev["slots"]
+        table, bounds_all = dev["table"], dev["bounds"]
+        stored_at, stored_slots = dev["stored_at"], dev["stored_slots"]
         relays = [system.relay(a) for a in sizes] if system is not None else None
-        stored_at = stored_pos + base  # model positions, made once (base is 0 without a system prompt)
-        hidden = block.embed_tokens(ids_d.index_select(0, active_idx))
+        hidden = block.embed_tokens(dev["ids"])
         residual: torch.Tensor | None = None
-        pos, act_slots = active_idx, slots.index_select(0, active_idx)
-        pos_at = pos + base if base else pos
-        rows = row_of.index_select(0, pos).clamp(min=0)  # each active token's row of the loaded KV (any if none)
-        future = future_mask(n, lay.tail, device) if checks and policy.attention_weight and not check_shapes else None
+        pos, pos_at, act_slots, rows = dev["active"], dev["active_at"], dev["active_slots"], dev["rows"]
         size_i, candidates = 0, lay.candidates
-        share = torch.full((), policy.stale_shift, device=device) if shifting else None
-        stored_segment = segment.index_select(0, stored_pos) if shifting else None
+        share = dev["share"] if shifting else None
+        stored_segment = dev["stored_segment"] if shifting else None
+        active_segment = dev["active_segment"]
 
         def shift_index() -> ShiftIndex | None:
             """The stale shift's indices for the current active set (made again when a check narrows it)."""
             if share is None or stored_segment is None:
                 return None
-            return ShiftIndex(share, rows, segment.index_select(0, pos), stored_segment, lay.num_segments)
+            return ShiftIndex(share, rows, active_segment, stored_segment, lay.num_segments)
 
         shift = shift_index()
         shift_from = checks[0][0] if checks else num_layers
         counts: list[int] = []
-        if cap is not None:
-            assert graphs is not None
-            graphs.begin(cap, stored_at, stored_slots, table, shift, slots, must_keep, lay.tail)
         staged = False  # the active tokens' state sits in the graphs' static inputs (``graphs.stage``)
+        begun = False  # the pass's own inputs sit in the graphs' static ones (``graphs.load``)
 
         def stage() -> None:
+            """Before the first replay: the pass's inputs and the active tokens' state into the graphs'
+            static buffers (the state came padded from the host when layer 0 replays)."""
+            nonlocal begun
             assert graphs is not None and cap is not None
-            graphs.stage(cap, hidden, residual, pos_at, act_slots, rows, segment.index_select(0, pos),
-                         bounds_all[size_i], lay.num_segments)
+            if not begun:
+                graphs.load(cap, dev, table, share, dev["tail"], (hidden, bounds_all[0]) if first_shapes else None)
+                begun = True
+            if not first_shapes:
+                graphs.stage(cap, hidden, residual, pos_at, act_slots, rows, active_segment, bounds_all[size_i],
+                             lay.num_segments)
 
         for li, layer in enumerate(block.layers):
             kv = kv_layers[li]
@@ -264,6 +286,16 @@ def fuse_prefill(
                     counts.append(sizes[size_i])
                 hidden, residual, pos = graphs.output(sizes[size_i])
                 break
+            if li < len(first_shapes):  # a layer before the first check from its graph
+                assert graphs is not None and cap is not None
+                if not staged:  # (its copies may run while the layer's stored KV is still on its way)
+                    stage()
+                    staged = True
+                loader.get(li, ahead=False)
+                graphs.check(cap, first_shapes[li], bounds_all[size_i])
+                loader.ahead(li)
+                counts.append(sizes[size_i])
+                continue
             if check_shapes and checks and li == checks[0][0]:  # a whole check layer from its graph
                 assert graphs is not None and cap is not None
                 loader.get(li, ahead=False)
@@ -285,7 +317,6 @@ def fuse_prefill(
             # there would move only KV that is never read (the exact prefix's segment has no active rows)
             q, k_raw, v, residual, written = layer_step.front(layer, kv, rotary, stored, hidden, residual, pos_at,
                                                               act_slots, shift if li >= shift_from else None, check)
-            loader.ahead(li)
             kept = None
             if check:
                 _, (cand, kept_n) = checks.pop(0)
@@ -293,13 +324,14 @@ def fuse_prefill(
                 attn = layer.self_attn.attn
                 weight = None
                 if policy.attention_weight:
-                    keys = kv[0].view(-1, *kv[0].shape[2:]).index_select(0, slots)
-                    weight = question_attention(q[-lay.tail :], keys, attn.scale, future)
+                    weight = ops.question_attention(q[-lay.tail :], kv[0], slots, dev["tail_pos"], bounds_all[0, 2],
+                                                    attn.scale)
                 keep = pos.shape[0] - cand + kept_n
                 kept = check_keep(policy.metric, policy.attention_weight, (k_raw, v), written, rows, pos, must_keep,
                                   weight, keep, keep)
-                pos = active_idx = active_idx.index_select(0, kept)
+                pos = pos.index_select(0, kept)
                 rows = rows.index_select(0, kept)
+                active_segment = active_segment.index_select(0, kept)
                 act_slots = slots.index_select(0, pos)
                 pos_at = pos + base if base else pos
                 if policy.revert_dropped:
@@ -314,6 +346,9 @@ def fuse_prefill(
                 q, residual = q.index_select(0, kept), residual.index_select(0, kept)
             hidden, residual = layer_step.back(layer, kv, q, residual, None if a == n else pos, table, n, slots,
                                                bounds_all[size_i], None if relays is None else relays[size_i])
+            # the next layers' loads only now: issuing them (~0.2 ms of host time a layer) between the
+            # halves left the GPU idle in layer 0, whose host work the GPU is not yet behind
+            loader.ahead(li)
             staged = False
         assert residual is not None
         hidden, _ = block.norm(hidden[-1:], residual[-1:])
@@ -359,6 +394,12 @@ def _stored_segments(
     return {i for i, s in enumerate(segments) if s.kv is not None}
 
 
+def _starts(segments: list[Segment], used: set[int]) -> list[int]:
+    """Prompt position where each used segment starts (in the order of ``sources``)."""
+    starts = np.cumsum([0] + [len(s.token_ids) for s in segments])
+    return [int(starts[i]) for i in sorted(used)]
+
+
 def _first_true(mask: torch.Tensor, count: int) -> torch.Tensor:
     """Ascending indices of ``mask``'s ``count`` True entries (the caller knows how many there are):
     ``nonzero`` without its read-back of the count to the host. Each True entry's index lands at its
@@ -367,3 +408,36 @@ def _first_true(mask: torch.Tensor, count: int) -> torch.Tensor:
     rank = torch.cumsum(mask, 0) * mask
     out = torch.empty(count + 1, dtype=torch.long, device=mask.device)
     return out.scatter_(0, rank, torch.arange(mask.shape[0], device=mask.device))[1:]
+
+
+def _to_device(device: torch.device, arrays: dict[str, np.ndarray | np.generic]) -> dict[str, torch.Tensor]:
+    """The arrays on ``device`` in one host-to-device transfer: their bytes packed into one buffer
+    (page-locked on CUDA, so the host goes on at once), one run per dtype, each run 8-byte aligned
+    and viewed as its dtype once, then split into the arrays: a few torch calls for the lot, since
+    each costs host time before layer 0 is launched."""
+    runs: dict[np.dtype, list[tuple[str, np.ndarray]]] = {}
+    for name, value in arrays.items():
+        a = np.asarray(value)
+        runs.setdefault(a.dtype, []).append((name, a))
+    spans = [-(-sum(a.nbytes for _, a in run) // 8) * 8 for run in runs.values()]
+    host = torch.empty(sum(spans), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    raw = host.numpy()
+    offset = 0
+    for run, span in zip(runs.values(), spans, strict=True):
+        np.concatenate([a.reshape(-1) for _, a in run], out=raw[offset : offset + span].view(run[0][1].dtype)[
+            : sum(a.size for _, a in run)])
+        offset += span
+    buf = host.to(device, non_blocking=True)
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for (dtype, run), span in zip(runs.items(), spans, strict=True):
+        sizes = [a.size for _, a in run]
+        flat = buf[offset : offset + span].view(_TORCH_DTYPES[dtype])
+        for (name, a), t in zip(run, flat[: sum(sizes)].split(sizes), strict=True):
+            out[name] = t if a.ndim == 1 else t.view(a.shape)
+        offset += span
+    return out
+
+
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.bool_): torch.bool,
+                 np.dtype(np.float32): torch.float32}

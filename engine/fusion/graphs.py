@@ -33,13 +33,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
+from .. import ops
 from ..cuda_graphs import PREFILL_BUCKETS, capture_call, prefill_bucket
 from .layer_step import KVCache, back, front, revert
 from .prefetch import RING_SLOTS
-from .selection import SelectionPolicy, check_keep, question_attention
+from .selection import SelectionPolicy, check_keep
 from .stale_shift import ShiftIndex
 
 STORED_STEP = 512  # stored-token capacities are multiples of this: few captures, little padding
@@ -48,11 +50,13 @@ STORED_STEP = 512  # stored-token capacities are multiples of this: few captures
 CHECK_STEP = 32
 CHECK_MAX_ROWS = 4096
 PROMPT_STEP = 512  # the question's attention runs over the prompt's positions, padded to this
-MAX_CHECK_GRAPHS = 256  # check-layer graphs kept (least recently used go first): a server sees many prompt sizes
+MAX_CHECK_GRAPHS = 256  # check-layer and first-layer graphs kept (least recently used go first): many prompt sizes
 # stored segments a graphed pass may have: the stale shift's kernels work on all captured segments at
 # once (a one-hot matrix of them), so the spare sits just past this many, making 64 with it (a spare at
 # the stored capacity made 3073 of them, 2.6 ms a layer on an H100); more segments run eagerly
 MAX_SEGMENTS = 63
+STATE_PAD = (0, -1, 0, MAX_SEGMENTS)  # an inert active row: position 0, no slot (writes nothing), stored row 0, spare
+STORED_PAD = (0, -1, MAX_SEGMENTS)  # an inert stored row: position 0, no slot, the spare segment
 
 
 def check_rows(active: int) -> int | None:
@@ -97,6 +101,22 @@ class CheckShape:
                    policy.revert_dropped)
 
 
+@dataclass(frozen=True)
+class FirstShape:
+    """What a layer before the first check is captured for: every token is active there (all their
+    stored KV is overwritten unread, so no stale shift), ``rows`` a capacity as for check layers.
+    Launched eagerly, layer 0's small kernels waited on the host (~0.5 ms of a 2.5 ms layer on an
+    H200 for 2.6K tokens of a 7B model)."""
+
+    layer: int
+    rows: int
+
+    @classmethod
+    def of(cls, layer: int, active: int) -> FirstShape | None:
+        rows = check_rows(active)
+        return None if rows is None else cls(layer, rows)
+
+
 class _Stored:
     """The static stored-KV inputs of one stored capacity: the loader's ring and the stored tokens'
     model positions, cache slots and stale-shift segments (``spare`` = ``MAX_SEGMENTS``, past any real one, for
@@ -107,10 +127,10 @@ class _Stored:
         shape = (RING_SLOTS, stored, kv_heads, head_dim)
         self.ring = (torch.zeros(shape, dtype=kv_cache[0].dtype, device=device),
                      torch.zeros(shape, dtype=kv_cache[0].dtype, device=device))
-        self.at = torch.zeros(stored, dtype=torch.long, device=device)
-        self.slots = torch.full((stored,), -1, dtype=torch.long, device=device)
         self.spare = MAX_SEGMENTS
-        self.segment = torch.full((stored,), self.spare, dtype=torch.long, device=device)
+        # positions, slots, segments: one tensor, filled by one copy a pass (``FusionGraphs.load``)
+        self.state = torch.tensor(STORED_PAD, device=device)[:, None].repeat(1, stored)
+        self.at, self.slots, self.segment = self.state.unbind(0)
 
 
 class _Capacity:
@@ -125,8 +145,8 @@ class _Capacity:
 
 
 class FusionGraphs:
-    """Per-layer graphs of the fused prefill: steady layers keyed by ``capacity``, check layers by
-    (``CheckShape``, stored capacity)."""
+    """Per-layer graphs of the fused prefill: steady layers keyed by ``capacity``; check layers and the
+    layers before them (``early``) by (``CheckShape`` or ``FirstShape``, stored capacity)."""
 
     def __init__(self, model: nn.Module, kv_caches: list[KVCache], block_size: int, max_model_len: int,
                  device: torch.device, pool: tuple) -> None:
@@ -139,11 +159,11 @@ class FusionGraphs:
         dtype = model.lm_head.weight.dtype
         self.hidden = torch.zeros(rows, hidden, dtype=dtype, device=device)
         self.residual = torch.zeros(rows, hidden, dtype=dtype, device=device)
-        # the active rows' state: model positions, cache slots, rows of the loaded stored KV, segments
-        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
-        self.slots = torch.full((rows,), -1, dtype=torch.long, device=device)
-        self.rows = torch.zeros(rows, dtype=torch.long, device=device)
-        self.segment = torch.zeros(rows, dtype=torch.long, device=device)
+        # the active rows' state: model positions, cache slots, rows of the loaded stored KV, segments;
+        # one tensor, so a check layer narrows all four with one gather (and pads them with one copy)
+        self.state_pad = torch.tensor(STATE_PAD, device=device)[:, None]
+        self.state = self.state_pad.repeat(1, rows)
+        self.positions, self.slots, self.rows, self.segment = self.state.unbind(0)
         self.table = torch.zeros(1, self.max_blocks, dtype=torch.int32, device=device)
         self.bounds = torch.zeros(3, dtype=torch.int32, device=device)
         self.share = torch.zeros((), device=device)  # the stale shift's share; 0 shifts nothing
@@ -154,7 +174,8 @@ class FusionGraphs:
         self.tail = torch.zeros((), dtype=torch.long, device=device)
         self.stored_inputs: dict[int, _Stored] = {}  # by stored capacity
         self.capacities: dict[tuple[int, int], _Capacity] = {}
-        self.checks: OrderedDict[tuple[CheckShape, int], torch.cuda.CUDAGraph] = OrderedDict()  # least recent first
+        # least recent first
+        self.checks: OrderedDict[tuple[CheckShape | FirstShape, int], torch.cuda.CUDAGraph] = OrderedDict()
         self.max_checks = MAX_CHECK_GRAPHS
         self.replays = 0  # layers served by a graph (for tests and the profile)
 
@@ -164,9 +185,10 @@ class FusionGraphs:
         return (capacity(active, stored) is not None and num_blocks <= self.max_blocks
                 and segments <= MAX_SEGMENTS)
 
-    def prepare(self, active: int, stored: int, layers: range, checks: list[CheckShape]) -> _Capacity:
-        """The capacity for these counts with ``layers`` and the ``checks`` captured (what is
-        missing now, before any input is loaded: the capture runs are inert)."""
+    def prepare(self, active: int, stored: int, layers: range, checks: list[CheckShape | FirstShape]) -> _Capacity:
+        """The capacity for these counts with the steady ``layers`` and the early ``checks`` (check
+        layers and the layers before them) captured (what is missing now, before any input is loaded:
+        the capture runs are inert)."""
         key = capacity(active, stored)
         assert key is not None, "accepts() first"
         cap = self.capacities.get(key)
@@ -185,35 +207,70 @@ class FusionGraphs:
             for li in missing:
                 cap.graphs[li], _ = capture_call(self._step, (li, cap), self.pool)
             for c in todo:
-                self.checks[(c, cap.stored)], _ = capture_call(self._check, (c, cap), self.pool)
+                fn = self._check if isinstance(c, CheckShape) else self._first
+                self.checks[(c, cap.stored)], _ = capture_call(fn, (c, cap), self.pool)
         # this pass's own graphs are the most recent: never the ones dropped
         while len(self.checks) > max(self.max_checks, len(checks)):
             self.checks.popitem(last=False)
         return cap
 
-    def begin(self, cap: _Capacity, stored_at: torch.Tensor, stored_slots: torch.Tensor, table: torch.Tensor,
-              shift: ShiftIndex | None, prompt_slots: torch.Tensor, must_keep: torch.Tensor, tail: int) -> None:
-        """Copy a pass's own inputs into the static ones, before its first replay: the stored tokens'
-        positions, slots and segments, the block table, the stale shift's share (zero without one),
-        and what the check layers read. Padding falls in the spare segment."""
-        s, inputs = stored_at.shape[0], cap.inputs
-        inputs.at[:s].copy_(stored_at)
-        inputs.at[s:].zero_()
-        inputs.slots[:s].copy_(stored_slots)
-        inputs.slots[s:].fill_(-1)
+    def host_inputs(
+        self, cap: _Capacity, stored_at: np.ndarray, stored_slots: np.ndarray, stored_segment: np.ndarray | None,
+        prompt_slots: np.ndarray, must_keep: np.ndarray, active: tuple[np.ndarray, ...] | None = None,
+        rows: int = 0, num_segments: int = 0,
+    ) -> dict[str, np.ndarray]:
+        """A pass's own inputs, padded on the host to the static buffers they go to, for the pass to
+        send with its other indices in one transfer (``load`` then copies each into place with one
+        launch, where padding on the device took two a buffer: host time before layer 0). They are
+        the stored tokens' model positions, slots and segments (all the spare one without a stale
+        shift), the prompt's slots and the positions every check keeps. With ``active`` = (model
+        positions, slots, stored rows, segments) of the first layer's active tokens, also their
+        state, padded inert to ``rows``; the fusor's spare segment (``num_segments - 1``) becomes
+        the capacity's."""
+        spare = cap.inputs.spare
+        out = {}
+        stored = np.repeat(np.array(STORED_PAD)[:, None], cap.stored, axis=1)
+        s = len(stored_at)
+        stored[0, :s], stored[1, :s] = stored_at, stored_slots
+        if stored_segment is not None:
+            stored[2, :s] = stored_segment
+        out["graph_stored"] = stored
+        out["graph_prompt_slots"] = np.zeros(self.prompt_slots.shape[0], np.int64)
+        out["graph_prompt_slots"][: len(prompt_slots)] = prompt_slots
+        out["graph_must_keep"] = np.zeros(self.must_keep.shape[0], np.bool_)
+        out["graph_must_keep"][: len(must_keep)] = must_keep
+        if active is not None:
+            positions, slots, stored_rows, segment = active
+            state = np.repeat(np.array(STATE_PAD)[:, None], rows, axis=1)
+            a = len(positions)
+            state[0, :a], state[1, :a], state[2, :a] = positions, slots, stored_rows
+            state[3, :a] = np.where(segment == num_segments - 1, spare, segment)
+            out["graph_state"] = state
+        return out
+
+    def load(self, cap: _Capacity, inputs: dict[str, torch.Tensor], table: torch.Tensor, share: torch.Tensor | None,
+             tail: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Copy a pass's own inputs (``host_inputs``, on the device) into the static ones, before its
+        first replay, with the block table, the stale shift's share (zero without one) and the
+        question's length. ``first`` = (hidden, bounds) of the first layer's active tokens, whose
+        state ``inputs`` then holds: they are staged too (no residual yet: a zero one, as ``x + 0``
+        normed is ``x`` normed)."""
+        cap.inputs.state.copy_(inputs["graph_stored"])
+        self.prompt_slots.copy_(inputs["graph_prompt_slots"])
+        self.must_keep.copy_(inputs["graph_must_keep"])
         self.table[:, : table.shape[1]].copy_(table)
-        inputs.segment.fill_(inputs.spare)
-        if shift is None:
+        if share is None:
             self.share.zero_()
         else:
-            self.share.copy_(shift.share)
-            inputs.segment[: shift.stored_segment.shape[0]].copy_(shift.stored_segment)
-        n = prompt_slots.shape[0]
-        self.prompt_slots[:n].copy_(prompt_slots)
-        self.prompt_slots[n:].zero_()
-        self.must_keep[:n].copy_(must_keep)
-        self.must_keep[n:].zero_()
-        self.tail.fill_(tail)
+            self.share.copy_(share)
+        self.tail.copy_(tail)
+        if first is not None:
+            hidden, bounds = first
+            state = inputs["graph_state"]
+            self.state[:, : state.shape[1]].copy_(state)
+            self.hidden[: hidden.shape[0]].copy_(hidden)
+            self.residual[: hidden.shape[0]].zero_()
+            self.bounds.copy_(bounds)
 
     def stage(self, cap: _Capacity, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
               slots: torch.Tensor, rows: torch.Tensor, segment: torch.Tensor, bounds: torch.Tensor,
@@ -239,9 +296,10 @@ class FusionGraphs:
         self.segment[a:].fill_(spare)
         self.bounds.copy_(bounds)
 
-    def check(self, cap: _Capacity, shape: CheckShape, bounds: torch.Tensor) -> None:
-        """Replay a check layer over the staged tokens; ``bounds`` are those of the rows it keeps.
-        Its output (hidden, residual and state of the kept rows) is left staged for the next layer."""
+    def check(self, cap: _Capacity, shape: CheckShape | FirstShape, bounds: torch.Tensor) -> None:
+        """Replay a check layer (or a layer before the first) over the staged tokens; ``bounds`` are
+        those of the rows it keeps. Its output (hidden, residual and state of the kept rows) is left
+        staged for the next layer."""
         self.bounds.copy_(bounds)
         self.checks[(shape, cap.stored)].replay()
         self.replays += 1
@@ -260,6 +318,11 @@ class FusionGraphs:
         q, _, _, residual, _ = self._front_call(layer, rows, cap, keep=False)
         self._back_call(layer, rows, q, residual)
 
+    def _first(self, shape: FirstShape, cap: _Capacity) -> None:
+        """A layer before the first check over the static buffers: every token active, no shift."""
+        q, _, _, residual, _ = self._front_call(shape.layer, shape.rows, cap, keep=False, shift=False)
+        self._back_call(shape.layer, shape.rows, q, residual)
+
     def _check(self, shape: CheckShape, cap: _Capacity) -> None:
         """One check layer over the static buffers, narrowing the active rows' state in place."""
         rows_in, rows_out = shape.rows_in, shape.rows_out
@@ -272,17 +335,14 @@ class FusionGraphs:
                           self.must_keep, weight, rows_out, self.bounds[1], valid)
         live = kept < rows_in
         take = kept.clamp(max=rows_in - 1)
-        spare = cap.inputs.spare
-        state = [(self.positions, 0), (self.slots, -1), (self.rows, 0), (self.segment, spare)]
-        kept_state = [torch.where(live, buf[:rows_in].index_select(0, take), pad) for buf, pad in state]
+        kept_state = torch.where(live, self.state[:, :rows_in].index_select(1, take), self.state_pad)
         if shape.revert:
             revert(self.kv_caches[shape.layer], self.model.model.rotary, written,
                    (cap.inputs.at, cap.inputs.slots),
                    (k_raw.index_select(0, take), v.index_select(0, take), kept_state[0], kept_state[1]))
         q_kept, residual_kept = q.index_select(0, take), residual.index_select(0, take)
-        for (buf, pad), new in zip(state, kept_state, strict=True):
-            buf[:rows_out].copy_(new)
-            buf[rows_out:].fill_(pad)
+        self.state[:, :rows_out].copy_(kept_state)
+        self.state[:, rows_out:].copy_(self.state_pad.expand(-1, self.state.shape[1] - rows_out))
         self._back_call(shape.layer, rows_out, q_kept, residual_kept)
 
     def _question_weight(self, shape: CheckShape, q: torch.Tensor, positions: torch.Tensor,
@@ -296,22 +356,20 @@ class FusionGraphs:
         q_ok = ar < self.tail
         idx = torch.minimum(last + 1 - self.tail + ar, last).clamp(min=0)  # (no real row at all in a capture run)
         n = self.bounds[2]
-        key_pos = torch.arange(shape.prompt, device=device)
         q_pos = torch.where(q_ok, positions.index_select(0, idx), n - 1)
-        future = (key_pos[None, :] > q_pos[:, None]) | (key_pos >= n)[None, :]
-        k_cache = self.kv_caches[shape.layer][0]
-        keys = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, self.prompt_slots[: shape.prompt])
         scale = self.model.model.layers[shape.layer].self_attn.attn.scale
-        return question_attention(q.index_select(0, idx), keys, scale, future, q_ok)
+        return ops.question_attention(q.index_select(0, idx), self.kv_caches[shape.layer][0],
+                                      self.prompt_slots[: shape.prompt], q_pos, n, scale, q_ok)
 
-    def _front_call(self, layer: int, rows: int, cap: _Capacity, keep: bool = True) -> tuple[torch.Tensor, ...]:
+    def _front_call(self, layer: int, rows: int, cap: _Capacity, keep: bool = True,
+                    shift: bool = True) -> tuple[torch.Tensor, ...]:
         block, slot = self.model.model, layer % RING_SLOTS
         inputs = cap.inputs
         stored = (inputs.ring[0][slot], inputs.ring[1][slot], inputs.at, inputs.slots)
-        shift = ShiftIndex(self.share, self.rows[:rows], self.segment[:rows], inputs.segment, inputs.spare + 1)
+        index = ShiftIndex(self.share, self.rows[:rows], self.segment[:rows], inputs.segment, inputs.spare + 1)
         q, k_raw, v, residual, written = front(block.layers[layer], self.kv_caches[layer], block.rotary, stored,
                                                self.hidden[:rows], self.residual[:rows], self.positions[:rows],
-                                               self.slots[:rows], shift, keep)
+                                               self.slots[:rows], index if shift else None, keep)
         return q, k_raw, v, residual, written
 
     def _back_call(self, layer: int, rows: int, q: torch.Tensor, residual: torch.Tensor) -> None:

@@ -33,14 +33,19 @@ RING_SLOTS = DEPTH + 1  # layer i's KV lands in slot i % RING_SLOTS of the devic
 class LayerPrefetcher:
     def __init__(
         self, sources: list[LayerSource], num_layers: int, device: torch.device, workers: int = 2,
-        ring: tuple[torch.Tensor, torch.Tensor] | None = None, lazy: bool = False,
+        ring: tuple[torch.Tensor, torch.Tensor] | None = None, lazy: bool = False, skip: list[int] | None = None,
     ) -> None:
         """``ring``: the device buffers to load into, [RING_SLOTS, rows, kv_heads, head_dim] each (a CUDA
         graph reads them at fixed addresses); by default made to fit the sources. ``lazy``: start
         with layer 0's loads only; the caller issues the rest with ``ahead`` once it has launched a
         layer's work (each layer's copies take ~0.2 ms of host time to issue, which before layer 0
-        the GPU would sit out)."""
+        the GPU would sit out). ``skip``: per source, how many leading layers are not copied to the
+        device (on CUDA; their rows then hold anything): the fusor's layers before its first check
+        overwrite every fusable token's stored KV with its fresh one, so only an exact prefix's is read
+        there, and the others' copies would only hold up the host before layer 0 (and the copy engine).
+        They are still read, so a tier that promotes an entry once every layer was read still does."""
         self.sources = sources
+        self._skip = skip or [0] * len(sources)
         self.num_layers = num_layers
         self.device = device
         self.depth = DEPTH
@@ -130,9 +135,10 @@ class LayerPrefetcher:
                 self._stream.wait_event(self._freed.pop(layer - self.depth - 1))
             start.record(self._stream)
             row = 0
-            for k, v in parts:
-                k_buf[row : row + k.shape[0]].copy_(k, non_blocking=True)
-                v_buf[row : row + k.shape[0]].copy_(v, non_blocking=True)
+            for (k, v), skip in zip(parts, self._skip, strict=True):
+                if layer >= skip:
+                    k_buf[row : row + k.shape[0]].copy_(k, non_blocking=True)
+                    v_buf[row : row + k.shape[0]].copy_(v, non_blocking=True)
                 row += k.shape[0]
             end.record(self._stream)
         self._copy_events[layer] = (start, end)

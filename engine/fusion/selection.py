@@ -99,44 +99,6 @@ def deviation(
     return parts[0] if len(parts) == 1 else parts[0] + parts[1]
 
 
-def future_mask(n: int, m: int, device: torch.device) -> torch.Tensor:
-    """[m, n] True where key position j lies after query row i, for the last ``m`` of ``n`` positions:
-    made once per fused prefill, as every check layer's ``question_attention`` has the same shape."""
-    return torch.arange(n, device=device)[None, :] > torch.arange(n - m, n, device=device)[:, None]
-
-
-def question_attention(
-    q_tail: torch.Tensor,
-    keys: torch.Tensor,
-    scale: float,
-    future: torch.Tensor | None = None,
-    q_valid: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """How much the prompt's last tokens (the question, computed fresh) attend to each position [n],
-    averaged over their heads and themselves: a stored token's KV error reaches the answer mostly
-    through the question's attention to it, so a deviation nobody attends to matters little.
-
-    ``q_tail`` [m, H, D] are the queries (rotated) of the last m positions, ``keys`` [n, KVH, D] the
-    layer's rotated keys of the whole prompt (fresh for active tokens, stored for the rest),
-    ``future`` [m, n] True where a key is hidden from a query. In a CUDA graph the shapes are
-    capacities: ``q_valid`` [m] marks the real queries (a padding query must still see one key).
-    Each KV head's group of query heads is one batched product against its keys, in the model's
-    dtype: repeating the keys per query head in float32 first (an einsum's way) cost ~0.6 ms per
-    check layer on an H100 at 3K tokens, for a weight the policy only raises to a small power."""
-    m, heads, dim = q_tail.shape
-    n, kv_heads = keys.shape[0], keys.shape[1]
-    group = heads // kv_heads
-    q = q_tail.reshape(m, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(kv_heads, m * group, dim)
-    scores = torch.bmm(q, keys.permute(1, 2, 0)).float().view(kv_heads, m, group, n) * scale
-    if future is None:
-        future = future_mask(n, m, keys.device)
-    probs = scores.masked_fill(future[None, :, None, :], float("-inf")).softmax(-1)
-    if q_valid is None:
-        return probs.mean((0, 1, 2))
-    per_query = torch.where(q_valid[:, None], probs.mean((0, 2)), 0.0)  # (a padding query may be NaN)
-    return per_query.sum(0) / q_valid.sum().clamp(min=1)
-
-
 def check_keep(
     metric: str,
     attention_weight: float,
