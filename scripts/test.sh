@@ -6,6 +6,9 @@ bash scripts/setup.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 ruff check .
-python -m pytest -q -ra --timeout=900 "$@"
+# two workers (one per core of the CI machine), each with one torch thread: the suite is mostly
+# Python-bound model and server setup, which one process leaves a core idle through; whole files go
+# to one worker so their module fixtures (models, engines) are built once
+OMP_NUM_THREADS=1 python -m pytest -q -ra --timeout=900 -n "${RAGFUSE_TEST_WORKERS:-2}" --dist loadfile "$@"
 # the vLLM connector needs vLLM's own pins: its tests run in a second venv (scripts/test_vllm.sh)
 [ "${RAGFUSE_SKIP_VLLM:-0}" = 1 ] || bash scripts/test_vllm.sh
