@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ragfuse.engine.fusion import SelectionPolicy
-from ragfuse.engine.fusion.selection import check_keep, deviation, keep_count
+from ragfuse.engine.fusion.selection import check_keep, deviation, keep_count, true_indices
 from ragfuse.kernels.question_attention import question_attention_ref
 from tests.test_fusion import fused_logits, rag_prompt  # noqa: F401 (rag_prompt is a fixture)
 
@@ -112,3 +112,10 @@ def test_fusor_follows_the_funnel_layer_by_layer(engine, rag_prompt):  # noqa: F
     assert layers[0] == fusable + st.computed_tokens
     assert layers[1:6] == want and layers[6:] == [want[-1]] * (len(layers) - 6)
     assert st.recomputed_tokens == keep_count(0.1, fusable)
+
+
+def test_true_indices_are_ascending_and_padded_with_fill():
+    mask = torch.tensor([False, True, True, False, False, True, False])
+    assert true_indices(mask, 3).tolist() == [1, 2, 5]
+    assert true_indices(mask, 5, fill=7).tolist() == [1, 2, 5, 7, 7]
+    assert true_indices(torch.zeros(4, dtype=torch.bool), 2, fill=-1).tolist() == [-1, -1]

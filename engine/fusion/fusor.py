@@ -41,7 +41,7 @@ from . import layer_step
 from .graphs import CheckShape, FirstShape, FusionGraphs
 from .prefetch import LayerPrefetcher
 from .segments import Segment
-from .selection import SelectionPolicy, check_keep, keep_count
+from .selection import SelectionPolicy, check_keep, keep_count, true_indices
 from .stale_shift import ShiftIndex
 
 
@@ -371,7 +371,7 @@ def fuse_prefill(
         total_s=total,
         tiers=sorted({s.tier for s in sources}),
         active_per_layer=counts,
-        recomputed_positions=pos.index_select(0, _first_true(fusable.index_select(0, pos), recomputed)),
+        recomputed_positions=pos.index_select(0, true_indices(fusable.index_select(0, pos), recomputed)),
     )
     return logits, stats
 
@@ -398,16 +398,6 @@ def _starts(segments: list[Segment], used: set[int]) -> list[int]:
     """Prompt position where each used segment starts (in the order of ``sources``)."""
     starts = np.cumsum([0] + [len(s.token_ids) for s in segments])
     return [int(starts[i]) for i in sorted(used)]
-
-
-def _first_true(mask: torch.Tensor, count: int) -> torch.Tensor:
-    """Ascending indices of ``mask``'s ``count`` True entries (the caller knows how many there are):
-    ``nonzero`` without its read-back of the count to the host. Each True entry's index lands at its
-    rank (a running count), every False one at the spare slot 0: four small launches, where a sort
-    took ~20 us of GPU time a call (H100 profile)."""
-    rank = torch.cumsum(mask, 0) * mask
-    out = torch.empty(count + 1, dtype=torch.long, device=mask.device)
-    return out.scatter_(0, rank, torch.arange(mask.shape[0], device=mask.device))[1:]
 
 
 def _to_device(device: torch.device, arrays: dict[str, np.ndarray | np.generic]) -> dict[str, torch.Tensor]:
