@@ -334,7 +334,7 @@ class RelayTuning:
     half_partials: bool = False  # partials stored in the model's 16-bit dtype: half the bytes of float32
     pdl: bool = False  # the reduction launched as a programmatic dependent of the partials (Hopper+)
     fused_reduce: bool = False  # no reduction launch: the program completing a row merges it
-    streams: int = 1  # 2: system and context partials as two kernels on two streams (each its own footprint)
+    streams: int = 2  # system and context partials as two kernels on two streams, each its own footprint (1: one)
 
 
 DEFAULT_TUNING = RelayTuning()

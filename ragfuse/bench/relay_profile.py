@@ -40,7 +40,7 @@ def relay_variants(shape: str, heads: int, kvh: int, s: int, c: int, b: int) -> 
     timer = _timer(torch.device("cuda"))
     shared, _ = cases(heads, kvh, 128, s, c, b, torch.device("cuda"), torch.bfloat16)
     want = shared[0].reference()
-    for variant in ({}, {"fused_reduce": True}, {"streams": 2}):
+    for variant in ({}, {"fused_reduce": True, "streams": 1}, {"streams": 1}):
         tuning = replace(DEFAULT_TUNING, **variant)
         err = rel_err(shared[0].relay(tuning=tuning), want)
         record(shape=shape, s=s, c=c, b=b, what=f"relay {variant or 'default'}", rel_err=err,
@@ -111,8 +111,9 @@ def profile_point(shape: str, heads: int, kvh: int, s: int, c: int, b: int, bw: 
     record(**point, what="context alone (paged decode kernel)", ms=timer(cycling([
         lambda x=x, po=po, pl=pl: decode_partials_triton(x.q, x.k, x.v, x.own, x.own_lens, x.scale, None, po, pl,
                                                          ctx_splits) for x, po, pl in parts])))
-    for variant in ({"fused_reduce": True}, {"streams": 2}, {"fused_reduce": True, "num_stages": 3},
-                    {"fused_reduce": True, "num_warps": 8}, {"pdl": True}):
+    one = {"streams": 1}  # the default runs two streams; these are one-launch variants
+    for variant in ({"fused_reduce": True, **one}, one, {"fused_reduce": True, "num_stages": 3, **one},
+                    {"fused_reduce": True, "num_warps": 8, **one}, {"pdl": True, **one}):
         relay_time(f"relay {variant}", tuning=replace(base, **variant))
     if not sweep:
         return
