@@ -3,6 +3,7 @@ fusor following the planned active-set sizes layer by layer."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -119,3 +120,18 @@ def test_true_indices_are_ascending_and_padded_with_fill():
     assert true_indices(mask, 3).tolist() == [1, 2, 5]
     assert true_indices(mask, 5, fill=7).tolist() == [1, 2, 5, 7, 7]
     assert true_indices(torch.zeros(4, dtype=torch.bool), 2, fill=-1).tolist() == [-1, -1]
+
+
+def test_pass_indices_reach_the_device_whole_in_one_buffer():
+    """The fusor's one-transfer packing: every array comes back with its dtype, shape and values,
+    a scalar as a 0-d tensor, an empty one empty; the int64 ones share one buffer."""
+    from ragfuse.engine.fusion.fusor import _to_device
+
+    arrays = {"a": np.arange(5), "mask": np.array([True, False, True]), "t": np.arange(6, dtype=np.int32).reshape(2, 3),
+              "share": np.float32(0.5), "none": np.arange(0), "b": np.arange(7, 10)}
+    out = _to_device(torch.device("cpu"), arrays)
+    for name, want in arrays.items():
+        got = out[name]
+        assert got.shape == np.shape(want) and got.numpy().dtype == np.asarray(want).dtype
+        assert np.array_equal(got.numpy(), want)
+    assert out["a"].untyped_storage().data_ptr() == out["b"].untyped_storage().data_ptr()
