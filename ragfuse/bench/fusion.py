@@ -38,7 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tiers", default="cpu,disk")
     p.add_argument("--sweep", type=lambda s: [float(x) for x in s.split(",")], default=list(RATIOS),
                    help="ratios for the TTFT-vs-ratio curve (CPU tier)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=None,
+                   help="passes per mode and tier, the median reported (default 5 on CUDA, 3 on CPU)")
     p.add_argument("--out", default=None)
     p.set_defaults(func=run)
 
@@ -49,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise RagfuseError("--device cuda: no CUDA device here")
     shapes = args.shape or (["mistral-7b"] if args.device == "cuda" else [None])
+    if args.repeats is None:  # a GPU pass is milliseconds: more of them steady the median
+        args.repeats = 5 if args.device == "cuda" else 3
     tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
     if set(tiers) - {"cpu", "disk", "gpu"}:
         raise RagfuseError(f"--tiers takes cpu, disk and gpu, got {args.tiers}")
@@ -163,7 +166,8 @@ def bench_shape(
             return {"ttft_s": st.total_s, "load_s": st.load_s, "compute_s": st.compute_s,
                     "load_wait_s": st.load_wait_s, "hidden": min(1.0, max(0.0, hidden)), "ratio": st.recompute_ratio}
 
-        fused(tiers[0], "fuse", args.ratio)  # warm-up: kernels, allocator
+        for mode in ("full", "prefix", "reuse", "fuse"):  # warm-up of every mode: kernels, graphs, allocator
+            fused(tiers[0], mode, args.ratio if mode == "fuse" else 0.0)
         jobs = [(t, m) for t in tiers for m in ("full", "prefix", "reuse", "fuse")]
         for tier, mode in tqdm(jobs, desc=f"bench fusion [{name}]"):
             res = fused(tier, mode, args.ratio if mode == "fuse" else 0.0)
