@@ -67,7 +67,10 @@ def attention_with_lse(
     return _grouped(q, k, v, scale, visible, False)
 
 
-_SCATTER_BLOCK = 32  # queries per block of ``_scattered_cpu``: its masked part spans about this many / density keys
+# queries per block of ``_scattered_cpu``: its masked part spans about this many / density keys. On the
+# 2-core CI box, fusion's 416-1184 of 3104 positions (SmolLM2's 9 heads of 64) ran 10-15% faster in
+# blocks of 64 than of 32 (16: slower still; 128: masks too wide)
+_SCATTER_BLOCK = 64
 
 
 def _scattered_cpu(
@@ -81,12 +84,17 @@ def _scattered_cpu(
     keys lo..hi (a few hundred at cache fusion's densities) through a small mask; the two parts are
     merged by log-sum-exp. Every query sees at least key lo, so no row of the masked part is empty.
     The query heads of a KV group are folded into the query length, so K/V are never copied.
+    Positions that form one run (fusion's first layer: every token after the exact prefix) take
+    the contiguous path instead: two large unmasked calls, ~25% faster than blocks there.
     """
     lq, h, d = q.shape
+    pos = q_positions.tolist()  # host ints: on CPU this costs no device sync
+    if pos and pos[-1] - pos[0] + 1 == lq:
+        end = pos[-1] + 1
+        return attention_with_lse(q, k[:end], v[:end], scale, pos[0])
     kvh = k.shape[1]
     g = h // kvh
     kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [KVH, Lk, D] views
-    pos = q_positions.tolist()  # host ints: on CPU this costs no device sync
     outs, lses = [], []
     for a in range(0, lq, _SCATTER_BLOCK):
         b = min(a + _SCATTER_BLOCK, lq)

@@ -387,17 +387,30 @@ def decode_num_splits(
     return max(1, min(_MAX_SPLITS, want, math.ceil(max_seq_len / _DECODE_BLOCK_N)))
 
 
-def _prefill_tiles(head_dim: int, device: torch.device, pack: bool = False) -> tuple[int, int, int, int]:
+def _shared_memory(device: torch.device) -> int:
+    """Shared memory one program may take on ``device`` (bytes; 0 when torch does not say)."""
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
+
+
+def _prefill_tiles(
+    head_dim: int, device: torch.device, pack: bool = False, scattered: bool = False, elem_bytes: int = 2
+) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages); the interpreter gets small tiles (fast, and tests
     cross many tile boundaries). Packed tiles of head_dim 128 take 128 rows (32 queries x 4 heads) and
     8 warps: on an H100 a 257-token turn's attention after 1K-4K of history ran 8-20% faster than with
-    64-row tiles, as did fusion's scattered recompute of 416 queries (kernels/NOTES.md)."""
+    64-row tiles, as did fusion's scattered recompute of 416 queries (kernels/NOTES.md). Queries at
+    given positions (``scattered``: cache fusion's recompute) also take 128 keys a step: on an H200,
+    of 36 tilings it was the best or within 3% for 416-2592 of 3104 positions, 4-8% faster than 64.
+    Those tiles take ~224 KiB of shared memory at head_dim 128 in 16-bit (an H100/H200 has 227):
+    smaller GPUs and float32 keep 64 keys a step."""
     if device.type != "cuda":
         return 16, 16, 4, 1
     if head_dim <= 64:
         return 128, 64, 4, 3
     if pack:
-        return 128, 64, 8, 3
+        need = (128 + 3 * 2 * 128) * triton.next_power_of_2(head_dim) * elem_bytes  # Q, 3 stages of K and V
+        wide = scattered and _shared_memory(device) >= need
+        return (128, 128, 8, 3) if wide else (128, 64, 8, 3)
     return 64, 64, 4, 3  # best of five tilings on H100 at 512..8K tokens, prefix or not (NOTES.md)
 
 
@@ -486,7 +499,8 @@ def paged_prefill_attention_triton(
     group = num_heads // num_kv_heads
     if pack is None:
         pack = prefill_packs(group)
-    block_m, block_n, warps, stages = _prefill_tiles(head_dim, q.device, pack)
+    block_m, block_n, warps, stages = _prefill_tiles(head_dim, q.device, pack, q_positions is not None,
+                                                     q.element_size())
     if pack and block_m % group:
         raise ValueError(f"cannot pack {group} query heads per KV head into {block_m}-row tiles")
     block_q = block_m // group if pack else block_m  # queries per tile

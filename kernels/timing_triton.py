@@ -1,9 +1,9 @@
 """Times the Triton kernels on the GPU against torch's own kernels and against the two floors.
 
-Run on the GPU machine: ``python -m ragfuse.kernels.timing_triton [out.json] [--turn | --pack]``
+Run on the GPU machine: ``python -m ragfuse.kernels.timing_triton [out.json] [--turn | --pack | --scattered]``
 (``--turn``: only the session-turn cases; ``--pack``: grouped-query packing against one head per
-tile). Shapes are Mistral-7B's attention (32 query heads, 8 KV heads,
-head_dim 128) in bf16. It first measures the two ceilings
+tile; ``--scattered``: tilings of cache fusion's attention). Shapes are Mistral-7B's attention
+(32 query heads, 8 KV heads, head_dim 128) in bf16. It first measures the two ceilings
 (device-to-device copy bandwidth, bf16 matmul rate), then for each case prints the kernel's time, the
 flops floor and the bytes floor; kernels/NOTES.md records the results.
 """
@@ -96,7 +96,7 @@ def prefill(t: int, ctx: int, bw: float, rate: float) -> None:
     print(f"# {case}: floors {flops / rate * 1e3:.3f} ms (flops), {nbytes / bw * 1e3:.4f} ms (bytes)", flush=True)
     default = pat._prefill_tiles
     for tiles in [(64, 64, 4, 3), (128, 128, 8, 3)]:
-        pat._prefill_tiles = lambda d, dev, pack=False, tiles=tiles: tiles
+        pat._prefill_tiles = lambda *_, tiles=tiles, **__: tiles
         try:
             fn = lambda: pat.paged_prefill_attention_triton(q, k_cache, v_cache, tables, lens, cu, scale, None, t)
             record(case, f"triton {tiles}", ms(fn), flops, nbytes)
@@ -134,7 +134,7 @@ def split_prefill(t: int, ctx: int, rate: float) -> None:
     default = pat._prefill_tiles
     for tiles in (None, (128, 64, 8, 3)):
         if tiles is not None:
-            pat._prefill_tiles = lambda d, dev, pack=False, tiles=tiles: tiles
+            pat._prefill_tiles = lambda *_, tiles=tiles, **__: tiles
         block_q = pat._prefill_tiles(D, q.device, True)[0] // (H // KVH)
         for splits in (1, 2, 4, 8, 16, None):
             fn = functools.partial(pat.paged_prefill_attention_triton, q, k_cache, v_cache, tables, lens, cu,
@@ -161,7 +161,7 @@ def pack_sweep(rate: float) -> None:
             flops = 4 * H * D * float((pos + 1).sum())
         print(f"# {case}: flops floor {flops / rate * 1e3:.3f} ms", flush=True)
         for tiles in [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3)]:
-            pat._prefill_tiles = lambda d, dev, pack=False, tiles=tiles: tiles
+            pat._prefill_tiles = lambda *_, tiles=tiles, **__: tiles
             for pack in (False, True):
                 fn = functools.partial(pat.paged_prefill_attention_triton, q, k_cache, v_cache, tables, lens, cu,
                                        D**-0.5, None, t, q_positions=pos, max_seq_len=32768, pack=pack)
@@ -170,6 +170,49 @@ def pack_sweep(rate: float) -> None:
                 except Exception as e:  # a tiling that does not fit shared memory: note it, go on
                     print(f"{tiles} pack={pack} failed: {e!r:.200}", flush=True)
     pat._prefill_tiles = default
+
+
+def scattered_sweep(rate: float) -> None:
+    """Cache fusion's attention: the selected tokens and the question at their own positions over a
+    3104-token prompt (the bench's 6 x 512 + 32), packed tiles over (BLOCK_M, BLOCK_N, warps, stages);
+    the first layer's run of 2592 positions after the exact prefix beside the gradual-filtering sizes.
+    Then torch's SDPA over the same keys made dense, with the exact mask as a boolean attn_mask."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    default = pat._prefill_tiles
+    g = torch.Generator(device="cpu").manual_seed(0)
+    tilings = [(m, n, w, st) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+    for picked in (416, 608, 1184, 2592):
+        run = picked == 2592
+        chosen = (torch.arange(512, 3072) if run
+                  else torch.randperm(2560, generator=g)[: picked - 32].sort().values + 512)
+        pos = torch.cat([chosen, torch.arange(3072, 3104)]).cuda()
+        k_cache, v_cache, tables, q, lens, cu, _ = turn_inputs(picked, 3104 - picked)
+        flops = 4 * H * D * float((pos + 1).sum())
+        case = f"{'run' if run else 'scattered'} {picked} of 3104"
+        print(f"# {case}: flops floor {flops / rate * 1e3:.4f} ms", flush=True)
+        for tiles in tilings:
+            pat._prefill_tiles = lambda *_, tiles=tiles, **__: tiles
+            fn = functools.partial(pat.paged_prefill_attention_triton, q, k_cache, v_cache, tables, lens, cu,
+                                   D**-0.5, None, picked, q_positions=pos, max_seq_len=3104, pack=True)
+            try:
+                record(case, f"tiles={tiles}", ms(fn), flops)
+            except Exception as e:  # a tiling that does not fit shared memory: note it, go on
+                print(f"{tiles} failed: {e!r:.120}", flush=True)
+        pat._prefill_tiles = default
+        slots = torch.arange(3104, device="cuda")
+        kd = k_cache.view(-1, KVH, D)[tables[0].long().repeat_interleave(PAGE) * PAGE + slots % PAGE]
+        vd = v_cache.view(-1, KVH, D)[tables[0].long().repeat_interleave(PAGE) * PAGE + slots % PAGE]
+        qb, kb, vb = q.transpose(0, 1)[None], kd.transpose(0, 1)[None], vd.transpose(0, 1)[None]
+        mask = (slots[None, :] <= pos[:, None])[None, None]
+        for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+            try:
+                with sdpa_kernel(backend):
+                    fn = functools.partial(F.scaled_dot_product_attention, qb, kb, vb, attn_mask=mask,
+                                           scale=D**-0.5, enable_gqa=True)
+                    record(case, f"torch SDPA {backend.name} dense K/V, bool mask", ms(fn), flops)
+            except Exception as e:
+                print(f"sdpa {backend.name} failed: {e!r:.200}", flush=True)
 
 
 def decode(batch: int, ctx: int, bw: float) -> None:
@@ -251,6 +294,9 @@ def main() -> None:
     bw, rate = ceilings()
     if "--pack" in sys.argv:  # grouped-query packing alone
         pack_sweep(rate)
+        return _save()
+    if "--scattered" in sys.argv:  # cache fusion's attention alone
+        scattered_sweep(rate)
         return _save()
     for ctx in (1024, 4096, 16384, 28672):
         split_prefill(257, ctx, rate)

@@ -223,6 +223,19 @@ def test_many_scattered_queries_match_full_causal_attention():
     assert torch.allclose(out, full_out[pick], atol=1e-5) and torch.allclose(lse, full_lse[pick], atol=1e-5)
 
 
+
+@pytest.mark.parametrize("run", [(0, 90), (37, 300), (150, 400)])
+def test_scattered_positions_forming_one_run_match_full_causal_attention(run):
+    """Positions that happen to form one run (fusion's first layer) take the contiguous path: from
+    position 0, after a prefix, or stopping short of the last key, the rows equal full attention's."""
+    torch.manual_seed(2)
+    q = torch.randn(400, 9, 32)
+    k, v = torch.randn(400, 3, 32), torch.randn(400, 3, 32)
+    full_out, full_lse = attention_with_lse(q, k, v, 0.2, 0)
+    pick = torch.arange(*run)
+    out, lse = attention_with_lse(q[pick], k, v, 0.2, 0, q_positions=pick)
+    assert torch.allclose(out, full_out[pick], atol=1e-5) and torch.allclose(lse, full_lse[pick], atol=1e-5)
+
 def test_decoding_continues_from_the_fused_cache(llm, rag_prompt):
     eng = llm.engine
     ids = [t for s in rag_prompt for t in s.token_ids]
