@@ -178,6 +178,21 @@ def test_question_attention_is_the_tail_queries_mean_attention():
     assert torch.allclose(got, ref, atol=1e-6) and abs(got.sum().item() - 1) < 1e-5
 
 
+def test_fused_prefill_is_the_same_over_scattered_cache_blocks(engine, rag_prompt):
+    """Consecutive blocks are read as one view, others through their slots: the pass must not care."""
+    n = sum(len(s.token_ids) for s in rag_prompt)
+    policy = SelectionPolicy.default()
+    in_order, _ = fused_logits(engine, rag_prompt, "fuse", policy)
+    table: list[int] = []
+    engine.blocks.grow(table, n + 4 * engine.runner.kv_cache.block_size)
+    try:
+        scattered = list(reversed(table))[: -(-n // engine.runner.kv_cache.block_size)]
+        logits, _ = engine.runner.fused_prefill(scattered, rag_prompt, "fuse", policy)
+    finally:
+        engine.blocks.release(table)
+    assert torch.allclose(logits.log_softmax(-1), in_order, atol=1e-4)
+
+
 def test_stored_keys_are_rotated_to_their_real_offset(engine, rag_prompt):
     """Layer 0's K depends only on the token and its position, so a stored chunk moved to offset p
     must hold exactly the keys that full prefill computes at p."""

@@ -238,6 +238,12 @@ def fuse_prefill(
                                        first, first_shapes[0].rows if first_shapes else 0, lay.num_segments)
         dev = _to_device(device, host)
         fusable, must_keep, slots = dev["fusable"], dev["must_keep"], dev["slots"]
+        # the torch attention (CPU) reads the prompt's K/V through its slots: consecutive ones (blocks
+        # handed out in order, the usual case) as a view instead of gathered copies (0.4 ms a layer
+        # for a 3K-token prompt on the default model)
+        seq_slots: torch.Tensor | slice = slots
+        if device.type != "cuda" and n and bool(np.all(np.diff(slots_h) == 1)):
+            seq_slots = slice(int(slots_h[0]), int(slots_h[0]) + n)
         table, bounds_all = dev["table"], dev["bounds"]
         stored_at, stored_slots = dev["stored_at"], dev["stored_slots"]
         relays = [system.relay(a) for a in sizes] if system is not None else None
@@ -344,7 +350,7 @@ def fuse_prefill(
             counts.append(a)
             if kept is not None:
                 q, residual = q.index_select(0, kept), residual.index_select(0, kept)
-            hidden, residual = layer_step.back(layer, kv, q, residual, None if a == n else pos, table, n, slots,
+            hidden, residual = layer_step.back(layer, kv, q, residual, None if a == n else pos, table, n, seq_slots,
                                                bounds_all[size_i], None if relays is None else relays[size_i])
             # the next layers' loads only now: issuing them (~0.2 ms of host time a layer) between the
             # halves left the GPU idle in layer 0, whose host work the GPU is not yet behind

@@ -79,7 +79,7 @@ def back(
     q_positions: torch.Tensor | None,
     table: torch.Tensor,
     seq_len: int,
-    seq_slots: torch.Tensor,
+    seq_slots: torch.Tensor | slice,
     bounds: torch.Tensor,
     relay: RelayMetadata | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
