@@ -45,6 +45,20 @@ def record(case: str, version: str, t_ms: float, flops: float = 0.0, nbytes: flo
     print(json.dumps(row), flush=True)
 
 
+def with_tiling(case: str, label: str, tiles: tuple[int, int, int, int], fn: Callable[[], object],
+                flops: float, nbytes: float = 0.0) -> None:
+    """Time ``fn`` with the prefill kernel held to ``tiles``; a tiling that does not fit shared
+    memory is noted and the sweep goes on."""
+    default = pat._prefill_tiles
+    pat._prefill_tiles = lambda *_, **__: tiles
+    try:
+        record(case, label, ms(fn), flops, nbytes)
+    except Exception as e:
+        print(f"{label} failed: {e!r:.200}", flush=True)
+    finally:
+        pat._prefill_tiles = default
+
+
 def ceilings() -> tuple[float, float]:
     """(bytes/s of a device copy counting read + write, bf16 matmul flop/s), on random data."""
     src = torch.randn(1 << 29, device="cuda", dtype=DT)  # 1 GiB
@@ -94,15 +108,9 @@ def prefill(t: int, ctx: int, bw: float, rate: float) -> None:
     nbytes = (2 * t * H * D + 2 * n * KVH * D) * 2
     case = f"prefill t={t} ctx={ctx}"
     print(f"# {case}: floors {flops / rate * 1e3:.3f} ms (flops), {nbytes / bw * 1e3:.4f} ms (bytes)", flush=True)
-    default = pat._prefill_tiles
+    fn = functools.partial(pat.paged_prefill_attention_triton, q, k_cache, v_cache, tables, lens, cu, scale, None, t)
     for tiles in [(64, 64, 4, 3), (128, 128, 8, 3)]:
-        pat._prefill_tiles = lambda *_, tiles=tiles, **__: tiles
-        try:
-            fn = lambda: pat.paged_prefill_attention_triton(q, k_cache, v_cache, tables, lens, cu, scale, None, t)
-            record(case, f"triton {tiles}", ms(fn), flops, nbytes)
-        except Exception as e:  # a tile shape that does not fit shared memory: note it, go on
-            print(f"triton {tiles} failed: {e!r:.200}", flush=True)
-    pat._prefill_tiles = default
+        with_tiling(case, f"triton {tiles}", tiles, fn, flops, nbytes)
     if ctx:
         return
     kk = k_cache.view(-1, KVH, D)[:t]
@@ -148,7 +156,6 @@ def pack_sweep(rate: float) -> None:
     """Grouped-query packing (a KV head's 4 query heads in one tile) against one head per tile, over
     tilings: a session turn after histories of 1K-28K, fusion's scattered recompute (416 and 1184 of
     3104 positions) and whole prompts (512, 4096 tokens)."""
-    default = pat._prefill_tiles
     g = torch.Generator(device="cpu").manual_seed(0)
     cases = [(f"turn t=257 ctx={c}", 257, c, None) for c in (1024, 4096, 16384, 28672)]
     for picked in (416, 1184):
@@ -161,15 +168,10 @@ def pack_sweep(rate: float) -> None:
             flops = 4 * H * D * float((pos + 1).sum())
         print(f"# {case}: flops floor {flops / rate * 1e3:.3f} ms", flush=True)
         for tiles in [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3)]:
-            pat._prefill_tiles = lambda *_, tiles=tiles, **__: tiles
             for pack in (False, True):
                 fn = functools.partial(pat.paged_prefill_attention_triton, q, k_cache, v_cache, tables, lens, cu,
                                        D**-0.5, None, t, q_positions=pos, max_seq_len=32768, pack=pack)
-                try:
-                    record(case, f"tiles={tiles} pack={pack}", ms(fn), flops)
-                except Exception as e:  # a tiling that does not fit shared memory: note it, go on
-                    print(f"{tiles} pack={pack} failed: {e!r:.200}", flush=True)
-    pat._prefill_tiles = default
+                with_tiling(case, f"tiles={tiles} pack={pack}", tiles, fn, flops)
 
 
 def scattered_sweep(rate: float) -> None:
@@ -179,7 +181,6 @@ def scattered_sweep(rate: float) -> None:
     Then torch's SDPA over the same keys made dense, with the exact mask as a boolean attn_mask."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    default = pat._prefill_tiles
     g = torch.Generator(device="cpu").manual_seed(0)
     tilings = [(m, n, w, st) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
     for picked in (416, 608, 1184, 2592):
@@ -191,15 +192,10 @@ def scattered_sweep(rate: float) -> None:
         flops = 4 * H * D * float((pos + 1).sum())
         case = f"{'run' if run else 'scattered'} {picked} of 3104"
         print(f"# {case}: flops floor {flops / rate * 1e3:.4f} ms", flush=True)
+        fn = functools.partial(pat.paged_prefill_attention_triton, q, k_cache, v_cache, tables, lens, cu,
+                               D**-0.5, None, picked, q_positions=pos, max_seq_len=3104, pack=True)
         for tiles in tilings:
-            pat._prefill_tiles = lambda *_, tiles=tiles, **__: tiles
-            fn = functools.partial(pat.paged_prefill_attention_triton, q, k_cache, v_cache, tables, lens, cu,
-                                   D**-0.5, None, picked, q_positions=pos, max_seq_len=3104, pack=True)
-            try:
-                record(case, f"tiles={tiles}", ms(fn), flops)
-            except Exception as e:  # a tiling that does not fit shared memory: note it, go on
-                print(f"{tiles} failed: {e!r:.120}", flush=True)
-        pat._prefill_tiles = default
+            with_tiling(case, f"tiles={tiles}", tiles, fn, flops)
         slots = torch.arange(3104, device="cuda")
         kd = k_cache.view(-1, KVH, D)[tables[0].long().repeat_interleave(PAGE) * PAGE + slots % PAGE]
         vd = v_cache.view(-1, KVH, D)[tables[0].long().repeat_interleave(PAGE) * PAGE + slots % PAGE]
