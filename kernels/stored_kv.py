@@ -52,8 +52,9 @@ def write_stored_kv_ref(
         k = (k.float() + mk.index_select(0, segment)).to(k.dtype)
         v = (v.float() + mv.index_select(0, segment)).to(v.dtype)
     live = slots >= 0
-    at = slots[live]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, at, apply_rope_ref(k[live], positions[live], cos, sin)
-                                                     .to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, at, v[live].to(v_cache.dtype))
+    kw, vw, at, pos = k, v, slots, positions
+    if not bool(live.all()):  # padding rows (graphs only): masked out; the CPU pass has none and copies nothing
+        kw, vw, at, pos = k[live], v[live], slots[live], positions[live]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, at, apply_rope_ref(kw, pos, cos, sin).to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, at, vw.to(v_cache.dtype))
     return (k, v) if keep else None
