@@ -23,6 +23,19 @@ def sequence_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> 
     return (blocks[:, None] * block_size + offsets[None, :]).reshape(-1)[:seq_len]
 
 
+def consecutive_slots(blocks: list[int], seq_len: int, block_size: int) -> slice | None:
+    """The slots of a sequence's first ``seq_len`` tokens as one ``slice`` when its blocks (``blocks``,
+    its block table's first entries, host ints) are consecutive, the usual case as blocks are handed
+    out in order: the torch path then reads its K/V as a view instead of gathering a copy. None
+    otherwise (use ``sequence_slots``)."""
+    n_blocks = -(-seq_len // block_size)
+    table = blocks[:n_blocks]
+    if not table or table != list(range(table[0], table[0] + n_blocks)):
+        return None
+    start = table[0] * block_size
+    return slice(start, start + seq_len)
+
+
 def attention_with_lse(
     q: torch.Tensor,
     k: torch.Tensor,

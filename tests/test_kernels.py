@@ -23,9 +23,11 @@ from ragfuse.kernels.history import write_history_ref
 from ragfuse.kernels.merge import merge_attention_ref
 from ragfuse.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from ragfuse.kernels.paged_attention import (
+    consecutive_slots,
     paged_attention_at_positions_ref,
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
+    sequence_slots,
 )
 from ragfuse.kernels.question_attention import question_attention_ref
 from ragfuse.kernels.rope import apply_rope_ref, cos_sin_table, inv_frequencies
@@ -465,3 +467,19 @@ def test_gemv_matches_reference(kern, n, k) -> None:
             assert rel_err(out, ref) < TOL[dtype] / 4
     with pytest.raises(ValueError, match="one row"):
         kern.gemv_triton(torch.randn(2, k, device=kern.device), torch.randn(n, k, device=kern.device))
+
+
+@pytest.mark.parametrize("blocks,seq_len,expected", [
+    ([3, 4, 5, 9], 40, slice(48, 88)),  # only the blocks the tokens need count
+    ([3, 4, 6], 40, None),
+    ([7], 5, slice(112, 117)),
+    ([], 0, None),
+    ([2, 3], 17, slice(32, 49)),
+])
+def test_consecutive_slots_is_the_slots_as_a_slice_or_none(blocks, seq_len, expected) -> None:
+    """Consecutive blocks' slots as one slice (equal to the gathered slots), None across a gap."""
+    run = consecutive_slots(blocks, seq_len, 16)
+    assert run == expected
+    if run is not None:
+        slots = sequence_slots(torch.tensor(blocks, dtype=torch.int32), seq_len, 16)
+        assert torch.equal(torch.arange(100 * 16)[run], slots)

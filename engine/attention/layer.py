@@ -190,8 +190,6 @@ class Attention(nn.Module):
             sys = system_attention_triton(q, k_cache, v_cache, relay.sys_tables, relay.sys_lens, relay.tile_tokens,
                                           relay.tile_system, self.scale, relay.max_sys_len, relay.num_splits)
             return merge_attention_triton(*sys, *ctx)
-        if q_positions is not None and int(q_positions[0]) == seq_len - q.shape[0]:
-            q_positions = None  # ascending and ending at the last token: a contiguous suffix
         ctx = paged_attention_at_positions_ref(
             q, q_positions, k_cache, v_cache, block_table[0], seq_len, self.scale, self.sliding_window, slots
         )

@@ -75,17 +75,12 @@ class AttentionMetadata:
         gets a ``slice``, so the torch backend reads its K/V as a view instead of gathering a copy.
         """
         if self._slots is None:
-            from ragfuse.kernels.paged_attention import sequence_slots
+            from ragfuse.kernels.paged_attention import consecutive_slots, sequence_slots
 
             self._slots = []
             for i, n in enumerate(self.seq_lens.tolist()):
-                n_blocks = -(-n // self.block_size)
-                table = self.block_tables[i, :n_blocks].tolist()
-                if table == list(range(table[0], table[0] + n_blocks)):
-                    start = table[0] * self.block_size
-                    self._slots.append(slice(start, start + n))
-                else:
-                    self._slots.append(sequence_slots(self.block_tables[i], n, self.block_size))
+                run = consecutive_slots(self.block_tables[i].tolist(), n, self.block_size)
+                self._slots.append(run if run is not None else sequence_slots(self.block_tables[i], n, self.block_size))
         return self._slots
 
     @classmethod
