@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ragfuse.kernels.relay import max_system_tiles
+from ragfuse.kernels.relay import max_system_tiles, system_tiles
 from ragfuse.kernels.two_phase import TwoPhasePlan
 
 from .attention import AttentionMetadata, RelayMetadata
@@ -146,6 +146,17 @@ def pack_decode_step(
     return rows_total + n * width
 
 
+def pack_relay_tiles(packed: np.ndarray, most: int, tokens_per_tile: int, token_system: list[int]) -> None:
+    """Write a relay decode step's system tiles (``kernels.relay.system_tiles`` of each row's system
+    prompt, -1 for none) into the host image of ``DecodeGraphs``' static relay inputs: ``packed`` =
+    tile systems [most] | tile tokens [most * tokens_per_tile]; every tile past the step's is empty,
+    so the graph's padding tiles read and write nothing."""
+    tokens, systems = system_tiles(token_system, tokens_per_tile)
+    packed.fill(-1)
+    packed[: len(systems)] = systems
+    packed[most : most + len(tokens)] = tokens
+
+
 class DecodeGraphs:
     """Captured decode forwards of ``model`` over ``kv_caches``, keyed by padded batch size.
 
@@ -183,6 +194,8 @@ class DecodeGraphs:
         self.graphs: dict[int, _Captured] = {}  # by padded size
         self.relay_graphs: dict[int, _Captured] = {}  # by padded size, for batches behind system prompts
         self.relay: RelayMetadata | None = None  # static relay inputs, made at the first relay batch
+        self._relay_packed: torch.Tensor | None = None  # the device tensor self.relay's tiles are views of
+        self._host_relay: torch.Tensor | None = None  # its pinned host image, for run_host
         # two-phase decode: graphs by (size, item rows, partial slots, relay), over one set of plan buffers
         self.tree_graphs: dict[tuple[int, int, int, bool], _Captured] = {}
         self.plan_items = torch.zeros(PLAN_ITEMS[-1], 5, dtype=torch.int32, device=device)
@@ -191,6 +204,7 @@ class DecodeGraphs:
         self.plan_num_parts = torch.zeros(n, dtype=torch.int32, device=device)
         self._loaded: tuple[TwoPhasePlan, int, tuple[int, int]] | None = None  # plan in the buffers, for which graph
         self.replays = 0  # steps served by a graph (for tests and metrics)
+        self.host_replays = 0  # of which sent from host values (run_host)
         self.tree_replays = 0  # of which two-phase
 
     def accepts(self, meta: AttentionMetadata) -> bool:
@@ -226,27 +240,46 @@ class DecodeGraphs:
         assert captured.logits is not None and captured.greedy is not None
         return captured.logits[:n], captured.greedy[:n]
 
+    def takes_from_host(self, token_system: list[int]) -> bool:
+        """Whether ``run_host`` can replay a decode step whose rows sit behind these system prompts
+        (-1: none): always without relay; with relay once its static inputs exist and the step's
+        distinct system prompts fit a graph's tiles."""
+        if all(s < 0 for s in token_system):
+            return True
+        return self.relay is not None and len(set(token_system)) <= GRAPH_SYSTEMS
+
     def run_host(
-        self, ids: list[int], positions: list[int], seq_lens: list[int], tables: list[list[int]]
+        self, ids: list[int], positions: list[int], seq_lens: list[int], tables: list[list[int]],
+        token_system: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As ``run_logits`` for a plain decode step (no relay, no shared tree blocks), from host values:
-        sequence i's token ``ids[i]`` at ``positions[i]`` is its ``seq_lens[i]``-th own token, cached
-        through block table ``tables[i]``. Written into pinned buffers and sent by two copies, with no
-        ``AttentionMetadata`` built: with this and the head in the graph, the host's share of a batch-1
-        step on an H100 fell from 1.05 to 0.18 ms (kernels/NOTES.md). The caller reads the results
-        before the next step: they live in the graph's buffers."""
+        """As ``run_logits`` for a decode step without shared tree blocks, from host values: sequence
+        i's token ``ids[i]`` at ``positions[i]`` is its ``seq_lens[i]``-th own token, cached through
+        block table ``tables[i]``, behind system prompt ``token_system[i]`` (relay; -1 or no list:
+        none; check ``takes_from_host`` first). Written into pinned buffers and sent by two copies
+        (three with relay), with no ``AttentionMetadata`` built: with this and the head in the graph,
+        the host's share of a batch-1 step on an H100 fell from 1.05 to 0.18 ms (kernels/NOTES.md).
+        The caller reads the results before the next step: they live in the graph's buffers."""
         n, size = len(ids), padded_size(len(ids))
-        captured = self.graphs.get(size)
+        relay = token_system is not None and any(s >= 0 for s in token_system)
+        graphs = self.relay_graphs if relay else self.graphs
+        captured = graphs.get(size)
         if captured is None:
-            captured = self.graphs[size] = self._capture(size, None)
+            captured = graphs[size] = self._capture(size, self.relay if relay else None)
         self._host_copied.synchronize()  # the previous step's copies have read the host buffers
         used = pack_decode_step(self._host_longs.numpy(), self._host_ints.numpy(), self.block_size, size,
                                 ids, positions, seq_lens, tables)
         self._longs.copy_(self._host_longs, non_blocking=True)
         self._ints[:used].copy_(self._host_ints[:used], non_blocking=True)
+        if relay:
+            assert self.relay is not None and self._relay_packed is not None and self._host_relay is not None
+            assert token_system is not None
+            pack_relay_tiles(self._host_relay.numpy(), self.relay.tile_system.shape[0], self._per_tile(self.relay),
+                             token_system)
+            self._relay_packed.copy_(self._host_relay, non_blocking=True)
         self._host_copied.record()
         captured.graph.replay()
         self.replays += 1
+        self.host_replays += 1
         assert captured.logits is not None and captured.greedy is not None
         return captured.logits[:n], captured.greedy[:n]
 
@@ -311,10 +344,12 @@ class DecodeGraphs:
         if self.relay is not None:
             return
         most = max_system_tiles(MAX_GRAPH_BATCH, tokens_per_tile, GRAPH_SYSTEMS)
-        device = sys_lens.device
+        # tile systems | tile tokens in one tensor, so run_host sends a step's tiles in one copy
+        packed = torch.full((most * (1 + tokens_per_tile),), -1, dtype=torch.int32, device=sys_lens.device)
+        self._relay_packed = packed
+        self._host_relay = torch.empty(packed.shape, dtype=torch.int32).pin_memory()
         self.relay = RelayMetadata(
-            token_system=[], tile_tokens=torch.full((most * tokens_per_tile,), -1, dtype=torch.int32, device=device),
-            tile_system=torch.full((most,), -1, dtype=torch.int32, device=device),
+            token_system=[], tile_tokens=packed[most:], tile_system=packed[:most],
             sys_tables=sys_tables, sys_lens=sys_lens, max_sys_len=self.max_model_len,
         )
 

@@ -123,8 +123,8 @@ class ModelRunner:
         """Forward the batch; returns a sampled token per sequence, or None where its prompt is
         not yet fully computed (chunked prefill). ``two_phase``: the prefix tree's plan for a decode
         batch whose sequences share cache blocks."""
-        if hook is None and two_phase is None and self._plain_decode(batch):
-            return self._run_plain_decode(batch)
+        if hook is None and two_phase is None and self._decode_from_host(batch):
+            return self._run_decode_from_host(batch)
         ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -175,23 +175,26 @@ class ModelRunner:
             tokens[i] = tok
         return tokens
 
-    def _plain_decode(self, batch: ScheduledBatch) -> bool:
-        """Whether the plain decode graphs take this batch straight from host values: one last token
-        per sequence, none behind a system prompt, every block table within the graphs' width."""
+    def _decode_from_host(self, batch: ScheduledBatch) -> bool:
+        """Whether the decode graphs take this batch straight from host values: one last token per
+        sequence, every block table within the graphs' width, and any system prompts (relay) within
+        what a relay graph's tiles hold. Relay batches went through ``AttentionMetadata`` and a
+        dozen device copies before, ~1 ms more host work a step than plain decode's two copies."""
         graphs = self.graphs
         return (
             graphs is not None and not batch.is_prefill and len(batch.seqs) <= MAX_GRAPH_BATCH
-            and all(s.num_uncomputed == 1 and s.system is None and len(s.block_table) <= graphs.max_blocks
-                    for s in batch.seqs)
+            and all(s.num_uncomputed == 1 and len(s.block_table) <= graphs.max_blocks for s in batch.seqs)
+            and graphs.takes_from_host([-1 if s.system is None else s.system for s in batch.seqs])
         )
 
-    def _run_plain_decode(self, batch: ScheduledBatch) -> list[int | None]:
+    def _run_decode_from_host(self, batch: ScheduledBatch) -> list[int | None]:
         assert self.graphs is not None
         seqs = batch.seqs
         done = [s.num_computed_tokens for s in seqs]
         logits, greedy = self.graphs.run_host(
             [s.token_at(i) for s, i in zip(seqs, done)], [s.position_offset + i for s, i in zip(seqs, done)],
             [i + 1 for i in done], [s.block_table for s in seqs],
+            [-1 if s.system is None else s.system for s in seqs],
         )
         for seq in seqs:
             seq.num_computed_tokens += 1

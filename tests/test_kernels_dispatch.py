@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from ragfuse.engine.attention import AttentionMetadata
-from ragfuse.engine.cuda_graphs import pack_decode_step, padded_size
+from ragfuse.engine.cuda_graphs import pack_decode_step, pack_relay_tiles, padded_size
 from ragfuse.engine.ops import resolve_backend
+from ragfuse.kernels.relay import system_tiles
 
 
 def test_backend_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -78,3 +80,17 @@ def test_host_packed_decode_step_matches_metadata() -> None:
     for i, table in enumerate(tables):
         assert table_rows[i, : len(table)].tolist() == meta.block_tables[i, : len(table)].tolist()
     assert used == rows + 3 * width
+
+
+def test_host_packed_relay_tiles_match_system_tiles() -> None:
+    """The pinned image of a relay decode step's static tiles (``DecodeGraphs.run_host``) holds the
+    tiles ``system_tiles`` cuts for the step, and a larger earlier step's tiles are emptied."""
+    most, per_tile = 6, 4
+    packed = np.zeros(most * (1 + per_tile), dtype=np.int32)
+    pack_relay_tiles(packed, most, per_tile, [0] * 9 + [1] * 5)  # 5 tiles
+    step = [1, -1, 0, 1, 0, 0, -1]
+    pack_relay_tiles(packed, most, per_tile, step)
+    tokens, systems = system_tiles(step, per_tile)
+    assert systems == [1, -1, 0] and packed[:most].tolist() == systems + [-1] * 3
+    assert packed[most:].tolist() == tokens + [-1] * (most - 3) * per_tile
+    assert sorted(t for t in tokens if t >= 0) == list(range(len(step)))
