@@ -51,21 +51,16 @@ def attention_with_lse(
 
     q [Lq, H, D]; k, v [Lk, KVH, D] hold positions 0..Lk-1. Returns out [Lq, H, D], lse [Lq, H].
     """
-    lq, h, d = q.shape
-    lk, kvh, _ = k.shape
-    g = h // kvh
+    lq = q.shape[0]
+    lk = k.shape[0]
     window_cuts = sliding_window is not None and lk > sliding_window
     if q_positions is None and lq == 1 and not window_cuts:
-        # Decode: every cached key is visible. Fold the query heads of a KV group into the query
-        # length so K/V are read once per KV head and never copied.
-        qh = q.view(kvh, g, d)
-        out, lse = _sdpa_lse(qh, k.transpose(0, 1), v.transpose(0, 1), scale, None, False)
-        return out.reshape(1, h, d), lse.reshape(1, h)
+        return _folded(q, k, v, scale)  # decode: every cached key is visible
     if q_positions is None and q_start > 0 and q_start + lq == lk and not window_cuts and q.device.type == "cpu":
         # New tokens after a cached prefix: the prefix is fully visible (no mask) and the new block
         # is plain causal, so two fast unmasked partials merged by log-sum-exp replace one explicitly
         # masked pass, which CPU flash attention runs far slower.
-        out_p, lse_p = _grouped(q, k[:q_start], v[:q_start], scale, None, False)
+        out_p, lse_p = _folded(q, k[:q_start], v[:q_start], scale)
         out_n, lse_n = _grouped(q, k[q_start:], v[q_start:], scale, None, True)
         return merge_attention_ref(out_p, lse_p, out_n, lse_n)
     if q_positions is None and q_start == 0 and lq == lk and not window_cuts:
@@ -100,26 +95,42 @@ def _scattered_cpu(
     Positions that form one run (fusion's first layer: every token after the exact prefix) take
     the contiguous path instead: two large unmasked calls, ~25% faster than blocks there.
     """
-    lq, h, d = q.shape
+    lq = q.shape[0]
     pos = q_positions.tolist()  # host ints: on CPU this costs no device sync
     if pos and pos[-1] - pos[0] + 1 == lq:
         end = pos[-1] + 1
         return attention_with_lse(q, k[:end], v[:end], scale, pos[0])
-    kvh = k.shape[1]
-    g = h // kvh
-    kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [KVH, Lk, D] views
     outs, lses = [], []
     for a in range(0, lq, _SCATTER_BLOCK):
         b = min(a + _SCATTER_BLOCK, lq)
         lo, hi = pos[a], pos[b - 1]
-        qb = q[a:b].view(b - a, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * (b - a), d)
         visible = torch.arange(lo, hi + 1)[None, :] <= q_positions[a:b, None]
-        out, lse = _sdpa_lse(qb, kh[:, lo : hi + 1], vh[:, lo : hi + 1], scale, visible.repeat(g, 1), False)
+        out, lse = _folded(q[a:b], k[lo : hi + 1], v[lo : hi + 1], scale, visible)
         if lo > 0:
-            out, lse = merge_attention_ref(*_sdpa_lse(qb, kh[:, :lo], vh[:, :lo], scale, None, False), out, lse)
-        outs.append(out.view(kvh, g, b - a, d).permute(2, 0, 1, 3).reshape(b - a, h, d))
-        lses.append(lse.view(kvh, g, b - a).permute(2, 0, 1).reshape(b - a, h))
+            out, lse = merge_attention_ref(*_folded(q[a:b], k[:lo], v[:lo], scale), out, lse)
+        outs.append(out)
+        lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
+
+
+def _folded(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, visible: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [Lq, H, D] over k, v [Lk, KVH, D], every key visible to every query unless ``visible`` [Lq, Lk]
+    says otherwise: the query heads of a KV group are folded into the query length, so K/V are read
+    as views once per KV head, never repeated for the group (``_grouped`` copies them, which a causal
+    mask needs). On CPU a prefix of 3K tokens cost ~1 ms a layer to repeat for SmolLM2's groups of 3."""
+    lq, h, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    mask = None if visible is None else visible.repeat(g, 1)
+    if lq == 1:  # decode: the fold is a view (no permutes: a CPU decode step runs this once a layer)
+        out, lse = _sdpa_lse(q.view(kvh, g, d), k.transpose(0, 1), v.transpose(0, 1), scale, mask, False)
+        return out.reshape(1, h, d), lse.reshape(1, h)
+    qf = q.view(lq, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * lq, d)
+    out, lse = _sdpa_lse(qf, k.transpose(0, 1), v.transpose(0, 1), scale, mask, False)
+    out = out.view(kvh, g, lq, d).permute(2, 0, 1, 3).reshape(lq, h, d)
+    return out, lse.view(kvh, g, lq).permute(2, 0, 1).reshape(lq, h)
 
 
 def _grouped(

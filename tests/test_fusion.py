@@ -239,10 +239,11 @@ def test_many_scattered_queries_match_full_causal_attention():
 
 
 
-@pytest.mark.parametrize("run", [(0, 90), (37, 300), (150, 400)])
+@pytest.mark.parametrize("run", [(0, 90), (37, 300), (150, 400), (399, 400)])
 def test_scattered_positions_forming_one_run_match_full_causal_attention(run):
     """Positions that happen to form one run (fusion's first layer) take the contiguous path: from
-    position 0, after a prefix, or stopping short of the last key, the rows equal full attention's."""
+    position 0, after a prefix (query heads folded over its keys), or stopping short of the last key,
+    or one last token (the decode path), the rows equal full attention's."""
     torch.manual_seed(2)
     q = torch.randn(400, 9, 32)
     k, v = torch.randn(400, 3, 32), torch.randn(400, 3, 32)
