@@ -590,10 +590,13 @@ def decode_partials_triton(
     part_out: torch.Tensor,
     part_lse: torch.Tensor,
     num_splits: int,
+    launch: dict[str, int] | None = None,
 ) -> None:
     """Write each sequence's ``num_splits`` decode partials into splits ``[0, num_splits)`` of
     ``part_out``/``part_lse`` ([tokens, splits, heads(, head_dim)]); the buffers may hold more splits
-    (relay attention puts the system partials after them and reduces all in one pass)."""
+    (relay attention puts the system partials after them and reduces all in one pass, with its own
+    ``launch`` parameters: ``block_n``, ``num_warps``, ``num_stages``)."""
+    launch = launch or {}
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -607,8 +610,9 @@ def decode_partials_triton(
         *_cache_strides(k_cache), *_cache_strides(v_cache), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), PAGE=k_cache.shape[1],
-        BLOCK_N=_DECODE_BLOCK_N if q.is_cuda else 16,
-        SLIDING=sliding_window is not None, PREC=_dot_precision(q.dtype), num_warps=4,
+        BLOCK_N=launch.get("block_n", _DECODE_BLOCK_N) if q.is_cuda else 16,
+        SLIDING=sliding_window is not None, PREC=_dot_precision(q.dtype), num_warps=launch.get("num_warps", 4),
+        **({"num_stages": launch["num_stages"]} if "num_stages" in launch and q.is_cuda else {}),
     )
 
 

@@ -259,9 +259,11 @@ def system_partials_triton(
     part_lse: torch.Tensor,
     num_splits: int,
     split_offset: int = 0,
+    launch: dict[str, int] | None = None,
 ) -> None:
     """Write the system partials of every token into splits ``[split_offset, split_offset +
-    num_splits)`` of ``part_out`` [tokens, splits, heads, head_dim] / ``part_lse``.
+    num_splits)`` of ``part_out`` [tokens, splits, heads, head_dim] / ``part_lse``. ``launch``:
+    ``block_n``, ``num_warps``, ``num_stages`` (relay decode passes its tuning's).
 
     ``tile_tokens`` [tiles * tokens_per_tile] int32 (-1 padded) and ``tile_system`` [tiles] int32
     come from ``relay.system_tiles``; ``sys_tables`` [systems, blocks] int32, ``sys_lens`` [systems].
@@ -276,6 +278,7 @@ def system_partials_triton(
         return
     if q.stride(-1) != 1:
         q = q.contiguous()
+    launch = launch or {}
     _system_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, part_out, part_lse, tile_tokens, tile_system, sys_tables, sys_lens,
         scale * _LOG2E, num_splits, split_offset,
@@ -283,8 +286,9 @@ def system_partials_triton(
         part_lse.stride(0), part_lse.stride(1),
         *_cache_strides(k_cache), *_cache_strides(v_cache), sys_tables.stride(0),
         GROUP=group, BLOCK_G=block_g, TILE_T=tile_t, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        PAGE=k_cache.shape[1], BLOCK_N=_SYSTEM_BLOCK_N if q.is_cuda else 16, PREC=_dot_precision(q.dtype),
-        num_warps=4,
+        PAGE=k_cache.shape[1], BLOCK_N=launch.get("block_n", _SYSTEM_BLOCK_N) if q.is_cuda else 16,
+        PREC=_dot_precision(q.dtype), num_warps=launch.get("num_warps", 4),
+        **({"num_stages": launch["num_stages"]} if "num_stages" in launch and q.is_cuda else {}),
     )
 
 
@@ -439,11 +443,15 @@ def relay_decode_attention_triton(
         current = torch.cuda.current_stream(q.device)
         side = _side_stream(q.device)
         side.wait_stream(current)
+        # the tuning's stages and warps hold here too: with Triton's default 3 stages these two kernels
+        # made Mistral-7B's end-to-end relay run 2.9% slower on an H200 (kernels/NOTES.md)
+        common = {"num_warps": tuning.num_warps, "num_stages": tuning.num_stages}
         with torch.cuda.stream(side):
             system_partials_triton(q, k_cache, v_cache, sys_tables, sys_lens, tile_tokens, tile_system, scale,
-                                   part_out, part_lse, sys_splits, split_offset=num_splits)
+                                   part_out, part_lse, sys_splits, split_offset=num_splits,
+                                   launch={**common, "block_n": tuning.sys_block_n})
         decode_partials_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, None, part_out, part_lse,
-                               num_splits)
+                               num_splits, launch={**common, "block_n": tuning.ctx_block_n})
         current.wait_stream(side)
     else:
         relay_partials_triton(q, k_cache, v_cache, block_tables, seq_lens, sys_tables, sys_lens, tile_tokens,
