@@ -123,8 +123,9 @@ class ModelRunner:
         """Forward the batch; returns a sampled token per sequence, or None where its prompt is
         not yet fully computed (chunked prefill). ``two_phase``: the prefix tree's plan for a decode
         batch whose sequences share cache blocks."""
-        if hook is None and two_phase is None and self._decode_from_host(batch):
-            return self._run_decode_from_host(batch)
+        systems = self._decode_from_host(batch) if hook is None and two_phase is None else None
+        if systems is not None:
+            return self._run_decode_from_host(batch, systems)
         ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -175,26 +176,26 @@ class ModelRunner:
             tokens[i] = tok
         return tokens
 
-    def _decode_from_host(self, batch: ScheduledBatch) -> bool:
-        """Whether the decode graphs take this batch straight from host values: one last token per
-        sequence, every block table within the graphs' width, and any system prompts (relay) within
-        what a relay graph's tiles hold. Relay batches went through ``AttentionMetadata`` and a
-        dozen device copies before, ~1 ms more host work a step than plain decode's two copies."""
+    def _decode_from_host(self, batch: ScheduledBatch) -> list[int] | None:
+        """Each sequence's system prompt (-1: none) when the decode graphs take this batch straight
+        from host values, else None: one last token per sequence, every block table within the
+        graphs' width, and any system prompts (relay) within what a relay graph's tiles hold. Relay
+        batches went through ``AttentionMetadata`` and a dozen device copies before, ~1 ms more host
+        work a step than plain decode's two copies."""
         graphs = self.graphs
-        return (
-            graphs is not None and not batch.is_prefill and len(batch.seqs) <= MAX_GRAPH_BATCH
-            and all(s.num_uncomputed == 1 and len(s.block_table) <= graphs.max_blocks for s in batch.seqs)
-            and graphs.takes_from_host([-1 if s.system is None else s.system for s in batch.seqs])
-        )
+        if (graphs is None or batch.is_prefill or len(batch.seqs) > MAX_GRAPH_BATCH
+                or not all(s.num_uncomputed == 1 and len(s.block_table) <= graphs.max_blocks for s in batch.seqs)):
+            return None
+        systems = [-1 if s.system is None else s.system for s in batch.seqs]
+        return systems if graphs.takes_from_host(systems) else None
 
-    def _run_decode_from_host(self, batch: ScheduledBatch) -> list[int | None]:
+    def _run_decode_from_host(self, batch: ScheduledBatch, systems: list[int]) -> list[int | None]:
         assert self.graphs is not None
         seqs = batch.seqs
         done = [s.num_computed_tokens for s in seqs]
         logits, greedy = self.graphs.run_host(
             [s.token_at(i) for s, i in zip(seqs, done)], [s.position_offset + i for s, i in zip(seqs, done)],
-            [i + 1 for i in done], [s.block_table for s in seqs],
-            [-1 if s.system is None else s.system for s in seqs],
+            [i + 1 for i in done], [s.block_table for s in seqs], systems,
         )
         for seq in seqs:
             seq.num_computed_tokens += 1
