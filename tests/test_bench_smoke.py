@@ -15,7 +15,7 @@ import pytest
     ["fusion", "--shape", "tiny-llama", "--chunks", "3", "--chunk-tokens", "32", "--query-tokens", "4",
      "--repeats", "1", "--sweep", "0,0.5"],
     ["relay", "--shapes", "tiny-llama", "--systems", "64", "--contexts", "16", "--batches", "2,4",
-     "--e2e-systems", "64", "--requests", "3", "--max-prompt", "8", "--max-output", "3"],
+     "--e2e-systems", "64", "--requests", "3", "--max-prompt", "8", "--max-output", "3", "--repeats", "2"],
     ["tree", "--shape", "tiny-llama", "--shared", "64", "--batches", "3", "--private", "5", "--repeats", "1", "--e2e",
      "--e2e-prefix", "40", "--e2e-requests", "3", "--e2e-tokens", "3"],
     # one 64 MiB entry: bigger than glibc ever serves from its heap, so fresh buffers really fault
@@ -55,4 +55,8 @@ def test_bench_writes_results_table_and_plot(args, tmp_path):
         assert {row["part"] for row in results["rows"]} == {"op", "e2e"}
         ops = [row for row in results["rows"] if row["part"] == "op"]
         assert all(row["rel_err"] < 1e-5 and row["rel_err_paged"] < 1e-5 for row in ops)
-        assert {row["mode"] for row in results["rows"] if row["part"] == "e2e"} >= {"none", "shared", "relay"}
+        e2e = {row["mode"]: row for row in results["rows"] if row["part"] == "e2e"}
+        assert set(e2e) >= {"none", "shared", "relay"}
+        for mode in ("none", "shared", "relay"):  # each mode ran twice; its row is the median
+            runs = e2e[mode]["runs_s"]
+            assert len(runs) == 2 and min(runs) - 1e-4 <= e2e[mode]["seconds"] <= max(runs) + 1e-4

@@ -51,6 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--e2e-shapes", default=None, help="end to end: comma-separated shapes (default: --shapes)")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="end to end: rounds of the modes, interleaved; rows give the median round")
     p.add_argument("--max-prompt", type=int, default=512)
     p.add_argument("--max-output", type=int, default=128)
     p.add_argument("--data", default=SHAREGPT)
@@ -314,12 +316,19 @@ def bench_e2e(args: argparse.Namespace, shape: str, cfg: dict[str, Any], device:
         sid = eng.register_system(system)
         for mode in MODES:  # warm-up on the same prompts: kernels compiled before the clock runs
             run_mode(eng, mode, system, sid, reqs, [2] * len(reqs), sync)
+        # rounds interleave the modes, so a drift of the machine (clocks, heat) touches each alike
+        runs: dict[str, list[float]] = {mode: [] for mode in MODES}
+        produced: dict[str, int] = {}
+        for _, mode in tqdm(list(itertools.product(range(args.repeats), MODES)), desc=f"relay e2e {shape} s={s}"):
+            secs, produced[mode] = run_mode(eng, mode, system, sid, reqs, outs, sync)
+            runs[mode].append(secs)
         timed = {}
-        for mode in tqdm(MODES, desc=f"relay e2e {shape} s={s}"):
-            secs, tokens = run_mode(eng, mode, system, sid, reqs, outs, sync)
-            timed[mode] = tokens / secs
+        for mode in MODES:
+            secs = statistics.median(runs[mode])
+            timed[mode] = produced[mode] / secs
             rows.append({"part": "e2e", "shape": shape, "system": s, "mode": mode, "requests": len(reqs),
-                         "output_tokens": tokens, "seconds": secs, "tok_s": tokens / secs})
+                         "output_tokens": produced[mode], "seconds": secs, "tok_s": timed[mode],
+                         "runs_s": [round(x, 4) for x in runs[mode]]})
         rows.append({"part": "e2e", "shape": shape, "system": s, "mode": "relay speedup",
                      "vs_none": timed["relay"] / timed["none"], "vs_shared": timed["relay"] / timed["shared"]})
         eng.release_system(sid)
@@ -349,6 +358,8 @@ def run(args: argparse.Namespace) -> int:
         raise RagfuseError(f"--e2e-shapes {','.join(unknown)}: not among --shapes")
     if not Path(args.data).is_file():
         raise RagfuseError(f"--data {args.data}: no such file")
+    if args.repeats < 1:
+        raise RagfuseError(f"--repeats must be at least 1, got {args.repeats}")
     bad = [s for s in args.systems if s % 16]
     if bad:
         raise RagfuseError(f"--systems must be multiples of 16 (the page), got {bad}")
@@ -369,7 +380,8 @@ def run(args: argparse.Namespace) -> int:
         "fused reduction; relay_floor = relay's bytes (system K/V once + each request's own) at the faster of the "
         f"copy bandwidth ({results.get('copy_bandwidth_gbs', '-')} GB/s, read + write) and the rate the paged kernel "
         "read the per-request copies at; theoretical = (s+c+2g)/(s/b+c+7g). "
-        "E2E rows: output tokens/s, random-weight models, ShareGPT first-turn lengths."
+        f"E2E rows: output tokens/s, random-weight models, ShareGPT first-turn lengths, {args.requests} requests "
+        f"(up to {args.concurrency} at once), the median of {args.repeats} rounds of the modes, interleaved (runs_s)."
     )
     out = args.out or f"bench-results/relay-{args.device}"
     rows: list[dict[str, Any]] = []
