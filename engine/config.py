@@ -145,6 +145,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     prefix_tree: bool = True  # share the KV blocks of common prompt prefixes (prefix_tree.py)
+    # launch the next greedy decode step before reading the current one's tokens (CUDA graphs), so the
+    # host's work between steps (outputs, scheduling, inputs) runs while the GPU computes
+    overlap_decode: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

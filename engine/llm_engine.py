@@ -24,12 +24,12 @@ from .detokenizer import IncrementalDetokenizer
 from .errors import RequestError
 from .fusion import FusionMode, FusionStats, Segment, SelectionPolicy
 from .kv_cache import KVCache
-from .model_runner import ModelRunner
+from .model_runner import DecodeInFlight, ModelRunner
 from .models import KVHook
 from .prefix_tree import PrefixTree
 from .relay_prompts import RelayPrompts
 from .sampling import SamplingParams, sample
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, Status
 from .sessions import SessionCorruptError, SessionStore, SessionTurn, begin_turn, take_snapshot
 from .sessions.history import extend
@@ -91,6 +91,7 @@ class LLMEngine:
         )
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[Sequence] = []  # fused requests whose first token is not reported yet
+        self._inflight: DecodeInFlight | None = None  # a decode step launched, its tokens not read (step)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.sessions: SessionStore | None = None
@@ -529,10 +530,21 @@ class LLMEngine:
     # ---- stepping -------------------------------------------------------------------------
 
     def step(self, hook: KVHook | None = None) -> list[RequestOutput]:
-        """Run one scheduled batch; return an output for every request that got a new token."""
+        """Run one scheduled batch; return an output for every request that got a new token.
+
+        Greedy decode batches on CUDA graphs overlap (``EngineConfig.overlap_decode``): a step is
+        launched, then the step after it (same sequences, its input tokens taken on the device), and
+        only then are the first one's tokens read and reported, so the host's work for each step
+        runs while the GPU computes the next. A sequence that stops at a step had its row in the
+        step after it computed in vain; that row is dropped."""
         outputs = [self._emit(seq, [seq.output_token_ids[-1]], self._finish_reason(seq, seq.output_token_ids[-1]))
                    for seq in self._pending if not seq.finished]
         self._pending.clear()
+        if self._inflight is not None:
+            if any(not s.finished for s in self._inflight.seqs):
+                return outputs + self._land(hook)
+            self._inflight.tokens()  # only stopped sequences' rows: wait for its copy, drop it
+            self._inflight = None
         batch = self.scheduler.schedule()
         if batch is None:
             return outputs
@@ -540,9 +552,51 @@ class LLMEngine:
         if self.tree is not None and not batch.is_prefill:
             mc = self.model_config
             plan = self.tree.decode_plan(batch.seqs, mc.num_heads, mc.num_kv_heads, mc.head_dim, self.device)
-        tokens = self.runner.run(batch, hook, plan)
+        systems = self._overlap_systems(batch) if plan is None and hook is None else None
+        if systems is not None:
+            self._inflight = self.runner.launch_decode(batch.seqs, systems)
+            return outputs + self._land(hook)
+        return outputs + self._take(batch.seqs, self.runner.run(batch, hook, plan))
+
+    def _overlap_systems(self, batch: ScheduledBatch) -> list[int] | None:
+        """The batch's system prompts if it can be launched without waiting for its tokens: a decode
+        batch the graphs take from host values, of greedy requests that are not session turns (a
+        turn's end saves its KV, which must not wait on a step in flight)."""
+        if not self.config.overlap_decode or any(
+            not s.params.greedy or s.request_id in self._session_turns or s.request_id in self._closing
+            for s in batch.seqs
+        ):
+            return None
+        return self.runner.host_decode_systems(batch)
+
+    def _land(self, hook: KVHook | None) -> list[RequestOutput]:
+        """Report the step in flight, having launched the next one first where the scheduler would
+        make that step a decode of the same sequences: they are all that runs, none is about to reach
+        ``max_tokens`` while requests wait for a place (those would be admitted next), and each gets
+        a block for its next token. A stop token cannot be foreseen: there, the step after it runs
+        before a waiting request is admitted (one step later than without overlap)."""
+        done = self._inflight
+        assert done is not None
+        sched = self.scheduler
+        self._inflight = None
+        live = [i for i, s in enumerate(done.seqs) if not s.finished]
+        rows = [i for i in live if len(done.seqs[i].output_token_ids) + 1 < done.seqs[i].params.max_tokens]
+        admits = sched.waiting and (len(sched.running) < sched.max_num_seqs or len(rows) < len(live))
+        if (hook is None and rows and not admits and len(sched.running) == len(live)
+                and all(a is done.seqs[i] for a, i in zip(sched.running, live))):
+            seqs = [done.seqs[i] for i in rows]
+            if sched.grow_ahead(seqs):
+                self._inflight = self.runner.launch_decode(seqs, [done.systems[i] for i in rows], after=done)
+        return self._take(done.seqs, done.tokens())
+
+    def _take(self, seqs: list[Sequence], tokens: list[int | None]) -> list[RequestOutput]:
+        """Append each sequence's new token and report it (None: no token, a prompt still being
+        prefilled); sequences that stopped meanwhile (a row computed ahead, or aborted) are skipped."""
+        outputs = []
         now = time.perf_counter()
-        for seq, tok in zip(batch.seqs, tokens):
+        for seq, tok in zip(seqs, tokens):
+            if seq.finished:
+                continue
             if seq.request_id in self._closing:
                 if not seq.num_uncomputed:  # its last token's KV is in: save, free, sample nothing
                     self._close_turn(seq.request_id)

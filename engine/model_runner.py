@@ -5,6 +5,7 @@ prompt."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -21,8 +22,25 @@ from .kv_cache import KVCache
 from .models import KVHook, LlamaForCausalLM, build_model
 from .sampling import sample
 from .scheduler import ScheduledBatch
+from .sequence import Sequence
 from .system_prompts import SystemPrompts
 from .weights import load_checkpoint_weights
+
+
+@dataclass
+class DecodeInFlight:
+    """A greedy decode step launched on the GPU whose tokens the host has not read yet."""
+
+    seqs: list[Sequence]
+    systems: list[int]
+    greedy: torch.Tensor  # its tokens on the device [n]
+    host: torch.Tensor  # pinned [n], filled by a copy that ``ready`` marks done
+    ready: torch.cuda.Event
+    slot: int  # which of the runner's two token buffers it holds
+
+    def tokens(self) -> list[int]:
+        self.ready.synchronize()
+        return self.host.tolist()
 
 
 class ModelRunner:
@@ -47,6 +65,9 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         self.fusion_graphs: FusionGraphs | None = None
         self.systems: SystemPrompts | None = None  # set by the engine: the relay system prompts
+        # launch_decode's token buffers: device, pinned host, "copied" events; two of each
+        self._token_bufs: tuple[torch.Tensor, torch.Tensor, list[torch.cuda.Event]] | None = None
+        self.steps_ahead = 0  # decode steps launched before the previous one's tokens were read (tests, metrics)
 
     def allocate_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate the paged cache after the weights, so its size can use the memory left."""
@@ -100,7 +121,7 @@ class ModelRunner:
     ) -> torch.Tensor | None:
         """The forward by graph replay, or None where no captured graph fits."""
         if before_layer is not None:
-            if self.prefill_graphs is not None and self.prefill_graphs.accepts(meta):
+            if self.prefill_graphs is not None and self.prefill_graphs.accepts(meta, per_layer=True):
                 return self.prefill_graphs.run_layers(input_ids, positions, meta, before_layer)
             return None
         for graphs in (self.graphs, self.prefill_graphs):
@@ -123,9 +144,11 @@ class ModelRunner:
         """Forward the batch; returns a sampled token per sequence, or None where its prompt is
         not yet fully computed (chunked prefill). ``two_phase``: the prefix tree's plan for a decode
         batch whose sequences share cache blocks."""
-        systems = self._decode_from_host(batch) if hook is None and two_phase is None else None
+        systems = self.host_decode_systems(batch) if hook is None and two_phase is None else None
         if systems is not None:
-            return self._run_decode_from_host(batch, systems)
+            seqs = batch.seqs
+            logits, greedy = self._host_step(seqs, systems)
+            return list(sample(logits, [s.params for s in seqs], [s.generator for s in seqs], greedy))
         ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -176,7 +199,7 @@ class ModelRunner:
             tokens[i] = tok
         return tokens
 
-    def _decode_from_host(self, batch: ScheduledBatch) -> list[int] | None:
+    def host_decode_systems(self, batch: ScheduledBatch) -> list[int] | None:
         """Each sequence's system prompt (-1: none) when the decode graphs take this batch straight
         from host values, else None: one last token per sequence, every block table within the
         graphs' width, and any system prompts (relay) within what a relay graph's tiles hold. Relay
@@ -189,17 +212,50 @@ class ModelRunner:
         systems = [-1 if s.system is None else s.system for s in batch.seqs]
         return systems if graphs.takes_from_host(systems) else None
 
-    def _run_decode_from_host(self, batch: ScheduledBatch, systems: list[int]) -> list[int | None]:
+    def _host_step(
+        self, seqs: list[Sequence], systems: list[int], after: DecodeInFlight | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the decode graph for one token of each sequence from host values; ``after``: a
+        step still in flight that sampled these sequences' input tokens (they are read on the device)."""
         assert self.graphs is not None
-        seqs = batch.seqs
         done = [s.num_computed_tokens for s in seqs]
-        logits, greedy = self.graphs.run_host(
-            [s.token_at(i) for s, i in zip(seqs, done)], [s.position_offset + i for s, i in zip(seqs, done)],
-            [i + 1 for i in done], [s.block_table for s in seqs], systems,
+        if after is None:
+            ids, source = [s.token_at(i) for s, i in zip(seqs, done)], None
+        else:
+            row = {id(s): i for i, s in enumerate(after.seqs)}
+            ids, source = [row[id(s)] for s in seqs], after.greedy
+        out = self.graphs.run_host(
+            ids, [s.position_offset + i for s, i in zip(seqs, done)], [i + 1 for i in done],
+            [s.block_table for s in seqs], systems, gather_from=source,
         )
         for seq in seqs:
             seq.num_computed_tokens += 1
-        return list(sample(logits, [s.params for s in seqs], [s.generator for s in seqs], greedy))
+        return out
+
+    @torch.inference_mode()
+    def launch_decode(
+        self, seqs: list[Sequence], systems: list[int], after: DecodeInFlight | None = None
+    ) -> DecodeInFlight:
+        """Launch a greedy decode step (sequences as ``host_decode_systems`` accepts them) and return
+        before it ends: the engine does its host work for the step (outputs, the next step's inputs)
+        while the GPU runs it. ``after``: the step in flight before this one, whose tokens are this
+        step's inputs, taken on the device. Steps alternate between two sets of token buffers, so a
+        step's tokens stay readable while the next one runs."""
+        if self._token_bufs is None:
+            self._token_bufs = (torch.zeros(2, MAX_GRAPH_BATCH, dtype=torch.long, device=self.device),
+                                torch.zeros(2, MAX_GRAPH_BATCH, dtype=torch.long).pin_memory(),
+                                [torch.cuda.Event(), torch.cuda.Event()])
+        device_bufs, host_bufs, events = self._token_bufs
+        slot = 1 - after.slot if after is not None else 0
+        events[slot].synchronize()  # the step that used this slot two steps ago has been read
+        _, greedy = self._host_step(seqs, systems, after)
+        n = len(seqs)
+        kept, host = device_bufs[slot, :n], host_bufs[slot, :n]
+        kept.copy_(greedy)  # out of the graph pool: another replay may reuse the graph's buffer
+        host.copy_(kept, non_blocking=True)
+        events[slot].record()
+        self.steps_ahead += after is not None
+        return DecodeInFlight(seqs, systems, kept, host, events[slot], slot)
 
     @torch.inference_mode()
     def forward_fresh(

@@ -109,6 +109,18 @@ class Scheduler:
                 scheduled.append(seq)
         return ScheduledBatch(scheduled, [1] * len(scheduled), False) if scheduled else None
 
+    def grow_ahead(self, seqs: list[Sequence]) -> bool:
+        """Blocks for one more token of each sequence than it has computed, all or none: for a decode
+        step launched before the step before it has reported its tokens (``LLMEngine.step``). Full
+        blocks join the prefix tree at the sequence's next regular scheduling, once their tokens are
+        known on the host."""
+        need = sum(self.blocks.blocks_needed(s.block_table, s.num_computed_tokens + 1) for s in seqs)
+        if need > self.blocks.num_free:
+            return False
+        for seq in seqs:
+            self.blocks.grow(seq.block_table, seq.num_computed_tokens + 1)
+        return True
+
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
         """Blocks for the sequence's first ``num_tokens`` tokens, which this step computes; the full
         ones join the prefix tree."""

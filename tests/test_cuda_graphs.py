@@ -76,6 +76,56 @@ def test_triton_with_graphs_generates_like_torch_backend(monkeypatch: pytest.Mon
     assert (logits - ref_logits).abs().max().item() < 1e-3 * ref_logits.abs().max().item()
 
 
+def overlap_run(engine: LLMEngine, stop_at: dict[int, int]) -> dict[str, tuple[list[int], str | None, int]]:
+    """Seven requests through a 3-sequence engine (a queue waits), mixed lengths, one stopped by a
+    stop token, one aborted after its 5th token: each request's tokens, finish reason and streamed
+    deltas."""
+    g = torch.Generator().manual_seed(3)
+    for i, (n, out) in enumerate(zip((5, 32, 77, 9, 16, 40, 3), (1, 7, 20, 33, 12, 26, 17))):
+        stop = [stop_at[i]] if i in stop_at else []
+        engine.add_request(torch.randint(1, 512, (n,), generator=g).tolist(),
+                           SamplingParams(max_tokens=out, ignore_eos=True, stop_token_ids=stop), request_id=f"r{i}")
+    got: dict[str, tuple[list[int], str | None, int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            toks, _, deltas = got.get(out.request_id, ([], None, 0))
+            got[out.request_id] = (out.token_ids, out.finish_reason, deltas + len(out.delta_token_ids))
+            if out.request_id == "r3" and len(out.token_ids) == 5:
+                engine.abort("r3")  # while a step that holds its next token may be in flight
+    return got
+
+
+@pytest.mark.gpu
+def test_overlapped_decode_reports_what_stepwise_decode_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy decode steps launched before the previous step's tokens are read (the default) give the
+    same tokens, stops, aborts and streamed deltas as steps that wait, and free every block. (When a
+    stop token frees a place, a waiting request starts a step later: the test compares per request.)"""
+    monkeypatch.setenv("RAGFUSE_KERNELS", "auto")
+
+    def engine(overlap: bool) -> LLMEngine:
+        cfg = EngineConfig(device="cuda", dtype="float32", block_size=16, kv_cache_bytes=64 << 20, max_num_seqs=3,
+                           overlap_decode=overlap)
+        eng = LLMEngine(cfg, random_weights=ModelConfig.from_dict(SHAPE))
+        with torch.no_grad():
+            eng.runner.model.lm_head.weight.mul_(30.0)
+        return eng
+
+    waiting = engine(False)
+    free = waiting.blocks.num_free
+    first = overlap_run(waiting, {})
+    stop_at = {5: first["r5"][0][10]}  # r5 stops at its 11th token (or earlier, where that token recurs)
+    want = overlap_run(waiting, stop_at)
+    assert want["r5"][1] == "stop" and want["r3"][1] is None and len(want["r3"][0]) == 5  # aborted
+    assert waiting.runner.steps_ahead == 0 and waiting.blocks.num_free == free
+    del waiting
+    ahead = engine(True)
+    got = overlap_run(ahead, stop_at)
+    assert got == want
+    assert all(len(toks) == deltas for toks, _, deltas in got.values())
+    assert ahead.runner.steps_ahead >= 10  # with requests waiting, only while no place frees up
+    assert ahead.blocks.num_free == free
+
+
 @pytest.mark.gpu
 def test_graph_replay_matches_eager_and_padding_writes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch of 3 replayed as the size-4 graph: same hidden states as the eager forward, and the
@@ -180,7 +230,7 @@ def test_prefill_graph_matches_eager_and_padding_writes_nothing(monkeypatch: pyt
             runner.kv_cache.storage.copy_(before)
             eager = runner.model(ids, pos, runner.kv_cache.layers, meta)
         key = (128, captured_span(start + n, graphs.max_model_len, graphs.split_span))  # short: one key split
-        assert prefill_bucket(n) == 128 and set(graphs.graphs) == {key} and set(graphs.layer_graphs) == {key}
+        assert prefill_bucket(n) == 128 and set(graphs.graphs) == {(*key, False)} and set(graphs.layer_graphs) == {key}
         assert calls == list(range(SHAPE["num_hidden_layers"]))
         for out in (replayed, layered):
             assert (out - eager).abs().max().item() < 1e-4 * eager.abs().max().item()
@@ -200,7 +250,7 @@ def test_engine_prefills_through_graphs(monkeypatch: pytest.MonkeyPatch) -> None
     assert graphs is not None
     ps = prompts() + [torch.randint(1, 512, (1010,), generator=torch.Generator().manual_seed(3)).tolist()]
     got = [generate(fast, [p], 8)[0] for p in ps]
-    assert graphs.replays == 4 and {size for size, _ in graphs.graphs} == {64, 96, 1024}
+    assert graphs.replays == 4 and {key[0] for key in graphs.graphs} == {64, 96, 1024}
     ref = cuda_engine("torch", monkeypatch)
     assert got == [generate(ref, [p], 8)[0] for p in ps]
 

@@ -47,6 +47,30 @@ def test_block_manager_refcounts_and_free_list():
         bm.share([0])
 
 
+def test_blocks_ahead_for_an_overlapped_step_are_all_or_none():
+    """A decode step launched before its predecessor's tokens are read takes a block for each
+    sequence's next token only where every sequence gets one (else the engine waits and schedules)."""
+    from ragfuse.engine.scheduler import Scheduler
+    from ragfuse.engine.sequence import Sequence
+
+    bm = BlockManager(num_blocks=5, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    seqs = [Sequence(f"r{i}", [1] * 4, SamplingParams()) for i in range(2)]
+    for seq in seqs:
+        bm.grow(seq.block_table, 4)
+        seq.num_computed_tokens = 4  # a full block each: the next token needs a new one
+    bm.grow([], 4)  # another user leaves 2 blocks
+    assert sched.grow_ahead(seqs) and [len(s.block_table) for s in seqs] == [2, 2] and bm.num_free == 0
+    for seq in seqs:
+        seq.num_computed_tokens = 5
+    assert sched.grow_ahead(seqs)  # room in their blocks: nothing taken
+    for seq in seqs:
+        seq.num_computed_tokens = 8
+    bm.release(seqs[0].block_table[1:2])  # one block free, two needed
+    seqs[0].block_table.pop()
+    assert not sched.grow_ahead(seqs) and bm.num_free == 1 and len(seqs[1].block_table) == 2
+
+
 def test_preemption_under_memory_pressure_keeps_outputs_identical():
     """With a cache too small for all sequences at once, the newest is preempted and recomputed;
     greedy outputs stay those of an unconstrained run."""

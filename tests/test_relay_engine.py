@@ -154,6 +154,25 @@ def test_relay_triton_with_graphs_matches_torch_backend(monkeypatch: pytest.Monk
 
 
 @pytest.mark.gpu
+def test_relay_prefill_of_one_request_replays_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests arriving one by one are prefilled alone: behind a system prompt that prefill replays a
+    graph with the system part (it ran eagerly before), and gives the torch path's tokens."""
+    systems, requests = workload()
+    monkeypatch.setenv("RAGFUSE_KERNELS", "torch")
+    ref = small_engine("cuda")
+    want = [run_all(ref, [((systems[s] if s >= 0 else []) + p, None, True)], 12)[0] for p, s in requests]
+    del ref
+    monkeypatch.setenv("RAGFUSE_KERNELS", "auto")
+    fast = small_engine("cuda")
+    sids = [fast.register_system(s) for s in systems]
+    graphs = fast.runner.prefill_graphs
+    assert graphs is not None and graphs.relay_replays == 0
+    got = [run_all(fast, [(p, sids[s] if s >= 0 else None, True)], 12)[0] for p, s in requests]
+    assert got == want
+    assert graphs.relay_replays == sum(s >= 0 and len(p) > 1 for p, s in requests)  # 1 token: a decode step
+
+
+@pytest.mark.gpu
 def test_relay_with_tree_graphs_matches_torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests behind one system prompt that also share a 20-token prefix of their own: two-phase
     decode merged with the relay system part, replayed from a graph, gives the torch path's tokens."""
