@@ -49,10 +49,11 @@ def relay_variants(shape: str, heads: int, kvh: int, s: int, c: int, b: int) -> 
 
 def profile_point(shape: str, heads: int, kvh: int, s: int, c: int, b: int, bw: float, sweep: bool) -> None:
     """Baselines, relay and its parts at one point; with ``sweep`` also relay's launch parameters."""
-    from ragfuse.kernels.paged_attention_triton import decode_num_splits, reduce_splits_triton, split_buffers
+    from ragfuse.kernels.paged_attention_triton import reduce_splits_triton, split_buffers
     from ragfuse.kernels.relay_triton import (
         DEFAULT_TUNING,
         RELAY_PROGRAMS_PER_SM,
+        relay_context_splits,
         relay_partials_triton,
         system_num_splits,
     )
@@ -89,7 +90,7 @@ def profile_point(shape: str, heads: int, kvh: int, s: int, c: int, b: int, bw: 
     relay_time("relay default")
     # parts of the default launch, on the same buffers
     m = one.relay_meta
-    ctx_splits = decode_num_splits(b, kvh, c, device, RELAY_PROGRAMS_PER_SM)
+    ctx_splits = relay_context_splits(b, kvh, c, device)
     sys_splits = system_num_splits(m.tile_system.shape[0], kvh, s, device, RELAY_PROGRAMS_PER_SM)
     parts = [(x, *split_buffers(b, ctx_splits + sys_splits, heads, d, device)) for x in shared]
 

@@ -1,0 +1,65 @@
+"""Overlapped decode on and off in one engine (`EngineConfig.overlap_decode` toggled), the prefix-shared
+and relay paths, interleaved rounds: the A/B behind results/relay-h100-1126c/overlap.
+
+Run on a CUDA machine: ``python scripts/ab_overlap.py OUT.json SHAREGPT.jsonl [--shape mistral-7b]
+[--requests 64] [--rounds 3]``. Random weights of the shape in bf16, a 2048-token system prompt, ShareGPT
+first-turn lengths, up to 64 requests at once (with more requests, each is admitted as another ends).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from ragfuse.bench.relay import run_mode, workload
+from ragfuse.bench.shapes import shape_config
+from ragfuse.engine import EngineConfig, LLMEngine, ModelConfig
+
+SYSTEM = 2048
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out")
+    p.add_argument("data")
+    p.add_argument("--shape", default="mistral-7b")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args()
+    cfg = shape_config(a.shape)
+    need = SYSTEM + 512 + 128 + 16
+    cfg["max_position_embeddings"] = max(min(cfg["max_position_embeddings"], 32768), need)
+    eng = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=64, max_model_len=need,
+                                 prefix_tree=False), random_weights=ModelConfig.from_dict(cfg))
+    g = torch.Generator().manual_seed(0)
+    lens = workload(a.data, a.requests, 512, 128)
+    reqs = [torch.randint(3, cfg["vocab_size"], (n,), generator=g).tolist() for n, _ in lens]
+    outs = [o for _, o in lens]
+    system = torch.randint(3, cfg["vocab_size"], (SYSTEM,), generator=g).tolist()
+    sid = eng.register_system(system)
+    for mode in ("shared", "relay"):  # warm-up: kernels compiled, graphs captured
+        run_mode(eng, mode, system, sid, reqs, [2] * len(reqs), torch.cuda.synchronize)
+    rows = []
+    for r in range(a.rounds):
+        for overlap in (False, True):
+            eng.config.overlap_decode = overlap
+            for mode in ("shared", "relay"):
+                ahead = eng.runner.steps_ahead
+                secs, tokens = run_mode(eng, mode, system, sid, reqs, outs, torch.cuda.synchronize)
+                rows.append({"round": r, "overlap": overlap, "mode": mode, "secs": secs, "tok": tokens,
+                             "ahead": eng.runner.steps_ahead - ahead})
+                print(rows[-1], flush=True)
+    with open(a.out, "w") as f:
+        json.dump(rows, f, indent=1)
+    for overlap in (False, True):
+        med = {mode: statistics.median(x["secs"] for x in rows if x["overlap"] == overlap and x["mode"] == mode)
+               for mode in ("shared", "relay")}
+        print(f"{a.shape} requests={a.requests} overlap={overlap}: shared {med['shared']:.4f} s, "
+              f"relay {med['relay']:.4f} s, relay/shared {med['shared'] / med['relay']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
