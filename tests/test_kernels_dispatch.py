@@ -94,3 +94,38 @@ def test_host_packed_relay_tiles_match_system_tiles() -> None:
     assert systems == [1, -1, 0] and packed[:most].tolist() == systems + [-1] * 3
     assert packed[most:].tolist() == tokens + [-1] * (most - 3) * per_tile
     assert sorted(t for t in tokens if t >= 0) == list(range(len(step)))
+
+
+def test_graph_tiles_take_a_step_and_empty_the_rest() -> None:
+    """A graph's static relay tiles get the step's tiles (``load_tiles``, decode and prefill graphs) and
+    every tile after them is emptied, also where a larger earlier step had filled it."""
+    from ragfuse.engine.attention import RelayMetadata
+    from ragfuse.engine.cuda_graphs import load_tiles
+
+    def meta(token_system: list[int], most: int = 0) -> RelayMetadata:
+        tokens, systems = system_tiles(token_system, 4, most)
+        return RelayMetadata(token_system, torch.tensor(tokens, dtype=torch.int32),
+                             torch.tensor(systems, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
+                             torch.zeros(1, dtype=torch.int32), 0)
+
+    static = meta([], most=5)
+    load_tiles(static, meta([0] * 9 + [1] * 6))  # 5 tiles
+    load_tiles(static, meta([1, 0, 0, 1, 0]))
+    tokens, systems = system_tiles([1, 0, 0, 1, 0], 4)
+    assert static.tile_system.tolist() == systems + [-1] * 3
+    assert static.tile_tokens.tolist() == tokens + [-1] * 12
+
+
+def test_relay_context_splits_cut_ragged_contexts() -> None:
+    """Relay decode splits each sequence's own keys at least 3 ways where its contexts may span
+    3 key tiles (one long context would set the launch's time), more where the per-SM rule wants
+    more, and never into more shares than the bound has tiles; host ints only (graphs)."""
+    from ragfuse.kernels.paged_attention_triton import decode_num_splits
+    from ragfuse.kernels.relay_triton import RELAY_MIN_CONTEXT_SPLITS, RELAY_PROGRAMS_PER_SM, relay_context_splits
+
+    cpu = torch.device("cpu")  # the interpreter counts 4 multiprocessors
+    assert RELAY_MIN_CONTEXT_SPLITS == 3
+    assert relay_context_splits(64, 8, 2700, cpu) == 3 > decode_num_splits(64, 8, 2700, cpu, RELAY_PROGRAMS_PER_SM)
+    assert relay_context_splits(1, 1, 4096, cpu) == decode_num_splits(1, 1, 4096, cpu, RELAY_PROGRAMS_PER_SM) == 4
+    assert relay_context_splits(64, 8, 100, cpu) == 2  # 100 keys: two tiles of 64
+    assert relay_context_splits(64, 8, 40, cpu) == 1
