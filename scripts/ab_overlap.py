@@ -14,9 +14,8 @@ import statistics
 
 import torch
 
-from ragfuse.bench.relay import run_mode, workload
+from ragfuse.bench.relay import e2e_setup, run_mode
 from ragfuse.bench.shapes import shape_config
-from ragfuse.engine import EngineConfig, LLMEngine, ModelConfig
 
 SYSTEM = 2048
 
@@ -30,14 +29,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
     cfg = shape_config(a.shape)
-    need = SYSTEM + 512 + 128 + 16
-    cfg["max_position_embeddings"] = max(min(cfg["max_position_embeddings"], 32768), need)
-    eng = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=64, max_model_len=need,
-                                 prefix_tree=False), random_weights=ModelConfig.from_dict(cfg))
-    g = torch.Generator().manual_seed(0)
-    lens = workload(a.data, a.requests, 512, 128)
-    reqs = [torch.randint(3, cfg["vocab_size"], (n,), generator=g).tolist() for n, _ in lens]
-    outs = [o for _, o in lens]
+    eng, reqs, outs, g = e2e_setup(cfg, torch.device("cuda"), SYSTEM, a.requests, 64, 512, 128, a.data)
     system = torch.randint(3, cfg["vocab_size"], (SYSTEM,), generator=g).tolist()
     sid = eng.register_system(system)
     for mode in ("shared", "relay"):  # warm-up: kernels compiled, graphs captured

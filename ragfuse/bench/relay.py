@@ -294,22 +294,33 @@ def run_mode(eng: Any, mode: str, system: list[int], sid: int, reqs: list[list[i
     return time.perf_counter() - t, produced
 
 
-def bench_e2e(args: argparse.Namespace, shape: str, cfg: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
+def e2e_setup(
+    cfg: dict[str, Any], device: torch.device, max_system: int, requests: int, concurrency: int, max_prompt: int,
+    max_output: int, data: str,
+) -> tuple[Any, list[list[int]], list[int], torch.Generator]:
+    """The end-to-end runs' engine (random weights of shape ``cfg``, ``concurrency`` sequences at once),
+    the requests' prompts (random tokens of ShareGPT lengths) and answer lengths, and the generator the
+    system prompts are drawn from next (the same draws in every process, for A/B runs)."""
     from ragfuse.engine import EngineConfig, LLMEngine, ModelConfig
 
     cfg = dict(cfg)
-    need = max(args.e2e_systems) + args.max_prompt + args.max_output + 16
+    need = max_system + max_prompt + max_output + 16
     cfg["max_position_embeddings"] = max(min(cfg["max_position_embeddings"], 32768), need)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     # no prefix tree: it would find the system prompt cached by the warm-up and share it in "none" mode too
-    eng = LLMEngine(EngineConfig(device=device.type, dtype=dtype, max_num_seqs=args.concurrency, max_model_len=need,
+    eng = LLMEngine(EngineConfig(device=device.type, dtype=dtype, max_num_seqs=concurrency, max_model_len=need,
                                  prefix_tree=False), random_weights=ModelConfig.from_dict(cfg))
-    sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
     g = torch.Generator().manual_seed(0)
+    lens = workload(data, requests, max_prompt, max_output)
+    reqs = [torch.randint(3, cfg["vocab_size"], (p,), generator=g).tolist() for p, _ in lens]
+    return eng, reqs, [o for _, o in lens], g
+
+
+def bench_e2e(args: argparse.Namespace, shape: str, cfg: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
+    eng, reqs, outs, g = e2e_setup(cfg, device, max(args.e2e_systems), args.requests, args.concurrency,
+                                   args.max_prompt, args.max_output, args.data)
+    sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
     vocab = cfg["vocab_size"]
-    lens = workload(args.data, args.requests, args.max_prompt, args.max_output)
-    reqs = [torch.randint(3, vocab, (p,), generator=g).tolist() for p, _ in lens]
-    outs = [o for _, o in lens]
     rows = []
     for s in args.e2e_systems:
         system = torch.randint(3, vocab, (s,), generator=g).tolist()
