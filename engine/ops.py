@@ -30,6 +30,7 @@ if HAVE_TRITON:
     from ragfuse.kernels.norm_triton import fused_add_rms_norm_triton, rms_norm_triton
     from ragfuse.kernels.question_attention_triton import question_attention_triton
     from ragfuse.kernels.rope_triton import apply_rope_qk_triton, apply_rope_triton
+    from ragfuse.kernels.skinny_gemm_triton import skinny_gemm_triton, skinny_tiles
     from ragfuse.kernels.stored_kv_triton import segment_shift_triton, write_stored_kv_triton
 
 
@@ -72,10 +73,16 @@ def fused_add_rms_norm(
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``nn.Linear``'s product; a single row without bias (decode at batch 1) through the Triton GEMV,
-    which streams the weights faster than cuBLAS's one-row kernels on some shapes (kernels/NOTES.md)."""
-    if bias is None and x.numel() == x.shape[-1] and _triton(x):
-        return gemv_triton(x, weight)
+    """``nn.Linear``'s product. Without bias, on CUDA: a single row (decode at batch 1) through the
+    Triton GEMV, and 2-64 rows (batched decode) through the Triton few-row matmul where its measured
+    tiles beat cuBLAS on this shape (``skinny_tiles``): both stream the weights faster than cuBLAS's
+    kernels for so few rows (kernels/NOTES.md)."""
+    if bias is None and _triton(x):
+        if x.numel() == x.shape[-1]:
+            return gemv_triton(x, weight)
+        tiles = skinny_tiles(x, weight)
+        if tiles is not None:
+            return skinny_gemm_triton(x, weight, tiles)
     return F.linear(x, weight, bias)
 
 

@@ -36,7 +36,8 @@ from ragfuse.kernels.stored_kv import segment_shift_ref, write_stored_kv_ref
 pytest.importorskip("triton")
 
 KERNEL_MODULES = ("norm_triton", "rope_triton", "merge_triton", "paged_attention_triton", "activation_triton",
-                  "gemv_triton", "history_triton", "stored_kv_triton", "question_attention_triton")
+                  "gemv_triton", "skinny_gemm_triton", "history_triton", "stored_kv_triton",
+                  "question_attention_triton")
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
@@ -467,6 +468,36 @@ def test_gemv_matches_reference(kern, n, k) -> None:
             assert rel_err(out, ref) < TOL[dtype] / 4
     with pytest.raises(ValueError, match="one row"):
         kern.gemv_triton(torch.randn(2, k, device=kern.device), torch.randn(n, k, device=kern.device))
+
+
+@pytest.mark.parametrize("m", [2, 13, 33, 64])
+def test_skinny_gemm_matches_reference(kern, m) -> None:
+    """A few rows times a weight matrix, for row counts in each of the row tiles (16, 32, 64) and rows
+    that leave a tile partly empty, with a partial last column tile and K no multiple of the tile. On
+    the GPU: every shape with measured tiles, in bf16 with those tiles (as the engine calls it)."""
+    from ragfuse.kernels.skinny_gemm_triton import _TILES, rows_bucket, skinny_tiles
+
+    if not kern.big:
+        for dtype in kern.dtypes:
+            w = torch.randn(97, 200, dtype=dtype, device=kern.device) * 0.02
+            x = torch.randn(m, 2 * 200, dtype=dtype, device=kern.device)[:, ::2]  # rows with a stride
+            out = kern.skinny_gemm_triton(x, w, (32, 64, 4, 2))
+            assert out.shape == (m, 97) and out.dtype == dtype
+            assert rel_err(out, gemv_ref(x.float(), w.float())) < TOL[dtype] / 4
+        return
+    for (n, k), by_rows in _TILES.items():
+        w = torch.randn(n, k, dtype=torch.bfloat16, device=kern.device) * 0.02
+        x = torch.randn(1, m, k, dtype=torch.bfloat16, device=kern.device)
+        tiles = skinny_tiles(x, w)
+        assert tiles == by_rows.get(rows_bucket(m))
+        poison(kern.device, ((m, n), torch.bfloat16))
+        out = kern.skinny_gemm_triton(x, w, tiles)
+        assert out.shape == (1, m, n)
+        assert rel_err(out, gemv_ref(x.float(), w.float())) < TOL[torch.bfloat16] / 4
+    assert skinny_tiles(torch.randn(65, 4096, dtype=torch.bfloat16, device=kern.device), w) is None
+    assert skinny_tiles(torch.randn(m, 4096, dtype=torch.float16, device=kern.device), w.half()) is None
+    with pytest.raises(ValueError, match="rows"):
+        kern.skinny_gemm_triton(torch.randn(65, 64, device=kern.device), torch.randn(8, 64, device=kern.device))
 
 
 @pytest.mark.parametrize("blocks,seq_len,expected", [
