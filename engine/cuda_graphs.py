@@ -364,7 +364,7 @@ class DecodeGraphs:
 
     def _static_relay(self, size: int, relay: RelayMetadata) -> RelayMetadata:
         """Views of the static relay inputs for a graph of ``size`` rows (created on first use)."""
-        from ragfuse.kernels.relay_triton import RELAY_PROGRAMS_PER_SM, system_num_splits
+        from ragfuse.kernels.relay_triton import relay_system_programs_per_sm, system_num_splits
 
         per_tile = self._per_tile(relay)
         self._make_static_relay(per_tile, relay.sys_tables, relay.sys_lens)
@@ -374,7 +374,7 @@ class DecodeGraphs:
         # splits sized for the tiles that hold tokens (the padding tiles only exit): a fixed host int
         busy = -(-size // per_tile)
         splits = system_num_splits(busy, self.kv_caches[0][0].shape[2], self.max_model_len, relay.sys_lens.device,
-                                   RELAY_PROGRAMS_PER_SM)
+                                   relay_system_programs_per_sm(self.max_model_len))
         return RelayMetadata(
             token_system=[], tile_tokens=self.relay.tile_tokens[: tiles * per_tile],
             tile_system=self.relay.tile_system[:tiles], sys_tables=self.relay.sys_tables,

@@ -231,15 +231,30 @@ def _system_program(
     tl.store(part_lse_ptr + token * stride_plt + at * stride_pls + heads, lse, mask=row_ok)
 
 
-# Programs per multiprocessor that relay decode's split counts aim at, for each of its two parts. The
-# parts run in one launch, so each gets about one program per multiprocessor: on an H100 that beat
-# two (kernels/NOTES.md): fewer partials to write and reduce, longer runs over the keys per program.
+# Programs per multiprocessor that relay decode's context split count aims at (before the minimum
+# below): on an H100 one beat two (kernels/NOTES.md): fewer partials to write and reduce, longer runs
+# over the keys per program.
 RELAY_PROGRAMS_PER_SM = 1.0
+# The same for the system part's shares, by how long the sequences' own contexts may be. The system
+# kernel runs on a side stream beside the context programs. With contexts of up to
+# ``RELAY_SHORT_CONTEXT`` tokens (the op benchmark's 128-256) the system part is the longer one and
+# one program per multiprocessor is best; where contexts may run longer (the engine's decode graphs,
+# sized for any length; ShareGPT-length prompts and answers) the context programs fill the GPU, and
+# fewer, longer system programs, with fewer partials to reduce, win: on an H100, Mistral-7B end to end
+# at s=2K, 64 ShareGPT requests, 0.5 (3 shares at 64 sequences instead of 5) made relay 1.2% faster
+# than 1.0 in two A/B runs, 0.25 2.4% slower; at the op's b=32, c=128 it was 20% slower (NOTES.md).
+RELAY_SYSTEM_PROGRAMS_PER_SM = 0.5
+RELAY_SHORT_CONTEXT = 256
 # Context splits relay decode launches at least. A batch's own contexts are ragged (ShareGPT prompts run
 # from 4 to 512 tokens), and with one program per (sequence, KV head) the longest contexts set the
 # launch's time. On an H100 (Mistral-7B layout, 2K system prompt, ShareGPT-like lengths; kernels/NOTES.md)
 # 3 splits made relay's attention 13-22% faster at 16 to 64 sequences than the per-SM rule's 1-2.
 RELAY_MIN_CONTEXT_SPLITS = 3
+
+
+def relay_system_programs_per_sm(max_seq_len: int) -> float:
+    """Programs per multiprocessor the system shares aim at, for own contexts of up to ``max_seq_len``."""
+    return RELAY_PROGRAMS_PER_SM if max_seq_len <= RELAY_SHORT_CONTEXT else RELAY_SYSTEM_PROGRAMS_PER_SM
 
 
 def relay_context_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
@@ -448,7 +463,7 @@ def relay_decode_attention_triton(
         num_splits = relay_context_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
     if sys_splits is None:
         sys_splits = system_num_splits(tile_system.shape[0], num_kv_heads, max_sys_len, q.device,
-                                       RELAY_PROGRAMS_PER_SM)
+                                       relay_system_programs_per_sm(max_seq_len))
     part_out, part_lse = split_buffers(num_seqs, num_splits + sys_splits, num_heads, head_dim, q.device,
                                        q.dtype if tuning.half_partials and q.dtype != torch.float32 else None)
     if tuning.streams == 2 and q.is_cuda:  # each part its own kernel and footprint, side by side

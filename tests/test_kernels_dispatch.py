@@ -116,6 +116,22 @@ def test_graph_tiles_take_a_step_and_empty_the_rest() -> None:
     assert static.tile_tokens.tolist() == tokens + [-1] * 12
 
 
+def test_relay_system_shares_fewer_where_contexts_may_be_long() -> None:
+    """Relay decode's system shares aim at one program per multiprocessor where every own context is
+    short (the system part is the longer one), at half that where contexts may be long (the decode
+    graphs, sized for any length): never more shares for the longer contexts."""
+    from ragfuse.kernels.relay_triton import RELAY_SHORT_CONTEXT, relay_system_programs_per_sm, system_num_splits
+
+    cpu = torch.device("cpu")  # the interpreter counts 4 multiprocessors
+    short, long = relay_system_programs_per_sm(128), relay_system_programs_per_sm(4096)
+    assert short == relay_system_programs_per_sm(RELAY_SHORT_CONTEXT) == 1.0
+    assert long == relay_system_programs_per_sm(RELAY_SHORT_CONTEXT + 1) == 0.5
+    assert system_num_splits(1, 1, 2048, cpu, short) == 4
+    assert system_num_splits(1, 1, 2048, cpu, long) == 2
+    for tiles in (1, 2, 4, 8):
+        assert system_num_splits(tiles, 1, 2048, cpu, long) <= system_num_splits(tiles, 1, 2048, cpu, short)
+
+
 def test_relay_context_splits_cut_ragged_contexts() -> None:
     """Relay decode splits each sequence's own keys at least 3 ways where its contexts may span
     3 key tiles (one long context would set the launch's time), more where the per-SM rule wants

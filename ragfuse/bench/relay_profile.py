@@ -52,9 +52,9 @@ def profile_point(shape: str, heads: int, kvh: int, s: int, c: int, b: int, bw: 
     from ragfuse.kernels.paged_attention_triton import reduce_splits_triton, split_buffers
     from ragfuse.kernels.relay_triton import (
         DEFAULT_TUNING,
-        RELAY_PROGRAMS_PER_SM,
         relay_context_splits,
         relay_partials_triton,
+        relay_system_programs_per_sm,
         system_num_splits,
     )
 
@@ -91,7 +91,7 @@ def profile_point(shape: str, heads: int, kvh: int, s: int, c: int, b: int, bw: 
     # parts of the default launch, on the same buffers
     m = one.relay_meta
     ctx_splits = relay_context_splits(b, kvh, c, device)
-    sys_splits = system_num_splits(m.tile_system.shape[0], kvh, s, device, RELAY_PROGRAMS_PER_SM)
+    sys_splits = system_num_splits(m.tile_system.shape[0], kvh, s, device, relay_system_programs_per_sm(c))
     parts = [(x, *split_buffers(b, ctx_splits + sys_splits, heads, d, device)) for x in shared]
 
     def partials(only: str | None) -> Iterator[Callable[[], Any]]:
