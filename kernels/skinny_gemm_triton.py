@@ -24,7 +24,7 @@ from .paged_attention_triton import _dot_precision
 MAX_ROWS = 64  # more rows are matmul work enough for cuBLAS's own kernels
 
 # (N, K) of the weight -> {rows bucket: (BLOCK_N, BLOCK_K, warps, stages)}; a bucket holds the row
-# counts up to it (16, 32, 64). Mistral-7B and Llama-2-7B (Llama-3-8B shares all but the head).
+# counts up to it (16, 32, 64). Mistral-7B and Llama-2-7B (Llama-3-8B shares Mistral's layers) first.
 _TILES: dict[tuple[int, int], dict[int, tuple[int, int, int, int]]] = {
     (6144, 4096): {16: (64, 128, 4, 6), 32: (64, 128, 4, 6)},  # qkv, 8 KV heads
     (12288, 4096): {32: (128, 128, 4, 4)},  # qkv, 32 KV heads
@@ -34,6 +34,17 @@ _TILES: dict[tuple[int, int], dict[int, tuple[int, int, int, int]]] = {
     (4096, 14336): {16: (32, 256, 4, 6), 32: (32, 256, 4, 6), 64: (32, 256, 4, 4)},  # down, 14336
     (4096, 11008): {16: (32, 256, 4, 4), 32: (32, 256, 4, 4), 64: (32, 256, 4, 4)},  # down, 11008
     (32000, 4096): {16: (128, 128, 4, 3), 32: (128, 128, 4, 4), 64: (128, 128, 4, 3)},  # head
+    (128256, 4096): {16: (64, 256, 4, 4), 32: (128, 128, 4, 4), 64: (128, 128, 4, 3)},  # Llama-3 head
+    # Qwen2-7B's bias-free layers (its qkv has a bias: cuBLAS)
+    (3584, 3584): {16: (32, 128, 4, 6)},
+    (37888, 3584): {16: (64, 128, 4, 4), 32: (32, 256, 4, 3), 64: (64, 128, 4, 6)},
+    (3584, 18944): {16: (32, 256, 4, 6), 32: (32, 256, 4, 6), 64: (32, 128, 4, 6)},
+    (152064, 3584): {16: (128, 256, 4, 3), 32: (128, 128, 4, 4), 64: (128, 128, 4, 4)},
+    # Yi-34B (its qkv stays on cuBLAS, 1-3% faster there)
+    (7168, 7168): {16: (64, 256, 4, 4)},
+    (40960, 7168): {16: (64, 256, 4, 4), 32: (64, 256, 4, 4), 64: (64, 128, 4, 6)},
+    (7168, 20480): {16: (64, 256, 4, 4), 32: (64, 256, 4, 4), 64: (64, 128, 4, 6)},
+    (64000, 7168): {16: (32, 256, 4, 6), 32: (128, 128, 4, 4), 64: (64, 128, 4, 3)},
 }
 
 

@@ -26,6 +26,13 @@ SHAPES = {  # name: (N, K)
     "gate_up-mistral": (28672, 4096), "gate_up-llama": (22016, 4096),
     "down-mistral": (4096, 14336), "down-llama": (4096, 11008), "head": (32000, 4096),
 }
+MORE_SHAPES = {  # --more: Llama-3-8B's head, Qwen2-7B's bias-free layers, Yi-34B
+    "head-llama3": (128256, 4096),
+    "o-qwen2-7b": (3584, 3584), "gate_up-qwen2-7b": (37888, 3584), "down-qwen2-7b": (3584, 18944),
+    "head-qwen2-7b": (152064, 3584),
+    "qkv-yi-34b": (9216, 7168), "o-yi-34b": (7168, 7168), "gate_up-yi-34b": (40960, 7168),
+    "down-yi-34b": (7168, 20480), "head-yi-34b": (64000, 7168),
+}
 L2_BYTES = 50 * 2**20
 Tiles = tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, warps, stages
 
@@ -96,13 +103,14 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--quick", action="store_true", help="fewer tile widths and stage/warp counts")
     ap.add_argument("--rows", default="4,16,32,48,64")
+    ap.add_argument("--more", action="store_true", help="the other model shapes (MORE_SHAPES) instead")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), flush=True)
     results: list[dict] = []
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in (MORE_SHAPES if args.more else SHAPES).items():
         results += [{"shape": name, **row} for row in sweep_shape(n, k, [int(r) for r in args.rows.split(",")],
                                                                     args.quick, dev)]
         (out / "skinny.json").write_text(json.dumps(results, indent=1))
