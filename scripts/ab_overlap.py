@@ -14,8 +14,7 @@ import statistics
 
 import torch
 
-from ragfuse.bench.relay import e2e_setup, run_mode
-from ragfuse.bench.shapes import shape_config
+from ragfuse.bench.relay import ab_setup
 
 SYSTEM = 2048
 
@@ -28,21 +27,16 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
-    cfg = shape_config(a.shape)
-    eng, reqs, outs, g = e2e_setup(cfg, torch.device("cuda"), SYSTEM, a.requests, 64, 512, 128, a.data)
-    system = torch.randint(3, cfg["vocab_size"], (SYSTEM,), generator=g).tolist()
-    sid = eng.register_system(system)
-    for mode in ("shared", "relay"):  # warm-up: kernels compiled, graphs captured
-        run_mode(eng, mode, system, sid, reqs, [2] * len(reqs), torch.cuda.synchronize)
+    run = ab_setup(a.shape, torch.device("cuda"), SYSTEM, a.requests, a.data)
     rows = []
     for r in range(a.rounds):
         for overlap in (False, True):
-            eng.config.overlap_decode = overlap
+            run.eng.config.overlap_decode = overlap
             for mode in ("shared", "relay"):
-                ahead = eng.runner.steps_ahead
-                secs, tokens = run_mode(eng, mode, system, sid, reqs, outs, torch.cuda.synchronize)
+                ahead = run.eng.runner.steps_ahead
+                secs, tokens = run.time(mode)
                 rows.append({"round": r, "overlap": overlap, "mode": mode, "secs": secs, "tok": tokens,
-                             "ahead": eng.runner.steps_ahead - ahead})
+                             "ahead": run.eng.runner.steps_ahead - ahead})
                 print(rows[-1], flush=True)
     with open(a.out, "w") as f:
         json.dump(rows, f, indent=1)

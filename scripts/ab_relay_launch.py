@@ -18,8 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from ragfuse.bench.relay import e2e_setup, run_mode
-from ragfuse.bench.shapes import shape_config
+from ragfuse.bench.relay import ab_setup
 from ragfuse.kernels import relay_triton
 
 SYSTEM = 2048
@@ -51,16 +50,11 @@ def main() -> None:
     relay_triton.DEFAULT_TUNING = replace(relay_triton.DEFAULT_TUNING, **tuning)
     for name, value in constants.items():
         setattr(relay_triton, name, value)
-    cfg = shape_config("mistral-7b")
-    eng, reqs, outs, g = e2e_setup(cfg, torch.device("cuda"), SYSTEM, 64, 64, 512, 128, a.data)
-    system = torch.randint(3, cfg["vocab_size"], (SYSTEM,), generator=g).tolist()
-    sid = eng.register_system(system)
-    for mode in ("shared", "relay"):  # warm-up: kernels compiled
-        run_mode(eng, mode, system, sid, reqs, [2] * len(reqs), torch.cuda.synchronize)
+    run = ab_setup("mistral-7b", torch.device("cuda"), SYSTEM, 64, a.data)
     rows = []
     for r in range(a.rounds):
         for mode in ("shared", "relay"):
-            secs, tokens = run_mode(eng, mode, system, sid, reqs, outs, torch.cuda.synchronize)
+            secs, tokens = run.time(mode)
             rows.append({"round": r, "variant": a.variant, "mode": mode, "secs": secs, "tok": tokens})
     with open(a.out, "w") as f:
         json.dump(rows, f, indent=1)

@@ -60,3 +60,18 @@ def test_bench_writes_results_table_and_plot(args, tmp_path):
         for mode in ("none", "shared", "relay"):  # each mode ran twice; its row is the median
             runs = e2e[mode]["runs_s"]
             assert len(runs) == 2 and min(runs) - 1e-4 <= e2e[mode]["seconds"] <= max(runs) + 1e-4
+
+
+def test_ab_setup_serves_both_sharing_modes_behind_its_system_prompt() -> None:
+    """The A/B scripts' engine: a registered system prompt, and each timed run produces every
+    request's full answer length in either mode."""
+    import torch
+
+    from ragfuse.bench.relay import SHAREGPT, ab_setup
+
+    run = ab_setup("tiny-llama", torch.device("cpu"), 32, 3, SHAREGPT)
+    assert len(run.system) == 32 and len(run.reqs) == len(run.outs) == 3
+    for mode in ("shared", "relay"):
+        secs, tokens = run.time(mode)
+        assert secs > 0 and tokens == sum(run.outs)
+    assert not run.eng.has_unfinished()

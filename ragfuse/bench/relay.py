@@ -24,6 +24,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -314,6 +315,40 @@ def e2e_setup(
     lens = workload(data, requests, max_prompt, max_output)
     reqs = [torch.randint(3, cfg["vocab_size"], (p,), generator=g).tolist() for p, _ in lens]
     return eng, reqs, [o for _, o in lens], g
+
+
+@dataclass
+class AbRun:
+    """An engine behind one registered system prompt, for the A/B scripts (``scripts/ab_*.py``)."""
+
+    eng: Any
+    system: list[int]
+    sid: int
+    reqs: list[list[int]]
+    outs: list[int]
+
+    def time(self, mode: str) -> tuple[float, int]:
+        """(seconds, output tokens) of every request in ``mode`` ("shared" or "relay")."""
+        return run_mode(self.eng, mode, self.system, self.sid, self.reqs, self.outs, _sync(self.eng))
+
+
+def _sync(eng: Any) -> Callable[[], None]:
+    return torch.cuda.synchronize if eng.runner.device.type == "cuda" else (lambda: None)
+
+
+def ab_setup(shape: str, device: torch.device, system_len: int, requests: int, data: str) -> AbRun:
+    """``e2e_setup`` (up to 64 requests at once, prompts to 512 tokens, answers to 128) with a system
+    prompt of ``system_len`` random tokens registered (which captures the relay graphs: set relay's
+    launch choices before) and both sharing modes run once on two-token answers (kernels compiled)."""
+    from .shapes import shape_config
+
+    cfg = shape_config(shape)
+    eng, reqs, outs, g = e2e_setup(cfg, device, system_len, requests, 64, 512, 128, data)
+    system = torch.randint(3, cfg["vocab_size"], (system_len,), generator=g).tolist()
+    run = AbRun(eng, system, eng.register_system(system), reqs, outs)
+    for mode in ("shared", "relay"):
+        run_mode(eng, mode, system, run.sid, reqs, [2] * len(reqs), _sync(eng))
+    return run
 
 
 def bench_e2e(args: argparse.Namespace, shape: str, cfg: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
