@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -256,16 +256,21 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
-    def compute_kv(self, token_lists: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def compute_kv(
+        self, token_lists: list[list[int]], context: Iterable[int] = ()
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each token list's K (before RoPE, so it can be rotated to any offset later) and V,
-        [layers, tokens, kv_heads, head_dim], computed as if the list started a sequence.
+        [layers, tokens, kv_heads, head_dim], computed as if the list started a sequence, or
+        followed the ``context`` tokens (whose own KV is dropped): a chunk computed after the text
+        that precedes it in every prompt is closer to what full prefill gives it there.
 
         Lists are batched up to ``max_num_batched_tokens`` tokens per forward pass.
         """
+        context = list(context)
         results: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for group in self._fresh_groups(token_lists):
+        for group in self._fresh_groups([context + list(toks) for toks in token_lists]):
             with self.borrowed_blocks(group) as tables:
-                results.extend(self.runner.capture_kv(group, tables))
+                results.extend(self.runner.capture_kv(group, tables, skip=len(context)))
         return results
 
     @torch.inference_mode()

@@ -303,9 +303,10 @@ class ModelRunner:
                             self.fusion_graphs)
 
     def capture_kv(
-        self, token_lists: list[list[int]], block_tables: list[list[int]]
+        self, token_lists: list[list[int]], block_tables: list[list[int]], skip: int = 0
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each token list's (K before RoPE, V), each [layers, tokens, kv_heads, head_dim]."""
+        """Each token list's (K before RoPE, V) from its ``skip``-th token on, each [layers, tokens,
+        kv_heads, head_dim]."""
         ks: list[torch.Tensor] = []
         vs: list[torch.Tensor] = []
 
@@ -316,7 +317,8 @@ class ModelRunner:
         self.forward_fresh(token_lists, block_tables, keep)
         lens = [len(t) for t in token_lists]
         k_all, v_all = torch.stack(ks), torch.stack(vs)
-        return [(k.clone(), v.clone()) for k, v in zip(k_all.split(lens, dim=1), v_all.split(lens, dim=1))]
+        return [(k[:, skip:].clone(), v[:, skip:].clone())
+                for k, v in zip(k_all.split(lens, dim=1), v_all.split(lens, dim=1))]
 
 
 def _materialize(

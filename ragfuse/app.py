@@ -58,7 +58,7 @@ def open_pipeline(
     if gate:
         from ragfuse.gate import calibrated_r_star
 
-        r_star = calibrated_r_star(engine)
+        r_star = calibrated_r_star(engine, kv_context=config.chunk_kv_context)
     return RagPipeline(engine, rag, r_star=r_star, controller=controller)
 
 

@@ -173,8 +173,10 @@ def evaluate(
     sweep_modes: Iterable[str] = ("fuse", "fuse-paper"),
     max_tokens: int = 16,
     progress: Any = None,
+    kv_context: str = "instruction",
 ) -> dict[str, Any]:
-    """Run every mode (and the ratio sweep) on every example; return per-mode summaries."""
+    """Run every mode (and the ratio sweep) on every example; return per-mode summaries. Passages'
+    KV is stored as a store with chunk KV context ``kv_context`` holds it (``chunk_kv.py``)."""
     modes = list(modes)
     sweep = list(sweep)
     sweep_modes = list(sweep_modes) if sweep else []
@@ -189,7 +191,7 @@ def evaluate(
     rows: dict[str, list[dict[str, Any]]] = {}
     t0 = time.perf_counter()
     for ex in examples:
-        case = build_case(engine, builder, ex.passages, ex.question, max_tokens)
+        case = build_case(engine, builder, ex.passages, ex.question, max_tokens, kv_context)
         full_answer = engine.tokenizer.decode(case.answer_ids, skip_special_tokens=True).strip()
         done: dict[tuple[str, float], dict[str, Any]] = {}
         for key, name, r in jobs:

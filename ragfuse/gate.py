@@ -47,6 +47,7 @@ class Calibration:
     gap_closed: dict[str, float]  # ratio -> gap closed on the probes
     kl_tf_reuse: float
     fallback_to_full: bool
+    chunk_kv_context: str  # how the calibration's chunk KV was stored (chunk_kv.py): r* depends on it
 
 
 def calibration_prompts(per_dataset: int = PER_DATASET) -> tuple[str, list[dict[str, object]]]:
@@ -64,13 +65,15 @@ def calibration_prompts(per_dataset: int = PER_DATASET) -> tuple[str, list[dict[
 
 def calibrate(
     engine: LLMEngine, policy: SelectionPolicy | None = None, target: float = DEFAULT_TARGET, answer_tokens: int = 16,
-    prompts: tuple[str, list[dict[str, object]]] | None = None,
+    prompts: tuple[str, list[dict[str, object]]] | None = None, kv_context: str = "instruction",
 ) -> Calibration:
-    """r* on ``prompts`` (name, prompts), by default ``calibration_prompts()``."""
+    """r* on ``prompts`` (name, prompts), by default ``calibration_prompts()``, with chunk KV as a
+    store with chunk KV context ``kv_context`` holds it."""
     policy = policy or SelectionPolicy.default()
     builder = RagPromptBuilder(engine.tokenizer)
     name, chosen = prompts or calibration_prompts()
-    cases = [build_case(engine, builder, p["passages"], p["question"], answer_tokens) for p in chosen]  # type: ignore[arg-type]
+    cases = [build_case(engine, builder, p["passages"], p["question"], answer_tokens, kv_context)  # type: ignore[arg-type]
+             for p in chosen]
     reuse = sum(mode_kl(engine, c, "reuse", policy)[1] for c in cases)
     gaps: dict[str, float] = {}
     r_star = 1.0
@@ -84,20 +87,23 @@ def calibrate(
     if fallback:
         log.warning("fusion does not reach gap_closed %.2f below ratio 1 on %s: falling back to full recompute",
                     target, engine.model_name)
-    return Calibration(engine.model_name, name, asdict(policy), target, r_star, gaps, reuse / len(cases), fallback)
+    return Calibration(engine.model_name, name, asdict(policy), target, r_star, gaps, reuse / len(cases), fallback,
+                       kv_context)
 
 
 def calibrated_r_star(
     engine: LLMEngine, policy: SelectionPolicy | None = None, target: float = DEFAULT_TARGET,
-    prompts: tuple[str, list[dict[str, object]]] | None = None,
+    prompts: tuple[str, list[dict[str, object]]] | None = None, kv_context: str = "instruction",
 ) -> float:
-    """r* for this model and policy, from the cache or calibrated now (and cached)."""
+    """r* for this model, policy and chunk KV context, from the cache or calibrated now (and cached)."""
     policy = policy or SelectionPolicy.default()
     prompts = prompts or calibration_prompts()
     # every field but the ratio (which r* replaces) picks the selection, so every one is in the key
     knobs = "-".join(f"{v:g}" if isinstance(v, float) else "_".join(map(str, v)) if isinstance(v, tuple) else str(v)
                      for k, v in asdict(policy).items() if k != "ratio")
     tag = f"{engine.fingerprint}-{str(engine.dtype).removeprefix('torch.')}-{knobs}-{prompts[0]}-{target:g}"
+    if kv_context != "none":  # stores before the setting held alone chunk KV: their r* keeps its cache file
+        tag += f"-after-{kv_context}"
     path = cache_root() / "gate" / f"{tag}.json"
     if path.exists():
         try:
@@ -106,7 +112,7 @@ def calibrated_r_star(
             log.warning("unreadable gate cache %s: calibrating again", path)
     log.warning("first use of fusion with %s: calibrating r* on %d %s prompts", engine.model_name,
                 len(prompts[1]), prompts[0])
-    cal = calibrate(engine, policy, target, prompts=prompts)
+    cal = calibrate(engine, policy, target, prompts=prompts, kv_context=kv_context)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(cal), indent=2))

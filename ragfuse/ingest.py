@@ -16,11 +16,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from ragfuse.chunk_kv import ChunkKV
 from ragfuse.chunking import TokenChunker
 from ragfuse.docstore import NewChunk
 from ragfuse.documents import DEFAULT_MAX_BYTES, LoadedFile, SkippedFile, find_files, load_file
 from ragfuse.embeddings import Embedder
-from ragfuse.engine.kvstore import StoredKV, kv_key
+from ragfuse.engine.kvstore import StoredKV
 from ragfuse.rag_store import RagStore
 
 
@@ -54,13 +55,16 @@ class Ingestor:
                  title_field: str | None = "title", progress: bool = True) -> None:
         self.store, self.engine, self.embedder = store, engine, embedder
         self.chunker = TokenChunker(engine.tokenizer, store.config.chunk_tokens, store.config.chunk_overlap)
-        self.precompute_kv = precompute_kv
+        # how the store's chunks get their KV (after the instruction prefix, or alone): the
+        # pipeline keys and computes them the same way, from the same store setting
+        self.chunk_kv = ChunkKV.for_context(engine, store.config.chunk_kv_context) if precompute_kv else None
         self.kv_batch_tokens = kv_batch_tokens
         self.max_bytes, self.text_field, self.title_field = max_bytes, text_field, title_field
         self.progress = progress
 
     def key(self, token_ids: Sequence[int]) -> str:
-        return kv_key(self.engine.fingerprint, self.engine.dtype, token_ids)
+        assert self.chunk_kv is not None
+        return self.chunk_kv.key(token_ids)
 
     def ingest(self, paths: Iterable[str | Path]) -> IngestReport:
         t0 = time.perf_counter()
@@ -77,7 +81,7 @@ class Ingestor:
                 pending.append(self._chunk(loaded))
         texts = [t for p in pending for t in p.texts]
         vectors = self.embedder.encode(texts, progress=self.progress and bool(texts))
-        if self.precompute_kv:
+        if self.chunk_kv is not None:
             t1 = time.perf_counter()
             self._precompute([ids for p in pending for ids in p.token_ids], report)
             report.kv_seconds = time.perf_counter() - t1
@@ -87,7 +91,7 @@ class Ingestor:
         for p in pending:
             n = len(p.texts)
             chunks = [
-                NewChunk(src, text, ids, self.key(ids) if self.precompute_kv else None, vec)
+                NewChunk(src, text, ids, self.key(ids) if self.chunk_kv is not None else None, vec)
                 for src, text, ids, vec in zip(p.sources, p.texts, p.token_ids, vectors[offset:offset + n])
             ]
             old_keys = [c.kv_key for c in self.store.docs.chunks(self.store.docs.chunk_ids(p.file.path)).values()
@@ -136,7 +140,8 @@ class Ingestor:
             batch.append(item)
             size = sum(len(ids) for _, ids in batch)
             if size >= self.kv_batch_tokens or i == len(items) - 1:
-                for (key, _), (k, v) in zip(batch, self.engine.compute_kv([list(ids) for _, ids in batch])):
+                assert self.chunk_kv is not None
+                for (key, _), (k, v) in zip(batch, self.chunk_kv.compute([list(ids) for _, ids in batch])):
                     self.store.kv.put(StoredKV.from_kv(key, k, v))
                 report.kv_computed += len(batch)
                 bar.update(size)

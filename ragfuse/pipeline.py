@@ -12,6 +12,9 @@ request loads, rotates or holds a copy of it. ``prefix`` mode keeps it as its st
 (that mode *is* prefix caching), ``full`` computes everything (the reference), and a session turn
 keeps it inside the session's history, where it already is a reused prefix. Without relay (the
 model has a sliding window, ``relay=False``) it is a stored segment reused as an exact prefix.
+
+Chunks' KV is keyed and, on a miss, computed as the store's ingest did it (``chunk_kv.py``): by
+default after that same instruction prefix, so a chunk's stored KV has seen what precedes it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from ragfuse.chunk_kv import ChunkKV
 from ragfuse.engine import LLMEngine, RequestOutput, SamplingParams
 from ragfuse.engine.errors import RagfuseError, RequestError
 from ragfuse.engine.fusion import FusionMode, FusionStats, Segment, SelectionPolicy
@@ -129,6 +133,9 @@ class RagPipeline:
         self.r_star = r_star if r_star is not None else self.policy.ratio
         self.controller = controller
         self.builder = RagPromptBuilder(engine.tokenizer)
+        # chunks' KV keyed and (on a miss) computed as the store's ingest did: after the instruction or alone
+        self.chunk_kv = (ChunkKV.for_context(engine, store.config.chunk_kv_context, self.builder)
+                         if store is not None else None)
         self.relay = relay
         with _LOCKS_LOCK:  # callers on several threads (a framework's batch) take turns on the engine
             self.lock = _ENGINE_LOCKS.setdefault(engine, threading.Lock())
@@ -163,12 +170,11 @@ class RagPipeline:
         assert self.store is not None
         chunks = self.store.docs.chunks([h.id for h in hits])
         passages = [list(chunks[h.id].token_ids) for h in hits]
-        keys = [h.kv_key or self._key(p) for h, p in zip(hits, passages, strict=True)]
         notes: list[str] = []
         use_kv = mode not in (FusionMode.FULL.value, FusionMode.PREFIX.value)
         segments = [
-            Segment(toks, self._source(key, toks, notes) if use_kv else None, f"chunk {hit.id}")
-            for hit, toks, key in zip(hits, passages, keys, strict=True)
+            Segment(toks, self._chunk_source(toks, notes) if use_kv else None, f"chunk {hit.id}")
+            for hit, toks in zip(hits, passages, strict=True)
         ]
         return self._assemble(segments, [h.as_dict() for h in hits], question, mode, ratio, notes), retrieve_s
 
@@ -228,10 +234,9 @@ class RagPipeline:
                 chunk = self.store.docs.chunks([found[0].id]).get(found[0].id)  # type: ignore[list-item]
         if chunk is not None:
             toks = list(chunk.token_ids)
-            src = self._source(chunk.kv_key or self._key(toks), toks, notes) if use_kv else None
-            return Segment(toks, src, f"chunk {chunk.id}")
+            return Segment(toks, self._chunk_source(toks, notes) if use_kv else None, f"chunk {chunk.id}")
         toks = self.builder.passage_tokens(passage.text)
-        src = open_source(self.store.kv, self._key(toks)) if use_kv else None  # type: ignore[union-attr]
+        src = open_source(self.store.kv, self.chunk_kv.key(toks)) if use_kv else None  # type: ignore[union-attr]
         if src is not None and src.num_tokens != len(toks):
             src = None
         return Segment(toks, src, "stored passage" if src is not None else "passage")
@@ -262,12 +267,20 @@ class RagPipeline:
     def _key(self, token_ids: list[int]) -> str:
         return kv_key(self.engine.fingerprint, self.engine.dtype, token_ids)
 
-    def _source(self, key: str, token_ids: list[int], notes: list[str]) -> EntrySource | LayerwiseSource:
+    def _chunk_source(self, token_ids: list[int], notes: list[str]) -> EntrySource | LayerwiseSource:
+        """A chunk's stored KV, or (on a miss) its KV computed and stored as ingest would have."""
+        assert self.chunk_kv is not None
+        return self._source(self.chunk_kv.key(token_ids), token_ids, notes, self.chunk_kv.context)
+
+    def _source(
+        self, key: str, token_ids: list[int], notes: list[str], context: tuple[int, ...] = ()
+    ) -> EntrySource | LayerwiseSource:
+        """The stored KV under ``key``, else the KV of ``token_ids`` after ``context``, computed and stored."""
         assert self.store is not None
         src = open_source(self.store.kv, key)
         if src is not None and src.num_tokens == len(token_ids):
             return src
-        (k, v), = self.engine.compute_kv([token_ids])
+        (k, v), = self.engine.compute_kv([token_ids], context)
         entry = StoredKV.from_kv(key, k, v)
         self.store.kv.put(entry)
         notes.append(f"KV of {len(token_ids)} tokens was not stored: computed and stored now")
@@ -413,7 +426,8 @@ class RagPipeline:
                 src.drop()
                 log.warning("KV entry %s failed its checksum: dropped and recomputed", key)
                 prep.notes.append(f"KV entry {key[:12]} failed its checksum: recomputed, not served")
-                seg.kv = self._source(key, seg.token_ids, prep.notes)
+                seg.kv = (self._source(key, seg.token_ids, prep.notes) if seg.label == "instruction"
+                          else self._chunk_source(seg.token_ids, prep.notes))
         prep.sources = [s.kv for s in prep.segments if s.kv is not None]  # type: ignore[misc]
 
     def start(

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ragfuse.chunk_kv import ChunkKV
 from ragfuse.engine import LLMEngine
 from ragfuse.engine.fusion import FusionStats, Segment, SelectionPolicy, TensorKV
 from ragfuse.prompt import RagPromptBuilder
@@ -34,12 +35,14 @@ class Case:
 
 @torch.inference_mode()
 def build_case(
-    engine: LLMEngine, builder: RagPromptBuilder, passages: list[str], question: str, answer_tokens: int
+    engine: LLMEngine, builder: RagPromptBuilder, passages: list[str], question: str, answer_tokens: int,
+    kv_context: str = "instruction",
 ) -> Case:
-    """Store the instruction prefix and each passage alone (as ingest does), then answer greedily
-    after one full prefill, keeping the logits of every step: they are full prefill's logits along
-    its own answer, teacher-forced by construction (one prefill, not a second pass to score it)."""
-    segs = stored_segments(engine, builder, passages, question)
+    """Store the instruction prefix and each passage (as ingest does into a store whose chunk KV
+    context is ``kv_context``), then answer greedily after one full prefill, keeping the logits of
+    every step: they are full prefill's logits along its own answer, teacher-forced by
+    construction (one prefill, not a second pass to score it)."""
+    segs = stored_segments(engine, builder, passages, question, kv_context)
     n = sum(len(s.token_ids) for s in segs)
     runner = engine.runner
     with engine.borrowed_blocks([[0] * (n + answer_tokens)]) as (table,):
@@ -54,12 +57,16 @@ def build_case(
     return Case(segs, [answer[i] for i in keep], torch.stack(rows)[: len(keep)].float(), stats)
 
 
-def stored_segments(engine: LLMEngine, builder: RagPromptBuilder, passages: list[str], question: str) -> list[Segment]:
-    """The prompt's segments, the instruction prefix and each passage with its KV computed alone."""
-    pieces = [builder.prefix] + [builder.passage_tokens(p) for p in passages]
-    kvs = engine.compute_kv(pieces)
-    segs = [Segment(builder.prefix, TensorKV(*kvs[0]), "instruction")]
-    for i, (toks, kv) in enumerate(zip(pieces[1:], kvs[1:], strict=True)):
+def stored_segments(
+    engine: LLMEngine, builder: RagPromptBuilder, passages: list[str], question: str, kv_context: str = "instruction"
+) -> list[Segment]:
+    """The prompt's segments: the instruction prefix with its KV (a sequence start) and each passage
+    with its KV as a store with this chunk KV context holds it (``chunk_kv.py``)."""
+    pieces = [builder.passage_tokens(p) for p in passages]
+    (prefix_kv,) = engine.compute_kv([builder.prefix])
+    kvs = ChunkKV.for_context(engine, kv_context, builder).compute(pieces)
+    segs = [Segment(builder.prefix, TensorKV(*prefix_kv), "instruction")]
+    for i, (toks, kv) in enumerate(zip(pieces, kvs, strict=True)):
         if i:
             segs.append(Segment(builder.separator, None, "separator"))
         segs.append(Segment(toks, TensorKV(*kv), f"passage {i}"))

@@ -20,6 +20,9 @@ class StoreError(RagfuseError):
     """A store that is missing, unreadable, or built with other settings than those asked for."""
 
 
+CHUNK_KV_CONTEXTS = ("instruction", "none")
+
+
 def resolve_store_dir(path: str | Path | None = None) -> Path:
     """``path``, else ``$RAGFUSE_STORE``, else the per-user data directory."""
     if path:
@@ -39,6 +42,14 @@ class StoreConfig:
     index_kind: str  # flat | ivf | hnsw
     chunk_tokens: int
     chunk_overlap: int
+    # what each chunk's KV is computed after (chunk_kv.py): "instruction" (the RAG prompt's prefix) or
+    # "none" (alone, as CacheBlend stores it; what stores made before this setting hold)
+    chunk_kv_context: str = "instruction"
+
+    def __post_init__(self) -> None:
+        if self.chunk_kv_context not in CHUNK_KV_CONTEXTS:
+            raise StoreError(f"chunk KV context must be one of {', '.join(CHUNK_KV_CONTEXTS)}, "
+                             f"not {self.chunk_kv_context!r}")
 
     def save(self, root: Path) -> None:
         tmp = root / "store.json.tmp"
@@ -51,8 +62,10 @@ class StoreConfig:
         if not path.exists():
             return None
         try:
-            return cls(**json.loads(path.read_text()))
-        except (ValueError, TypeError) as exc:
+            data = json.loads(path.read_text())
+            data.setdefault("chunk_kv_context", "none")  # written before the setting: its chunks' KV is alone
+            return cls(**data)
+        except (ValueError, TypeError, AttributeError) as exc:
             raise StoreError(f"{path} is unreadable: {exc}") from exc
 
     def check_compatible(self, other: StoreConfig) -> None:

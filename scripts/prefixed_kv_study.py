@@ -1,9 +1,9 @@
-"""Passages' KV stored after the instruction prefix instead of alone: reuse and fuse against full prefill.
+"""Passages' KV stored after the instruction prefix (ingest's default) vs alone: reuse and fuse against full prefill.
 
 CacheBlend stores each chunk's KV computed as if the chunk started a sequence, so its first token
-carries the attention-sink role and every token misses the instruction it will follow. Here each
-passage is also computed after the prompt's instruction prefix (its K before RoPE and its V kept, the
-prefix's dropped), and both storages run the same fused prefills and greedy answers on the same cases.
+carries the attention-sink role and every token misses the instruction it will follow. A store's
+default chunk KV context computes each passage after the prompt's instruction prefix instead
+(``ragfuse/chunk_kv.py``); both storages run the same fused prefills and greedy answers on the same cases.
 
     nice .venv/bin/python scripts/prefixed_kv_study.py --dataset musique_dev.json --limit 12
 
@@ -20,22 +20,9 @@ from selection_study import cached_case
 
 from ragfuse.engine import EngineConfig, LLMEngine
 from ragfuse.engine.fusion import SelectionPolicy
-from ragfuse.engine.fusion.segments import TensorKV
 from ragfuse.eval_qa import load_dataset, run_mode, token_f1
 from ragfuse.prompt import RagPromptBuilder
-from ragfuse.quality import Case
 from ragfuse.shared_data import shared_data
-
-
-def after_prefix(engine: LLMEngine, prefix: list[int], case: Case) -> Case:
-    """The case with every passage's stored KV recomputed after ``prefix``."""
-    segments = []
-    for seg in case.segments:
-        if seg.kv is not None and seg.label.startswith("passage"):
-            ((k, v),) = engine.compute_kv([prefix + list(seg.token_ids)])
-            seg = replace(seg, kv=TensorKV(k[:, len(prefix):].contiguous(), v[:, len(prefix):].contiguous()))
-        segments.append(seg)
-    return replace(case, segments=segments)
 
 
 def main() -> None:
@@ -47,9 +34,8 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(device="cpu"))
     builder = RagPromptBuilder(engine.tokenizer)
     examples = load_dataset(shared_data(args.dataset), args.limit, 6)
-    alone = [cached_case(engine, builder, ex, f"{Path(args.dataset).stem}-{i}", 16, Path(args.cache))
-             for i, ex in enumerate(examples)]
-    prefixed = [after_prefix(engine, list(builder.prefix), c) for c in alone]
+    alone, prefixed = ([cached_case(engine, builder, ex, f"{Path(args.dataset).stem}-{i}", 16, Path(args.cache),
+                                    context) for i, ex in enumerate(examples)] for context in ("none", "instruction"))
     shipped = SelectionPolicy.default()
     variants = [("reuse", "reuse", SelectionPolicy()), ("fuse", "fuse", shipped),
                 ("fuse-paper", "fuse", SelectionPolicy.paper(shipped.ratio))]

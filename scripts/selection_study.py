@@ -49,15 +49,17 @@ def parse_policy(spec: str, ratio: float) -> SelectionPolicy:
     return SelectionPolicy(**{**{f.name: getattr(base, f.name) for f in fields(SelectionPolicy)}, **kw})
 
 
-def cached_case(engine: LLMEngine, builder: RagPromptBuilder, ex, key: str, answer_tokens: int, cache: Path) -> Case:
+def cached_case(engine: LLMEngine, builder: RagPromptBuilder, ex, key: str, answer_tokens: int, cache: Path,
+                kv_context: str = "instruction") -> Case:
     """Full prefill's answer and logits are kept on disk (they cost two full prefills per case); the
-    passages' KV is recomputed (hundreds of MB per case)."""
+    passages' KV is recomputed (hundreds of MB per case), stored as a store with chunk KV context
+    ``kv_context`` holds it."""
     path = cache / f"{key}-{answer_tokens}.pt"
     if path.exists():
         saved = torch.load(path)
-        return Case(stored_segments(engine, builder, ex.passages, ex.question), saved["answer_ids"],
+        return Case(stored_segments(engine, builder, ex.passages, ex.question, kv_context), saved["answer_ids"],
                     saved["full_logits"])
-    case = build_case(engine, builder, ex.passages, ex.question, answer_tokens)
+    case = build_case(engine, builder, ex.passages, ex.question, answer_tokens, kv_context)
     cache.mkdir(parents=True, exist_ok=True)
     torch.save({"answer_ids": case.answer_ids, "full_logits": case.full_logits}, path)
     return case
@@ -72,6 +74,8 @@ def main() -> None:
     ap.add_argument("--policy", action="append", required=True)
     ap.add_argument("--answer-tokens", type=int, default=16)
     ap.add_argument("--cache", default="/tmp/ragfuse-selection-study")
+    ap.add_argument("--chunk-kv-context", choices=["instruction", "none"], default="instruction",
+                    help="passages' stored KV after the instruction prefix (ingest's default) or alone")
     ap.add_argument("--out", default=None, help="append one JSON line per (dataset, policy, ratio)")
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(device="cpu"))
@@ -82,7 +86,7 @@ def main() -> None:
         examples = load_dataset(path, args.offset + args.limit, 6)[args.offset:]
         t0 = time.perf_counter()
         cases = [cached_case(engine, builder, ex, f"{Path(ds).stem}-{args.offset + i}", args.answer_tokens,
-                             Path(args.cache)) for i, ex in enumerate(examples)]
+                             Path(args.cache), args.chunk_kv_context) for i, ex in enumerate(examples)]
         reuse = [mode_kl(engine, c, "reuse", SelectionPolicy())[1] for c in cases]
         reuse_kl = sum(reuse) / len(reuse)
         print(f"{ds}: {len(cases)} cases built in {time.perf_counter() - t0:.0f}s; reuse kl_tf {reuse_kl:.4f}",
@@ -95,7 +99,8 @@ def main() -> None:
                 kl_tf = sum(k[1] for k in kls) / len(kls)
                 kl_first = sum(k[0] for k in kls) / len(kls)
                 wins = sum(k[1] < u for k, u in zip(kls, reuse, strict=True))
-                row = {"dataset": ds, "policy": spec, "ratio": r, "kl_tf": kl_tf, "kl_first": kl_first,
+                row = {"dataset": ds, "policy": spec, "ratio": r, "chunk_kv_context": args.chunk_kv_context,
+                       "kl_tf": kl_tf, "kl_first": kl_first,
                        "gap_closed": 1 - kl_tf / reuse_kl, "reuse_kl_tf": reuse_kl, "n": len(cases),
                        "per_case": [k[1] for k in kls], "reuse_per_case": reuse,
                        "s_per_case": (time.perf_counter() - t1) / len(cases)}

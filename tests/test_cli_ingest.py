@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from ragfuse.cli import main
 
 
@@ -29,6 +31,39 @@ def test_cli_ingest_search_stats_rm(tmp_path, capsys, engine):
 
     assert main(["store", "rm", str(docs / "b.txt"), "--store", store]) == 0
     assert "removed 1 files, 1 chunks, 1 KV entries" in capsys.readouterr().out
+
+
+def test_cli_ingest_keeps_a_store_s_chunk_kv_context(tmp_path, capsys, engine):
+    """A store made before the chunk KV context setting (its store.json lacks it) holds chunks' KV
+    computed alone: a later ingest keeps that (its new chunks are keyed and computed alone too) unless
+    asked otherwise, which is refused as any other changed setting is."""
+    from ragfuse.engine.kvstore import kv_key
+    from ragfuse.rag_store import RagStore
+    from ragfuse.store_dir import StoreConfig, StoreError
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("Photosynthesis turns light, water and carbon dioxide into sugar and oxygen.")
+    store = tmp_path / "store"
+    args = ["--store", str(store), "--device", "cpu", "--chunk-tokens", "128", "--json"]
+    assert main(["ingest", str(docs / "a.txt"), *args]) == 0
+    saved = json.loads((store / "store.json").read_text())
+    assert saved["chunk_kv_context"] == "instruction"  # a new store's default
+    del saved["chunk_kv_context"]
+    (store / "store.json").write_text(json.dumps(saved))
+    assert StoreConfig.load(store).chunk_kv_context == "none"
+    (docs / "b.txt").write_text("The Great Wall of China is thousands of kilometres long.")
+    assert main(["ingest", str(docs / "b.txt"), *args]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["kv_computed"] == 1
+    rag = RagStore.open_existing(store)
+    (chunk,) = [c for c in rag.docs.chunks(rag.docs.chunk_ids(str((docs / "b.txt").resolve()))).values()]
+    assert chunk.kv_key == kv_key(engine.fingerprint, engine.dtype, chunk.token_ids)
+    rag.close()
+    assert main(["ingest", str(docs), *args, "--chunk-kv-context", "instruction"]) == 2
+    assert "chunk_kv_context: store has 'none', asked 'instruction'" in capsys.readouterr().err
+    (store / "store.json").write_text(json.dumps({**saved, "chunk_kv_context": "somewhere"}))
+    with pytest.raises(StoreError, match="chunk KV context must be one of instruction, none"):
+        StoreConfig.load(store)
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):

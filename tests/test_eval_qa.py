@@ -50,3 +50,21 @@ def test_evaluate_reports_every_mode_against_full(engine, tmp_path):
     assert abs(modes["fuse"]["recompute_ratio"] - 0.5) < 0.05
     for m in modes.values():
         assert set(m) >= {"kl_first", "kl_tf", "gap_closed", "agreement", "f1_full", "f1", "ttft_s", "n"}
+
+
+def test_passage_kv_after_the_instruction_is_exact_first_and_closer_than_alone(engine):
+    """Stored after the instruction prefix (the default chunk KV context), a passage that follows
+    the prefix in the prompt has exactly full prefill's KV there: full reuse of a one-passage prompt
+    is full prefill. Stored alone (CacheBlend's way) it is not; with several passages the stored
+    KV after the prefix is still closer to full prefill's than alone."""
+    from ragfuse.prompt import RagPromptBuilder
+    from ragfuse.quality import build_case, mode_kl
+
+    builder = RagPromptBuilder(engine.tokenizer)
+    one = ["The Marrow Canal was designed by Agnes Voll in 1822."]
+    two = one + ["Agnes Voll was born in the town of Harrowgate, north of the river."]
+    q = "Where was the designer of the Marrow Canal born?"
+    kl = {(n, ctx): mode_kl(engine, build_case(engine, builder, ps, q, 6, ctx), "reuse", SelectionPolicy())[1]
+          for n, ps in (("one", one), ("two", two)) for ctx in ("instruction", "none")}
+    assert kl[("one", "instruction")] < 1e-5 < kl[("one", "none")]
+    assert kl[("two", "instruction")] < kl[("two", "none")]

@@ -35,6 +35,23 @@ def rag_prompt(engine):
     return segs
 
 
+def test_compute_kv_after_a_context_keeps_only_the_lists_kv(engine):
+    """KV computed after context tokens is the lists' part of the context+list sequence, batched or
+    not, and differs from the list computed alone (the point of computing it after the context)."""
+    tok = engine.tokenizer
+    context = tok.encode("You answer questions about canals.", add_special_tokens=False)
+    lists = [tok.encode(t, add_special_tokens=False) for t in
+             ("The Marrow Canal opened in 1822.", "Agnes Voll designed it after a long journey through the hills.")]
+    batched = engine.compute_kv(lists, context=context)
+    for toks, (k, v) in zip(lists, batched, strict=True):
+        (k_all, v_all), = engine.compute_kv([context + toks])
+        assert k.shape[1] == len(toks) and k.is_contiguous()
+        assert torch.allclose(k, k_all[:, len(context):], atol=1e-5)
+        assert torch.allclose(v, v_all[:, len(context):], atol=1e-5)
+        (k_alone, _), = engine.compute_kv([toks])
+        assert not torch.allclose(k[1:], k_alone[1:], atol=1e-3)  # later layers see the context
+
+
 def fused_logits(engine, segs, mode, policy=None):
     table: list[int] = []
     n = sum(len(s.token_ids) for s in segs)

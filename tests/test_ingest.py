@@ -9,7 +9,9 @@ import torch
 
 from ragfuse.documents import load_file
 from ragfuse.embeddings import Embedder
+from ragfuse.engine.kvstore import kv_key
 from ragfuse.ingest import Ingestor
+from ragfuse.prompt import RagPromptBuilder
 from ragfuse.rag_store import RagStore
 from ragfuse.retrieval import Retriever
 from ragfuse.store_dir import StoreConfig, StoreError
@@ -67,11 +69,16 @@ def test_ingest_search_reingest_change_remove(tmp_path, corpus, engine, embedder
     fuji = retriever.search("highest mountain in Japan", top_k=1)[0]
     assert fuji.source.endswith("records.jsonl#0.text") and fuji.text.startswith("Mount Fuji\n")
 
-    # every chunk's KV is stored, keyed by its token ids, and equals a fresh computation
+    # every chunk's KV is stored, keyed by its token ids and the instruction prefix it was computed
+    # after (a new store's default), and equals a fresh computation after that prefix, not alone
     chunk = store.docs.chunks([top[0].id])[top[0].id]
     entry = store.kv.get(chunk.kv_key)
-    k, v = engine.compute_kv([list(chunk.token_ids)])[0]
+    prefix = RagPromptBuilder(engine.tokenizer).prefix
+    assert chunk.kv_key == kv_key(engine.fingerprint, engine.dtype, chunk.token_ids, prefix)
+    k, v = engine.compute_kv([list(chunk.token_ids)], context=prefix)[0]
     assert torch.allclose(entry.kv()[0], k, atol=1e-5) and torch.allclose(entry.kv()[1], v, atol=1e-5)
+    alone_k, _ = engine.compute_kv([list(chunk.token_ids)])[0]
+    assert not torch.allclose(entry.kv()[0], alone_k, atol=1e-3)
 
     again = _ingest(store, engine, embedder, [corpus], max_bytes=3000)
     assert len(again.unchanged_files) == 4 and again.chunks_added == 0 and again.kv_computed == 0

@@ -15,6 +15,11 @@ def test_key_is_position_free_and_model_specific():
     assert kv_key("m", torch.float32, ids) != kv_key("m", torch.bfloat16, ids)
     assert kv_key("m", torch.float32, ids) != kv_key("other", torch.float32, ids)
     assert kv_key("m", torch.float32, ids) != kv_key("m", torch.float32, [5, 6, 8])
+    # the tokens a chunk's KV was computed after are part of its key; none keeps the key as it was
+    assert kv_key("m", torch.float32, ids, ()) == kv_key("m", torch.float32, ids)
+    assert kv_key("m", torch.float32, ids, [1, 2]) != kv_key("m", torch.float32, ids)
+    assert kv_key("m", torch.float32, ids, [1, 2]) != kv_key("m", torch.float32, ids, [1, 3])
+    assert kv_key("m", torch.float32, [2, *ids], [1]) != kv_key("m", torch.float32, ids, [1, 2])
 
 
 def test_memory_tier_evicts_least_recently_used():

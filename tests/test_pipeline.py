@@ -96,6 +96,29 @@ def test_corrupt_entry_is_recomputed_not_served(pipeline):
     assert disk.stats().corrupt >= 1
 
 
+def test_chunk_kv_is_found_as_ingest_stored_it_and_a_missing_entry_computed_the_same_way(pipeline):
+    """The pipeline keys a chunk's KV as ingest did (after the instruction prefix, the store's
+    setting), so stored chunks load without recompute; a missing entry is computed after the same
+    prefix, stored under the same key, and served."""
+    import torch
+
+    from ragfuse.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=8)
+    first = pipeline.ask(QUESTION, mode="reuse", top_k=2, params=params)
+    assert not any("not stored" in n for n in first.notes)
+    chunk = pipeline.store.docs.chunks([first.sources[0]["id"]])[first.sources[0]["id"]]
+    for tier in pipeline.store.kv.tiers:
+        tier.delete(chunk.kv_key)
+    again = pipeline.ask(QUESTION, mode="reuse", top_k=2, params=params)
+    assert [n for n in again.notes if "not stored" in n] == [
+        f"KV of {len(chunk.token_ids)} tokens was not stored: computed and stored now"]
+    assert again.token_ids == first.token_ids
+    entry = pipeline.store.kv.get(chunk.kv_key)
+    (k, v), = pipeline.engine.compute_kv([list(chunk.token_ids)], context=pipeline.builder.prefix)
+    assert torch.allclose(entry.kv()[0], k, atol=1e-5) and torch.allclose(entry.kv()[1], v, atol=1e-5)
+
+
 def test_cli_ask_json_compares_fuse_with_full(store):
     r = subprocess.run(
         [sys.executable, "-m", "ragfuse.cli", "ask", QUESTION, "--store", str(store), "--json", "--compare",

@@ -44,16 +44,21 @@ def dtype_name(dtype: torch.dtype) -> str:
     return DTYPE_NAMES[dtype]
 
 
-def kv_key(fingerprint: str, dtype: torch.dtype, token_ids: Sequence[int]) -> str:
-    """Key of a chunk's KV: model identity, dtype and the hash of its token ids.
+def kv_key(fingerprint: str, dtype: torch.dtype, token_ids: Sequence[int], context: Sequence[int] = ()) -> str:
+    """Key of a chunk's KV: model identity, dtype, the hash of its token ids and of the ``context``
+    tokens it was computed after (none: computed as a sequence start).
 
     Token ids, not text, because the same text tokenizes differently under another tokenizer, and
-    the KV only depends on the ids. Position is deliberately not part of the key (see module doc).
+    the KV only depends on the ids. Position is deliberately not part of the key (see module doc);
+    the tokens before the chunk are, since its KV depends on them. A key without context is the
+    same as before contexts existed, so stores ingested then keep their entries.
     """
     h = hashlib.blake2b(digest_size=20)
     h.update(fingerprint.encode())
     h.update(b"\0" + dtype_name(dtype).encode() + b"\0")
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    if context:
+        h.update(b"\0after\0" + struct.pack(f"<{len(context)}q", *context))
     return h.hexdigest()
 
 

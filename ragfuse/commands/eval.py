@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from ragfuse.commands.generate import add_model_args, positive_int
+from ragfuse.store_dir import CHUNK_KV_CONTEXTS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,6 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--sweep-modes", default="fuse,fuse-paper", help="selections swept (comma-separated)")
     q.add_argument("--sweep-limit", type=positive_int, default=None, help="examples in the sweep (default: all)")
     q.add_argument("--max-tokens", type=positive_int, default=16, help="greedy answer length")
+    q.add_argument("--chunk-kv-context", choices=CHUNK_KV_CONTEXTS, default="instruction",
+                   help="passages' stored KV computed after the instruction prefix (as ingest stores it by "
+                        "default) or alone (as CacheBlend stores it)")
     add_model_args(q)
     add_policy_args(q)
     q.add_argument("--out", default=None, help="write results.json, results.md and results.png here")
@@ -83,12 +87,14 @@ def run_qa(args: argparse.Namespace) -> int:
     one_pass = args.sweep and (args.sweep_limit or len(examples)) >= len(examples)
     with tqdm(total=len(examples), desc="eval qa") as bar:
         main = evaluate(engine, examples, modes, args.recompute_ratio, policy, sweep=SWEEP if one_pass else (),
-                        sweep_modes=sweep_modes, max_tokens=args.max_tokens, progress=bar)
+                        sweep_modes=sweep_modes, max_tokens=args.max_tokens, progress=bar,
+                        kv_context=args.chunk_kv_context)
     report: dict[str, Any] = {
         "modes": {k: v for k, v in main["modes"].items() if "@" not in k},
         "settings": {"dataset": args.dataset, "examples": len(examples), "max_passages": args.max_passages,
                      "recompute_ratio": args.recompute_ratio, "policy": asdict(policy), "model": engine.model_name,
-                     "device": str(engine.device), "max_tokens": args.max_tokens},
+                     "device": str(engine.device), "max_tokens": args.max_tokens,
+                     "chunk_kv_context": args.chunk_kv_context},
         "elapsed_s": main["elapsed_s"],
     }
     if one_pass:
@@ -98,7 +104,8 @@ def run_qa(args: argparse.Namespace) -> int:
         sweep_examples = examples[: args.sweep_limit] if args.sweep_limit else examples
         with tqdm(total=len(sweep_examples), desc="eval qa sweep") as bar:
             sw = evaluate(engine, sweep_examples, ["reuse"], args.recompute_ratio, policy, sweep=SWEEP,
-                          sweep_modes=sweep_modes, max_tokens=args.max_tokens, progress=bar)
+                          sweep_modes=sweep_modes, max_tokens=args.max_tokens, progress=bar,
+                          kv_context=args.chunk_kv_context)
         report["sweep"] = sw["modes"]
         report["settings"]["sweep_examples"] = len(sweep_examples)
     if args.out:

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from ragfuse.commands.generate import add_model_args, positive_int
+from ragfuse.store_dir import CHUNK_KV_CONTEXTS
 
 
 def add_store_arg(p: argparse.ArgumentParser) -> None:
@@ -27,6 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--title-field", default="title", help="field put above the text when present ('' for none)")
     p.add_argument("--max-file-mb", type=float, default=50.0, help="skip files larger than this")
     p.add_argument("--no-kv", action="store_true", help="do not precompute per-chunk KV")
+    p.add_argument("--chunk-kv-context", choices=CHUNK_KV_CONTEXTS, default=None,
+                   help="compute each chunk's KV after the RAG prompt's instruction prefix (a new store's "
+                        "default: closer to full prefill) or alone (CacheBlend's way); default: the store's")
     p.add_argument("--kv-capacity-gb", type=float, default=200.0, help="capacity of the disk KV tier")
     p.add_argument("--redis", metavar="URL", help="also keep KV in this Redis server (remote tier)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -44,9 +48,13 @@ def run(args: argparse.Namespace) -> int:
 
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
     embedder = Embedder(args.embedding_model)
+    root = resolve_store_dir(args.store)
+    existing = StoreConfig.load(root)
+    context = args.chunk_kv_context or (existing.chunk_kv_context if existing else "instruction")
     config = StoreConfig(model=args.model, embedding_model=args.embedding_model, embedding_dim=embedder.dim,
-                         index_kind=args.index, chunk_tokens=args.chunk_tokens, chunk_overlap=args.chunk_overlap)
-    store = RagStore(resolve_store_dir(args.store), config, kv_capacity_gb=args.kv_capacity_gb, redis_url=args.redis)
+                         index_kind=args.index, chunk_tokens=args.chunk_tokens, chunk_overlap=args.chunk_overlap,
+                         chunk_kv_context=context)
+    store = RagStore(root, config, kv_capacity_gb=args.kv_capacity_gb, redis_url=args.redis)
     try:
         ingestor = Ingestor(store, engine, embedder, precompute_kv=not args.no_kv,
                             max_bytes=int(args.max_file_mb * 2**20), text_field=args.text_field,
