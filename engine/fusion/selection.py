@@ -50,7 +50,17 @@ class SelectionPolicy:
         deviation already picks them; attention exponent 0.1 0.53, 0.25 0.52, while it lowers the
         first token's KL; deviations summed over checks 0.46); with the stale shift 0.72 (0.71
         without the attention weight; share 0.75 0.72; an earlier variant shifting only past the
-        last check: share 0.25 0.64, 0.5 0.68, 1.0 0.65; the paper's one check layer with it 0.59)."""
+        last check: share 0.25 0.64, 0.5 0.68, 1.0 0.65; the paper's one check layer with it 0.59).
+
+        With chunk KV stored after the instruction prefix (``ragfuse/chunk_kv.py``), cases 20-29 of
+        both dev sets (held out from the eval's first 20; results/fusion-quality/selection-study-after-
+        instruction.jsonl), kl_tf at r = 15%, MuSiQue / 2WikiMQA: attention exponent 0.1 0.0355 /
+        0.0162, 0 0.0391 / 0.0179, 0.2 0.0304 / 0.0148, 0.3 0.0302 / 0.0134, 0.5 0.0280 / 0.0120,
+        0.7 0.0308 / 0.0131, 1.0 0.0348 / 0.0149; first factor 2 or 4, shares 0.4-1.0 and checks
+        1-8 did not beat 0.5. On the eval's first 20 cases 0.5 lowered kl_tf too (0.0347 -> 0.0312,
+        0.0187 -> 0.0162) but the greedy answers agreed less with full prefill's (f1_full 0.849 ->
+        0.817, 0.860 -> 0.814; results/fusion-quality/*-20-after-instruction-aw05): f1_full is the
+        goal furthest from met, so 0.1 stays."""
         return cls(ratio=0.15, check_layers=(1, 2, 3, 4, 5), first_factor=3.0, metric="v", attention_weight=0.1,
                    revert_dropped=True, stale_shift=0.5)
 
