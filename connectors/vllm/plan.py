@@ -6,9 +6,11 @@ this prompt, copy V.
 
 - **chunk** spans are the RAG chunks a caller marks in ``kv_transfer_params`` (``ragfuse.chunks``:
   ``[[start, end], ...]``). Their key is the engine's own ``kv_key(fingerprint, dtype, tokens)``:
-  the chunk's KV computed *alone* from position 0, which is what ``ragfuse ingest`` and
-  ``LLMEngine.compute_kv`` store. One entry serves the chunk at any offset (full reuse: the
-  chunk's KV does not see the text before it, as in CacheBlend without recompute).
+  the chunk's KV computed *alone* from position 0, which is what ``LLMEngine.compute_kv`` gives
+  and ``ragfuse ingest --chunk-kv-context none`` stores (a store's default keys its chunks' KV
+  computed after ragfuse's own instruction prefix, which a vLLM prompt need not have). One entry
+  serves the chunk at any offset (full reuse: the chunk's KV does not see the text before it, as in
+  CacheBlend without recompute).
 - **context** spans are everything else (system prompt, session history, question). Their KV depends
   on every token before them, so their key hashes the whole prefix ``tokens[:end]`` under a
   separate namespace (``<fingerprint>/ctx``). When reused chunks come before a context span, its KV
