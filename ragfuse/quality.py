@@ -17,10 +17,11 @@ from ragfuse.prompt import RagPromptBuilder
 
 
 def kl_rows(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """KL(ref || other) per row, natural log."""
+    """KL(ref || other) per row, natural log; never below 0 (a KL is not: where two rows agree to
+    rounding, the sum's rounding can dip below, and would read as better than exact)."""
     p = ref_logits.float().log_softmax(-1)
     q = logits.float().log_softmax(-1)
-    return (p.exp() * (p - q)).sum(-1)
+    return (p.exp() * (p - q)).sum(-1).clamp_min(0.0)
 
 
 @dataclass

@@ -68,3 +68,16 @@ def test_passage_kv_after_the_instruction_is_exact_first_and_closer_than_alone(e
           for n, ps in (("one", one), ("two", two)) for ctx in ("instruction", "none")}
     assert kl[("one", "instruction")] < 1e-5 < kl[("one", "none")]
     assert kl[("two", "instruction")] < kl[("two", "none")]
+
+
+def test_kl_rows_is_never_negative_and_zero_only_for_the_same_distribution():
+    import torch
+
+    from ragfuse.quality import kl_rows
+
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.randn(64, 49152, generator=gen) * 8
+    near = ref + torch.randn(64, 49152, generator=gen) * 1e-6  # equal up to rounding: KL's sum can dip below 0
+    kl = kl_rows(ref, near)
+    assert (kl >= 0).all() and kl.max() < 1e-6
+    assert (kl_rows(ref, torch.randn(64, 49152, generator=gen)) > 0.1).all()
