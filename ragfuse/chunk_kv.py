@@ -22,7 +22,7 @@ import torch
 
 from ragfuse.engine.kvstore import kv_key
 from ragfuse.prompt import RagPromptBuilder
-from ragfuse.store_dir import CHUNK_KV_CONTEXTS, StoreError
+from ragfuse.store_dir import check_chunk_kv_context
 
 
 class ChunkKV:
@@ -36,9 +36,7 @@ class ChunkKV:
     def for_context(cls, engine: Any, kind: str, builder: RagPromptBuilder | None = None) -> ChunkKV:
         """``kind`` as a store records it: "instruction" (the prefix of ``builder``'s RAG prompt, by
         default the pipeline's) or "none"."""
-        if kind not in CHUNK_KV_CONTEXTS:
-            raise StoreError(f"chunk KV context must be one of {', '.join(CHUNK_KV_CONTEXTS)}, not {kind!r}")
-        if kind == "none":
+        if check_chunk_kv_context(kind) == "none":
             return cls(engine)
         return cls(engine, (builder or RagPromptBuilder(engine.tokenizer)).prefix)
 

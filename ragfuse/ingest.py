@@ -9,7 +9,7 @@ and same settings, which the store enforces) are not touched at all.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,10 +62,6 @@ class Ingestor:
         self.max_bytes, self.text_field, self.title_field = max_bytes, text_field, title_field
         self.progress = progress
 
-    def key(self, token_ids: Sequence[int]) -> str:
-        assert self.chunk_kv is not None
-        return self.chunk_kv.key(token_ids)
-
     def ingest(self, paths: Iterable[str | Path]) -> IngestReport:
         t0 = time.perf_counter()
         report = IngestReport()
@@ -81,9 +77,10 @@ class Ingestor:
                 pending.append(self._chunk(loaded))
         texts = [t for p in pending for t in p.texts]
         vectors = self.embedder.encode(texts, progress=self.progress and bool(texts))
-        if self.chunk_kv is not None:
+        chunk_kv = self.chunk_kv
+        if chunk_kv is not None:
             t1 = time.perf_counter()
-            self._precompute([ids for p in pending for ids in p.token_ids], report)
+            self._precompute(chunk_kv, [ids for p in pending for ids in p.token_ids], report)
             report.kv_seconds = time.perf_counter() - t1
         offset = 0
         all_removed: list[int] = []
@@ -91,7 +88,7 @@ class Ingestor:
         for p in pending:
             n = len(p.texts)
             chunks = [
-                NewChunk(src, text, ids, self.key(ids) if self.chunk_kv is not None else None, vec)
+                NewChunk(src, text, ids, chunk_kv.key(ids) if chunk_kv is not None else None, vec)
                 for src, text, ids, vec in zip(p.sources, p.texts, p.token_ids, vectors[offset:offset + n])
             ]
             old_keys = [c.kv_key for c in self.store.docs.chunks(self.store.docs.chunk_ids(p.file.path)).values()
@@ -121,11 +118,11 @@ class Ingestor:
                 p.token_ids.append(chunk.token_ids)
         return p
 
-    def _precompute(self, token_lists: list[tuple[int, ...]], report: IngestReport) -> None:
+    def _precompute(self, chunk_kv: ChunkKV, token_lists: list[tuple[int, ...]], report: IngestReport) -> None:
         """Compute the KV of every chunk not stored yet, in batches of about ``kv_batch_tokens``."""
         todo: dict[str, tuple[int, ...]] = {}
         for ids in token_lists:
-            key = self.key(ids)
+            key = chunk_kv.key(ids)
             if key in todo:
                 continue
             if self.store.kv.locate(key) is not None:
@@ -140,8 +137,7 @@ class Ingestor:
             batch.append(item)
             size = sum(len(ids) for _, ids in batch)
             if size >= self.kv_batch_tokens or i == len(items) - 1:
-                assert self.chunk_kv is not None
-                for (key, _), (k, v) in zip(batch, self.chunk_kv.compute([list(ids) for _, ids in batch])):
+                for (key, _), (k, v) in zip(batch, chunk_kv.compute([list(ids) for _, ids in batch])):
                     self.store.kv.put(StoredKV.from_kv(key, k, v))
                 report.kv_computed += len(batch)
                 bar.update(size)

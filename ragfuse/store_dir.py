@@ -23,6 +23,13 @@ class StoreError(RagfuseError):
 CHUNK_KV_CONTEXTS = ("instruction", "none")
 
 
+def check_chunk_kv_context(kind: str) -> str:
+    """``kind`` if it is a chunk KV context a store can record (``chunk_kv.py``), else a StoreError."""
+    if kind not in CHUNK_KV_CONTEXTS:
+        raise StoreError(f"chunk KV context must be one of {', '.join(CHUNK_KV_CONTEXTS)}, not {kind!r}")
+    return kind
+
+
 def resolve_store_dir(path: str | Path | None = None) -> Path:
     """``path``, else ``$RAGFUSE_STORE``, else the per-user data directory."""
     if path:
@@ -47,9 +54,7 @@ class StoreConfig:
     chunk_kv_context: str = "instruction"
 
     def __post_init__(self) -> None:
-        if self.chunk_kv_context not in CHUNK_KV_CONTEXTS:
-            raise StoreError(f"chunk KV context must be one of {', '.join(CHUNK_KV_CONTEXTS)}, "
-                             f"not {self.chunk_kv_context!r}")
+        check_chunk_kv_context(self.chunk_kv_context)
 
     def save(self, root: Path) -> None:
         tmp = root / "store.json.tmp"
