@@ -12,7 +12,9 @@ one prompt of all passages, so they have no KL; they are scored on their answers
 from __future__ import annotations
 
 import json
+import math
 import re
+import statistics
 import string
 import time
 from collections import Counter
@@ -24,12 +26,17 @@ from typing import Any
 import torch
 
 from ragfuse.engine import LLMEngine, RagfuseError
-from ragfuse.engine.fusion import SelectionPolicy
+from ragfuse.engine.fusion import Segment, SelectionPolicy, TensorKV
 from ragfuse.prompt import RagPromptBuilder
 from ragfuse.quality import Case, build_case, kl_rows
 
 FUSION_MODES = ("full", "prefix", "reuse", "fuse", "fuse-paper")
+# full prefill's own KV rounded to bfloat16, then reused: no fusion at all, only the rounding every bf16
+# deployment applies to exact KV; its row is the noise floor the fusion modes' distances are read against
+NOISE_MODE = "full-bf16kv"
 BASELINE_MODES = ("mapreduce", "maprerank")
+# what results.json keeps of each case's run of each mode: enough to inspect answers and re-slice the figures
+CASE_FIELDS = ("answer", "kl_first", "kl_tf", "ttft_s", "recompute_ratio")
 SWEEP = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 
 
@@ -112,6 +119,18 @@ def run_mode(
     }
 
 
+def rounded_full_case(engine: LLMEngine, case: Case, dtype: torch.dtype = torch.bfloat16) -> Case:
+    """``case`` as one stored segment holding full prefill's own KV of all but the prompt's last token,
+    rounded to ``dtype`` (then back to the engine's dtype), and that last token computed: reusing it
+    changes nothing but the rounding, so it measures how much the measures move for a perturbation far
+    below any fusion error."""
+    prompt = [t for s in case.segments for t in s.token_ids]
+    ((k, v),) = engine.compute_kv([prompt[:-1]])
+    kv = TensorKV(k.to(dtype).to(k.dtype), v.to(dtype).to(v.dtype))
+    return Case([Segment(prompt[:-1], kv, "prompt"), Segment(prompt[-1:], None, "last token")],
+                case.answer_ids, case.full_logits)
+
+
 def full_row(engine: LLMEngine, case: Case) -> dict[str, Any]:
     """Full prefill's row from the case itself: building the case ran that very prefill and greedy
     answer (the reference every other mode is scored against), so running it again would only
@@ -149,13 +168,17 @@ def run_baseline(chains: Any, example: Example, mode: str) -> dict[str, Any]:
 
 def summarize(per_case: list[dict[str, Any]], reuse_kl: float | None) -> dict[str, float | None]:
     n = len(per_case)
+    f1_full = [token_f1(r["answer"], r["full_answer"]) for r in per_case]
     kl_tf = None if per_case[0]["kl_tf"] is None else sum(r["kl_tf"] for r in per_case) / n
     return {
         "kl_first": None if kl_tf is None else sum(r["kl_first"] for r in per_case) / n,
         "kl_tf": kl_tf,
         "gap_closed": None if kl_tf is None else (1.0 - kl_tf / reuse_kl) if reuse_kl else float("nan"),
         "agreement": sum(normalize(r["answer"]) == normalize(r["full_answer"]) for r in per_case) / n,
-        "f1_full": sum(token_f1(r["answer"], r["full_answer"]) for r in per_case) / n,
+        "f1_full": sum(f1_full) / n,
+        # per-case f1_full is nearly two-valued (same answer or a different one), so 20 cases leave its mean
+        # uncertain by several points: the standard error says how far apart two rows must be to differ
+        "f1_full_se": statistics.stdev(f1_full) / math.sqrt(n) if n > 1 else None,
         "f1": sum(max(token_f1(r["answer"], a) for a in r["gold"]) for r in per_case) / n,
         "ttft_s": sum(r["ttft_s"] for r in per_case) / n,
         "recompute_ratio": sum(r["recompute_ratio"] for r in per_case) / n,
@@ -180,10 +203,11 @@ def evaluate(
     modes = list(modes)
     sweep = list(sweep)
     sweep_modes = list(sweep_modes) if sweep else []
-    bad = [m for m in modes if m not in FUSION_MODES + BASELINE_MODES]
+    known = (*FUSION_MODES, NOISE_MODE, *BASELINE_MODES)
+    bad = [m for m in modes if m not in known]
     bad += [m for m in sweep_modes if m not in FUSION_MODES]
     if bad:
-        raise RagfuseError(f"unknown eval mode(s) {bad} ({', '.join(FUSION_MODES + BASELINE_MODES)})")
+        raise RagfuseError(f"unknown eval mode(s) {bad} ({', '.join(known)}; sweeps: {', '.join(FUSION_MODES)})")
     builder = RagPromptBuilder(engine.tokenizer)
     chains = baseline_chains(engine, max_tokens) if set(modes) & set(BASELINE_MODES) else None
     # (row key, eval mode, ratio): the main modes at ``ratio``, then the sweep's points
@@ -200,6 +224,8 @@ def evaluate(
                     out = run_baseline(chains, ex, name)
                 elif name == "full" and case.full_stats is not None:
                     out = full_row(engine, case)
+                elif name == NOISE_MODE:
+                    out = run_mode(engine, rounded_full_case(engine, case), "reuse", policy, max_tokens)
                 else:
                     mode, pol = policy_for(name, r, policy)
                     out = run_mode(engine, case, mode, pol, max_tokens)
@@ -211,9 +237,12 @@ def evaluate(
                                                for k, m in running.items()), refresh=False)
             progress.update(1)
     reuse_kl = _reuse_kl(rows)
+    keys = list(rows)
     return {
         "modes": {k: summarize(v, reuse_kl) for k, v in rows.items()},
-        "answers": {k: [r["answer"] for r in v] for k, v in rows.items()},
+        "cases": [{"question": ex.question, "gold": ex.answers, "full_answer": rows[keys[0]][i]["full_answer"],
+                   "modes": {k: {f: v[i][f] for f in CASE_FIELDS} for k, v in rows.items()}}
+                  for i, ex in enumerate(examples)],
         "elapsed_s": time.perf_counter() - t0,
     }
 

@@ -84,5 +84,5 @@ def test_eval_reports_baselines_beside_full(engine, examples):
         assert m["n"] == 1 and m["kl_tf"] is None and m["gap_closed"] is None
         assert 0.0 <= m["f1"] <= 1.0 and 0.0 <= m["f1_full"] <= 1.0 and m["ttft_s"] > 0
         assert m["recompute_ratio"] == 1.0
-        assert all(isinstance(a, str) for a in res["answers"][name])
+        assert all(isinstance(c["modes"][name]["answer"], str) for c in res["cases"])
     assert modes["full"]["agreement"] == 1.0

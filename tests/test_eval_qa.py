@@ -50,6 +50,9 @@ def test_evaluate_reports_every_mode_against_full(engine, tmp_path):
     assert abs(modes["fuse"]["recompute_ratio"] - 0.5) < 0.05
     for m in modes.values():
         assert set(m) >= {"kl_first", "kl_tf", "gap_closed", "agreement", "f1_full", "f1", "ttft_s", "n"}
+    (case,) = res["cases"]  # each case keeps every mode's answer and distances, to inspect or re-slice
+    assert case["full_answer"] == case["modes"]["full"]["answer"] and case["gold"] == ["Harrowgate"]
+    assert case["modes"]["reuse"]["kl_tf"] == modes["reuse"]["kl_tf"]
 
 
 def test_passage_kv_after_the_instruction_is_exact_first_and_closer_than_alone(engine):
@@ -81,3 +84,22 @@ def test_kl_rows_is_never_negative_and_zero_only_for_the_same_distribution():
     kl = kl_rows(ref, near)
     assert (kl >= 0).all() and kl.max() < 1e-6
     assert (kl_rows(ref, torch.randn(64, 49152, generator=gen)) > 0.1).all()
+
+
+def test_noise_floor_mode_is_full_prefill_but_for_the_rounding(engine):
+    """``full-bf16kv`` reuses full prefill's own KV: unrounded it is full prefill (KL ~0), rounded to
+    bfloat16 it moves the distribution a little, and far less than full KV reuse of stored chunks."""
+    from ragfuse.eval_qa import rounded_full_case, run_mode
+    from ragfuse.prompt import RagPromptBuilder
+    from ragfuse.quality import build_case
+
+    builder = RagPromptBuilder(engine.tokenizer)
+    passages = ["The Marrow Canal was designed by Agnes Voll in 1822.",
+                "Agnes Voll was born in the town of Harrowgate, north of the river."]
+    case = build_case(engine, builder, passages, "Where was the designer of the Marrow Canal born?", 6)
+    pol = SelectionPolicy()
+    exact = run_mode(engine, rounded_full_case(engine, case, engine.runner.dtype), "reuse", pol, 6)
+    rounded = run_mode(engine, rounded_full_case(engine, case), "reuse", pol, 6)
+    reuse = run_mode(engine, case, "reuse", pol, 6)
+    assert exact["kl_tf"] < 1e-6 and exact["answer_ids"] == case.answer_ids
+    assert 0.0 < rounded["kl_tf"] < reuse["kl_tf"]

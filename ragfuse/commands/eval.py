@@ -19,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--max-passages", type=positive_int, default=6, help="passages per example (default 6)")
     q.add_argument("--modes", default="full,prefix,reuse,fuse,fuse-paper",
                    help="comma-separated: full, prefix, reuse, fuse (ragfuse's selection), fuse-paper "
-                        "(the paper's one-check-layer V-deviation selection), and LangChain's chains mapreduce, "
+                        "(the paper's one-check-layer V-deviation selection), full-bf16kv (full prefill's KV "
+                        "rounded to bfloat16 and reused: the measures' noise floor), and LangChain's chains mapreduce, "
                         "maprerank (each passage alone, then combined / best-scored answer)")
     q.add_argument("--recompute-ratio", type=float, default=0.15)
     q.add_argument("--sweep", action="store_true", help="also sweep ratios 0-100%% for fuse and fuse-paper")
@@ -96,6 +97,7 @@ def run_qa(args: argparse.Namespace) -> int:
                      "device": str(engine.device), "max_tokens": args.max_tokens,
                      "chunk_kv_context": args.chunk_kv_context},
         "elapsed_s": main["elapsed_s"],
+        "cases": main["cases"],
     }
     if one_pass:
         report["sweep"] = {k: v for k, v in main["modes"].items() if "@" in k or k == "reuse"}
