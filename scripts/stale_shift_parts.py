@@ -1,0 +1,72 @@
+"""Which half of the stale shift helps or hurts a case: K and V shifted (shipped), V only, K only, none.
+
+The engine shifts K and V by one share; this study zeroes one of the two per-segment shifts that
+``layer_step`` applies (on CPU, through the torch reference), and scores each variant's fused
+prefill by teacher-forced KL from full prefill on the same case.
+
+    nice .venv/bin/python scripts/stale_shift_parts.py --dataset musique_dev.json --cases 54,55,48,19
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+import ragfuse.engine.fusion.layer_step as layer_step
+from ragfuse.engine import EngineConfig, LLMEngine
+from ragfuse.engine.fusion import SelectionPolicy
+from ragfuse.eval_qa import load_dataset
+from ragfuse.prompt import RagPromptBuilder
+from ragfuse.quality import build_case, mode_kl
+from ragfuse.shared_data import shared_data
+
+VARIANTS = ("kv", "v", "k", "none")
+
+
+Shift = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def shift_keeping(part: str) -> Shift:
+    """``layer_step.segment_shift`` with the K (``part="v"``) or V (``part="k"``) shift zeroed."""
+    shipped = layer_step.segment_shift
+
+    def shift(*args: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mk, mv, seg = shipped(*args)
+        return (mk if "k" in part else torch.zeros_like(mk)), (mv if "v" in part else torch.zeros_like(mv)), seg
+
+    return shift
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dataset", required=True, help="file under ../shared/data, or a path")
+    ap.add_argument("--cases", required=True, help="comma-separated case indices")
+    ap.add_argument("--ratio", type=float, default=0.15)
+    args = ap.parse_args()
+    picks = [int(x) for x in args.cases.split(",")]
+    examples = load_dataset(shared_data(args.dataset), max(picks) + 1, 6)
+    engine = LLMEngine(EngineConfig(model="smollm2-135m-instruct", device="cpu"))
+    builder = RagPromptBuilder(engine.tokenizer)
+    shipped = layer_step.segment_shift
+    policy = SelectionPolicy.default().with_ratio(args.ratio)
+    totals = dict.fromkeys(VARIANTS, 0.0)
+    for i in picks:
+        ex = examples[i]
+        case = build_case(engine, builder, ex.passages, ex.question, 16)
+        row: dict[str, float] = {}
+        for part in VARIANTS:
+            layer_step.segment_shift = shipped if part in ("kv", "none") else shift_keeping(part)
+            pol = replace(policy, stale_shift=0.0) if part == "none" else policy
+            row[part] = mode_kl(engine, case, "fuse", pol)[1]
+            totals[part] += row[part] / len(picks)
+        layer_step.segment_shift = shipped
+        print(json.dumps({"case": i, "kl_tf": row}), flush=True)
+    print(json.dumps({"mean_kl_tf": totals}))
+
+
+if __name__ == "__main__":
+    main()
