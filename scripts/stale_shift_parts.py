@@ -30,9 +30,9 @@ VARIANTS = ("kv", "v", "k", "none")
 Shift = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def shift_keeping(part: str) -> Shift:
-    """``layer_step.segment_shift`` with the K (``part="v"``) or V (``part="k"``) shift zeroed."""
-    shipped = layer_step.segment_shift
+def shift_keeping(shipped: Shift, part: str) -> Shift:
+    """``shipped`` (the engine's ``layer_step.segment_shift``) with the K (``part="v"``) or V (``part="k"``)
+    shift zeroed."""
 
     def shift(*args: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         mk, mv, seg = shipped(*args)
@@ -59,7 +59,7 @@ def main() -> None:
         case = build_case(engine, builder, ex.passages, ex.question, 16)
         row: dict[str, float] = {}
         for part in VARIANTS:
-            layer_step.segment_shift = shipped if part in ("kv", "none") else shift_keeping(part)
+            layer_step.segment_shift = shipped if part in ("kv", "none") else shift_keeping(shipped, part)
             pol = replace(policy, stale_shift=0.0) if part == "none" else policy
             row[part] = mode_kl(engine, case, "fuse", pol)[1]
             totals[part] += row[part] / len(picks)
