@@ -125,6 +125,8 @@ def rounded_full_case(engine: LLMEngine, case: Case, dtype: torch.dtype = torch.
     changes nothing but the rounding, so it measures how much the measures move for a perturbation far
     below any fusion error."""
     prompt = [t for s in case.segments for t in s.token_ids]
+    # a second full prefill: the case's own ran in borrowed blocks that are gone, and keeping every
+    # case's whole-prompt KV for a mode few runs ask for would cost memory in every eval
     ((k, v),) = engine.compute_kv([prompt[:-1]])
     kv = TensorKV(k.to(dtype).to(k.dtype), v.to(dtype).to(v.dtype))
     return Case([Segment(prompt[:-1], kv, "prompt"), Segment(prompt[-1:], None, "last token")],
@@ -208,15 +210,19 @@ def evaluate(
     bad += [m for m in sweep_modes if m not in FUSION_MODES]
     if bad:
         raise RagfuseError(f"unknown eval mode(s) {bad} ({', '.join(known)}; sweeps: {', '.join(FUSION_MODES)})")
+    if not modes and not sweep_modes:
+        raise RagfuseError(f"no eval mode given ({', '.join(known)})")
     builder = RagPromptBuilder(engine.tokenizer)
     chains = baseline_chains(engine, max_tokens) if set(modes) & set(BASELINE_MODES) else None
     # (row key, eval mode, ratio): the main modes at ``ratio``, then the sweep's points
     jobs = [(m, m, ratio) for m in modes] + [(f"{m}@{r:g}", m, r) for m in sweep_modes for r in sweep]
     rows: dict[str, list[dict[str, Any]]] = {}
+    full_answers: list[str] = []
     t0 = time.perf_counter()
     for ex in examples:
         case = build_case(engine, builder, ex.passages, ex.question, max_tokens, kv_context)
         full_answer = engine.tokenizer.decode(case.answer_ids, skip_special_tokens=True).strip()
+        full_answers.append(full_answer)
         done: dict[tuple[str, float], dict[str, Any]] = {}
         for key, name, r in jobs:
             if (name, r) not in done:
@@ -237,10 +243,9 @@ def evaluate(
                                                for k, m in running.items()), refresh=False)
             progress.update(1)
     reuse_kl = _reuse_kl(rows)
-    keys = list(rows)
     return {
         "modes": {k: summarize(v, reuse_kl) for k, v in rows.items()},
-        "cases": [{"question": ex.question, "gold": ex.answers, "full_answer": rows[keys[0]][i]["full_answer"],
+        "cases": [{"question": ex.question, "gold": ex.answers, "full_answer": full_answers[i],
                    "modes": {k: {f: v[i][f] for f in CASE_FIELDS} for k, v in rows.items()}}
                   for i, ex in enumerate(examples)],
         "elapsed_s": time.perf_counter() - t0,

@@ -50,6 +50,8 @@ def test_evaluate_reports_every_mode_against_full(engine, tmp_path):
     assert abs(modes["fuse"]["recompute_ratio"] - 0.5) < 0.05
     for m in modes.values():
         assert set(m) >= {"kl_first", "kl_tf", "gap_closed", "agreement", "f1_full", "f1", "ttft_s", "n"}
+    with pytest.raises(RagfuseError, match="no eval mode"):
+        evaluate(engine, examples, [], 0.5, SelectionPolicy.default())
     (case,) = res["cases"]  # each case keeps every mode's answer and distances, to inspect or re-slice
     assert case["full_answer"] == case["modes"]["full"]["answer"] and case["gold"] == ["Harrowgate"]
     assert case["modes"]["reuse"]["kl_tf"] == modes["reuse"]["kl_tf"]
