@@ -31,7 +31,9 @@ def test_layers_arrive_whole_and_in_order_from_memory_and_disk(tmp_path, device)
             assert torch.equal(k, torch.cat([mk, dk])) and torch.equal(v, torch.cat([mv, dv]))
     if device == "cuda":
         torch.cuda.synchronize()
-    assert loader.load_s > 0 and loader.wait_s <= loader.load_s  # waiting is part of loading, never more
+    assert loader.load_s > 0 and loader.wait_s >= 0
+    if device == "cuda":  # both timed on the device: waiting is part of loading, never more; on CPU the
+        assert loader.wait_s <= loader.load_s  # host wait also counts the reader thread's wake-up (a busy box)
 
 
 @pytest.mark.gpu
