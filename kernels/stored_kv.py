@@ -20,8 +20,8 @@ def segment_shift_ref(
     k_new: torch.Tensor, v_new: torch.Tensor, k_st: torch.Tensor, v_st: torch.Tensor, active_rows: torch.Tensor,
     active_segment: torch.Tensor, share: torch.Tensor, num_segments: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per segment, ``share`` x the mean of (fresh - stored) over its active rows: float32
-    [num_segments, KVH, D] for K (before RoPE) and V. ``k_new``/``v_new`` [active, KVH, D] are the
+    """Per segment, ``share`` = (K share, V share) [2] x the mean of (fresh - stored) over its active
+    rows: float32 [num_segments, KVH, D] for K (before RoPE) and V. ``k_new``/``v_new`` [active, KVH, D] are the
     active rows' fresh K/V, ``active_rows`` their rows of the stored ``k_st``/``v_st`` and
     ``active_segment`` their segments; the last segment is the spare (rows without stored KV, padding)
     and shifts nothing, as does a segment without active rows."""
@@ -30,9 +30,9 @@ def segment_shift_ref(
     s = num_segments
     count = torch.zeros(s, device=dk.device).index_add_(0, active_segment, torch.ones_like(active_segment,
                                                                                          dtype=torch.float))
-    scale = (share / count.clamp(min=1.0)).masked_fill(torch.arange(s, device=dk.device) == s - 1, 0.0)
-    mk = torch.zeros(s, *dk.shape[1:], device=dk.device).index_add_(0, active_segment, dk) * scale[:, None, None]
-    mv = torch.zeros(s, *dv.shape[1:], device=dv.device).index_add_(0, active_segment, dv) * scale[:, None, None]
+    scale = (1.0 / count.clamp(min=1.0)).masked_fill(torch.arange(s, device=dk.device) == s - 1, 0.0)[:, None, None]
+    mk = torch.zeros(s, *dk.shape[1:], device=dk.device).index_add_(0, active_segment, dk) * (scale * share[0])
+    mv = torch.zeros(s, *dv.shape[1:], device=dv.device).index_add_(0, active_segment, dv) * (scale * share[1])
     return mk, mv
 
 

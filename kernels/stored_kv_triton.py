@@ -72,7 +72,8 @@ def _segment_mean_kernel(
     head_dim, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Program (KV head, column block): each segment's sums over the row blocks that hold it, added in
-    block order (the same bits on every run, eager or replayed), times share / rows; zero for the
+    block order (the same bits on every run, eager or replayed), times share / rows (K's share, then
+    V's, at ``share_ptr``); zero for the
     spare and for segments without active rows."""
     head = tl.program_id(0)
     cb = tl.program_id(1)
@@ -88,11 +89,11 @@ def _segment_mean_kernel(
         acc_k += tl.load(part_k_ptr + at, mask=have[:, None] & d_ok, other=0.0)
         acc_v += tl.load(part_v_ptr + at, mask=have[:, None] & d_ok, other=0.0)
         n += tl.load(part_n_ptr + rb * num_segments + s, mask=have, other=0.0)
-    scale = tl.where(s < num_segments - 1, tl.load(share_ptr) / tl.maximum(n, 1.0), 0.0)[:, None]
+    scale = tl.where(s < num_segments - 1, 1.0 / tl.maximum(n, 1.0), 0.0)[:, None]
     out = (s[:, None] * n_heads + head) * head_dim + offs_d[None, :]
     o_mask = d_ok & (s[:, None] < num_segments)
-    tl.store(mk_ptr + out, acc_k * scale, mask=o_mask)
-    tl.store(mv_ptr + out, acc_v * scale, mask=o_mask)
+    tl.store(mk_ptr + out, acc_k * (scale * tl.load(share_ptr)), mask=o_mask)
+    tl.store(mv_ptr + out, acc_v * (scale * tl.load(share_ptr + 1)), mask=o_mask)
 
 
 def segment_shift_triton(

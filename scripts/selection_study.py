@@ -44,6 +44,8 @@ def parse_policy(spec: str, ratio: float) -> SelectionPolicy:
             kw[key] = tuple(int(x) for x in value.split(",") if x)
         elif isinstance(cur, bool):
             kw[key] = value.lower() in ("1", "true", "yes")
+        elif cur is None:  # an optional share unset on the default
+            kw[key] = None if value.lower() == "none" else float(value)
         else:
             kw[key] = type(cur)(value)
     return SelectionPolicy(**{**{f.name: getattr(base, f.name) for f in fields(SelectionPolicy)}, **kw})

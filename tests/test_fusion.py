@@ -155,19 +155,29 @@ def test_one_check_layer_selections_are_nested(engine, rag_prompt):
     assert picked[0] < picked[1] < picked[2]
 
 
-def test_stale_shift_moves_each_segment_by_its_share_of_mean_deviation():
+@pytest.mark.parametrize("k_share", [0.5, 0.25, 0.0])
+def test_stale_shift_moves_each_segment_by_its_share_of_mean_deviation(k_share):
     """Two stored segments of 3 rows; the active rows are stored rows 1, 2 (segment 0) and 4 (segment
-    1), plus a row without stored KV (the spare segment 2, which must shift nothing)."""
+    1), plus a row without stored KV (the spare segment 2, which must shift nothing). V's share is
+    0.5, K's its own."""
     k_st, v_st = torch.zeros(6, 1, 2), torch.ones(6, 1, 2)
     k_new = torch.tensor([[[2.0, 0.0]], [[4.0, 0.0]], [[0.0, 6.0]], [[9.0, 9.0]]])
     v_new = torch.ones(4, 1, 2) * torch.tensor([3.0, 5.0, 1.0, 9.0])[:, None, None]
-    index = ShiftIndex(torch.tensor(0.5), torch.tensor([1, 2, 4, 0]), torch.tensor([0, 0, 1, 2]),
+    index = ShiftIndex(torch.tensor([k_share, 0.5]), torch.tensor([1, 2, 4, 0]), torch.tensor([0, 0, 1, 2]),
                        torch.tensor([0, 0, 0, 1, 1, 1]), 3)
     mk, mv, segment = segment_shift(index, k_new, v_new, k_st, v_st)
     k, v = k_st + mk.index_select(0, segment), v_st + mv.index_select(0, segment)
-    assert torch.equal(k[:3, 0], torch.tensor([[1.5, 0.0]] * 3))  # mean (3, 0), half of it
-    assert torch.equal(k[3:, 0], torch.tensor([[0.0, 3.0]] * 3))
+    assert torch.equal(k[:3, 0], torch.tensor([[3.0 * k_share, 0.0]] * 3))  # mean (3, 0), K's share of it
+    assert torch.equal(k[3:, 0], torch.tensor([[0.0, 6.0 * k_share]] * 3))
     assert torch.equal(v[:3, 0], torch.full((3, 2), 2.5)) and torch.equal(v[3:, 0], torch.ones(3, 2))
+
+
+def test_policy_gives_k_its_own_stale_shift_share_or_the_common_one():
+    assert SelectionPolicy(stale_shift=0.5).shift_shares() == (0.5, 0.5)
+    assert SelectionPolicy(stale_shift=0.5, stale_shift_k=0.0).shift_shares() == (0.0, 0.5)
+    assert SelectionPolicy(stale_shift=0.0, stale_shift_k=0.3).shift_shares() == (0.3, 0.0)
+    with pytest.raises(ValueError, match="K stale shift"):
+        SelectionPolicy(stale_shift_k=1.5)
 
 
 def test_default_policy_is_exact_at_the_ends_of_the_ratio_range(engine, rag_prompt):

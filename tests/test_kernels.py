@@ -325,14 +325,14 @@ def test_write_history_matches_reference(kern, cut: bool) -> None:
 
 def test_segment_shift_matches_reference(kern) -> None:
     """Mean deviation per stored segment over the active rows (fresh K/V as strided views of a packed
-    projection), times the share; the spare last segment (rows without stored KV, padding) and a
-    segment with no active row shift nothing."""
+    projection), times K's and V's shares (unequal, so a swap shows); the spare last segment (rows
+    without stored KV, padding) and a segment with no active row shift nothing."""
     heads, head_dim, stored, active, segments = 2, (128 if kern.big else 64), 40, 150 if not kern.big else 700, 5
     g = torch.Generator().manual_seed(3)
     rows = torch.randint(0, stored, (active,), generator=g)
     seg = torch.randint(0, 3, (active,), generator=g)  # segment 3 has no active row
     seg[::4] = segments - 1
-    share = torch.tensor(0.5)
+    share = torch.tensor([0.25, 0.5])
     for dtype in kern.dtypes:
         packed = torch.randn(active, 3 * heads * head_dim, generator=g).to(dtype)
         k_new, v_new = (t.view(active, heads, head_dim) for t in packed[:, heads * head_dim:].chunk(2, dim=-1))

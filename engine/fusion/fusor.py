@@ -191,7 +191,7 @@ def fuse_prefill(
     steady = policy.check_layers[len(checks) - 1] + 1 if checks else 0
     use_graphs = (graphs is not None and system is None and bool(sources) and steady < num_layers
                   and graphs.accepts(sizes[-1], num_stored, len(block_table), len(used)))
-    shifting = run is FusionMode.FUSE and policy.stale_shift > 0 and bool(sources)
+    shifting = run is FusionMode.FUSE and max(policy.shift_shares()) > 0 and bool(sources)
     check_shapes: list[CheckShape] = []
     first_shapes: list[FirstShape] = []  # the layers before the first check, when every later one replays
     if use_graphs and checks and [li for li, _ in checks] == list(range(checks[0][0], steady)):
@@ -228,7 +228,7 @@ def fuse_prefill(
             "stored_segment": lay.segment[lay.stored], "table": table_h.astype(np.int32)[None],
             "bounds": bounds, "fusable": lay.fusable,
             "must_keep": ~lay.fusable | lay.forced,  # positions every check keeps: no stored KV, or forced in
-            "share": np.float32(policy.stale_shift), "tail": np.int64(lay.tail),
+            "share": np.array(policy.shift_shares(), dtype=np.float32), "tail": np.int64(lay.tail),
             "tail_pos": np.arange(n - lay.tail, n),  # the question's positions (it ranks by its attention)
         }
         if cap is not None:  # the graphs' static inputs, padded here: one copy each into place

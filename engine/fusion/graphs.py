@@ -166,7 +166,7 @@ class FusionGraphs:
         self.positions, self.slots, self.rows, self.segment = self.state.unbind(0)
         self.table = torch.zeros(1, self.max_blocks, dtype=torch.int32, device=device)
         self.bounds = torch.zeros(3, dtype=torch.int32, device=device)
-        self.share = torch.zeros((), device=device)  # the stale shift's share; 0 shifts nothing
+        self.share = torch.zeros(2, device=device)  # the stale shift's (K, V) shares; 0 shifts nothing
         # per pass, read by the check layers: the prompt's slots, the positions always kept, the question's length
         positions = -(-max_model_len // PROMPT_STEP) * PROMPT_STEP
         self.prompt_slots = torch.zeros(positions, dtype=torch.long, device=device)

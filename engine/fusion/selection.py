@@ -24,14 +24,16 @@ class SelectionPolicy:
     attention_weight: float = 0.0  # rank by deviation * (the question's attention to the token) ** this
     revert_dropped: bool = False  # a check layer puts the stored KV back for the candidates it drops
     stale_shift: float = 0.0  # stale KV moves by this share of its segment's mean deviation (``stale_shift.py``)
+    stale_shift_k: float | None = None  # K's own share of that shift; None: the same as ``stale_shift``
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"recompute ratio must be in [0, 1], got {self.ratio}")
         if self.metric not in ("k", "v", "kv"):
             raise ValueError(f"unknown deviation metric {self.metric!r}")
-        if not 0.0 <= self.stale_shift <= 1.0:
-            raise ValueError(f"stale shift must be in [0, 1], got {self.stale_shift}")
+        for name, share in (("stale shift", self.stale_shift), ("K stale shift", self.stale_shift_k)):
+            if share is not None and not 0.0 <= share <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {share}")
         if not self.check_layers or min(self.check_layers) < 1:
             raise ValueError("check layers must be >= 1 (layer 0 never deviates)")
 
@@ -68,6 +70,11 @@ class SelectionPolicy:
     def paper(cls, ratio: float) -> SelectionPolicy:
         """The paper's straightforward selection: one check layer, V deviation."""
         return cls(ratio=ratio, check_layers=(1,), first_factor=1.0, metric="v")
+
+    def shift_shares(self) -> tuple[float, float]:
+        """(K share, V share) of the stale shift: K's own where set, since a K shift moves the scores
+        of a whole passage and so attention between passages, where a V shift only nudges what is read."""
+        return (self.stale_shift if self.stale_shift_k is None else self.stale_shift_k), self.stale_shift
 
     def with_ratio(self, ratio: float) -> SelectionPolicy:
         return replace(self, ratio=ratio)

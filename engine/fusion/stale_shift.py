@@ -32,7 +32,7 @@ class ShiftIndex:
     ``active_rows`` [active]: row of the loaded stored KV per active token (any valid row where it
     has none); ``active_segment`` [active]: its stored segment, or ``num_segments - 1`` (the spare)
     where it has no stored KV; ``stored_segment`` [stored]: the stored segment of each stored row.
-    ``share``: a 0-d tensor, so a captured graph reads the policy's value at replay."""
+    ``share``: (K share, V share) [2] as a tensor, so a captured graph reads the policy's values at replay."""
 
     share: torch.Tensor
     active_rows: torch.Tensor

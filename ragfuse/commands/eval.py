@@ -52,6 +52,8 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="a check layer restores the stored KV of the candidates it drops (ratio 0 = reuse)")
     p.add_argument("--stale-shift", type=float, default=d.stale_shift,
                    help="share of its segment's mean fresh-minus-stored deviation added to each stale token's KV")
+    p.add_argument("--stale-shift-k", type=float, default=d.stale_shift_k,
+                   help="K's own share of that shift (default: the policy's; unset, the same as --stale-shift)")
 
 
 def policy_from_args(args: argparse.Namespace, ratio: float) -> Any:
@@ -63,7 +65,7 @@ def policy_from_args(args: argparse.Namespace, ratio: float) -> Any:
         return SelectionPolicy(ratio=ratio, check_layers=layers, first_factor=args.first_factor,
                                metric=args.metric, sink_tokens=args.sink_tokens,
                                attention_weight=args.attention_weight, revert_dropped=args.revert_dropped,
-                               stale_shift=args.stale_shift)
+                               stale_shift=args.stale_shift, stale_shift_k=args.stale_shift_k)
     except ValueError as exc:
         raise RagfuseError(f"bad selection policy: {exc}") from exc
 
