@@ -62,7 +62,11 @@ class SelectionPolicy:
         1-8 did not beat 0.5. On the eval's first 20 cases 0.5 lowered kl_tf too (0.0347 -> 0.0312,
         0.0187 -> 0.0162) but the greedy answers agreed less with full prefill's (f1_full 0.849 ->
         0.817, 0.860 -> 0.814; results/fusion-quality/*-20-after-instruction-aw05): f1_full is the
-        goal furthest from met, so 0.1 stays."""
+        goal furthest from met, so 0.1 stays.
+
+        K's own share of the shift (``stale_shift_k``; MuSiQue cases 20-49, kl_tf, V share 0.5):
+        K 0 0.0935, 0.1 0.0690, 0.25 0.0482, 0.5 0.0430, 0.75 0.0526, 1.0 0.0665; V 0.25 / 0 with K
+        0.5: 0.0481 / 0.0589 (results/fusion-quality/stale-shift-k-share.md). One common share stays."""
         return cls(ratio=0.15, check_layers=(1, 2, 3, 4, 5), first_factor=3.0, metric="v", attention_weight=0.1,
                    revert_dropped=True, stale_shift=0.5)
 
