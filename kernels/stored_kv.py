@@ -21,8 +21,8 @@ def segment_shift_ref(
     active_segment: torch.Tensor, share: torch.Tensor, num_segments: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per segment, ``share`` = (K share, V share) [2] x the mean of (fresh - stored) over its active
-    rows: float32 [num_segments, KVH, D] for K (before RoPE) and V. ``k_new``/``v_new`` [active, KVH, D] are the
-    active rows' fresh K/V, ``active_rows`` their rows of the stored ``k_st``/``v_st`` and
+    rows: float32 [num_segments, KVH, D] for K (before RoPE) and V. ``k_new``/``v_new`` [active, KVH,
+    D] are the active rows' fresh K/V, ``active_rows`` their rows of the stored ``k_st``/``v_st`` and
     ``active_segment`` their segments; the last segment is the spare (rows without stored KV, padding)
     and shifts nothing, as does a segment without active rows."""
     dk = k_new.float() - k_st.index_select(0, active_rows).float()

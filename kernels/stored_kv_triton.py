@@ -73,8 +73,7 @@ def _segment_mean_kernel(
 ):
     """Program (KV head, column block): each segment's sums over the row blocks that hold it, added in
     block order (the same bits on every run, eager or replayed), times share / rows (K's share, then
-    V's, at ``share_ptr``); zero for the
-    spare and for segments without active rows."""
+    V's, at ``share_ptr``); zero for the spare and for segments without active rows."""
     head = tl.program_id(0)
     cb = tl.program_id(1)
     s = tl.arange(0, S_PAD)
