@@ -5,9 +5,10 @@ its KV's error at a layer is common to the whole passage. The tokens a layer rec
 anyway (fresh minus stored); their mean per segment, times the policy's share, is added to the
 stored KV of every token of that segment, which only the stale ones keep (the recomputed ones are
 overwritten by their fresh KV). The recomputed tokens are those that deviate most, so their mean
-overstates the common part: a share of 0.5 did best. On the default model at 15% recompute it
-took MuSiQue's gap_closed from 0.53 to 0.71 (``scripts/selection_study.py``, 6 cases), for the
-price of a mean and an add per layer, no recompute.
+overstates the common part: a share of 0.5 did best, for K and V alike (K may have a share of its
+own, ``stale_shift_k``; none beat 0.5: results/fusion-quality/stale-shift-k-share.md). On the
+default model at 15% recompute it took MuSiQue's gap_closed from 0.53 to 0.71
+(``scripts/selection_study.py``, 6 cases), for the price of a mean and an add per layer, no recompute.
 
 The means (one small kernel over the active rows) and the shifted stored KV's rotation and write (one
 pass over the stored rows) are ``ops.segment_shift`` and ``ops.write_stored_kv``. The inputs are
