@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+echo "setup: ${SECONDS} s" >&2  # each phase's end, so a slow CI run shows where its time went
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 ruff check .
@@ -10,5 +11,7 @@ ruff check .
 # Python-bound model and server setup, which one process leaves a core idle through; whole files go
 # to one worker so their module fixtures (models, engines) are built once
 OMP_NUM_THREADS=1 python -m pytest -q -ra --timeout=900 -n "${RAGFUSE_TEST_WORKERS:-2}" --dist loadfile "$@"
+echo "main suite done: ${SECONDS} s" >&2
 # the vLLM connector needs vLLM's own pins: its tests run in a second venv (scripts/test_vllm.sh)
 [ "${RAGFUSE_SKIP_VLLM:-0}" = 1 ] || bash scripts/test_vllm.sh
+echo "vLLM connector suite done: ${SECONDS} s" >&2

@@ -34,23 +34,33 @@ def test_last_token_logits_match_transformers(llm, hf_model):
         assert (ours - ref).abs().max().item() < 1e-3, text
 
 
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    """transformers' model decoding greedily with its own KV cache, ignoring end-of-turn."""
+def hf_greedy(model, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' model decoding greedily with its own KV cache, ignoring end-of-turn: the prompts
+    left-padded into one batch (masked, positions counted from each prompt's first real token), which
+    gives the tokens of one-at-a-time decoding in a quarter of its time on CPU."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    toks = []
     with torch.no_grad():
-        out = model(torch.tensor([ids]), use_cache=True)
-        toks = [int(out.logits[0, -1].argmax())]
-        for _ in range(n - 1):
-            out = model(torch.tensor([[toks[-1]]]), past_key_values=out.past_key_values, use_cache=True)
-            toks.append(int(out.logits[0, -1].argmax()))
-    return toks
+        out = model(ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        for _ in range(n):
+            toks.append(out.logits[:, -1].argmax(-1))
+            if len(toks) == n:
+                break
+            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], 1)
+            pos = pos[:, -1:] + 1
+            out = model(toks[-1][:, None], attention_mask=mask, position_ids=pos, past_key_values=out.past_key_values,
+                        use_cache=True)
+    return torch.stack(toks, 1).tolist()
 
 
 def test_greedy_64_tokens_match_transformers(llm, hf_model):
     """64 tokens each, past end-of-turn on both sides, so every comparison is full length."""
     prompts = [_chat(llm, t) for t in PROMPTS]
     outs = llm.generate(prompts, SamplingParams(max_tokens=64, ignore_eos=True))
-    for ids, out in zip(prompts, outs, strict=True):
-        assert out.token_ids == hf_greedy(hf_model, ids, 64)
+    assert [out.token_ids for out in outs] == hf_greedy(hf_model, prompts, 64)
 
 
 def test_batched_equals_one_at_a_time(llm):

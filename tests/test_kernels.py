@@ -153,7 +153,7 @@ def test_prefill_split_keys_matches_reference(kern, heads, kv_heads, head_dim, n
         q_lens, ctx = [257, 1, 129, 300, 64], [33000, 2000, 100, 0, 7000]
         window = None if window is None else 9000
     else:
-        q_lens, ctx = [37, 1, 16, 20, 5], [0, 19, 16, 300, 60]
+        q_lens, ctx = [37, 1, 16, 20, 5], [0, 19, 16, 140, 40]  # 16 splits leave some shares empty
     _check_varlen_prefill(kern, q_lens, ctx, heads, kv_heads, head_dim, 16, window, num_splits, pack)
 
 
