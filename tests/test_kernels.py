@@ -149,6 +149,10 @@ def test_prefill_split_keys_matches_reference(kern, heads, kv_heads, head_dim, n
     """Split-K prefill (a new turn after a long history): each query tile's keys cut into shares
     merged by lse, beside tiles too short to split (written directly) in the same launch, and fresh
     sequences whose early tiles stay whole while later ones split."""
+    if not kern.big and (window is None) == (pack == (num_splits == 3)):
+        # Triton's interpreter runs every program in Python: on CPU half the grid, which still meets
+        # every pair of (splits, window, pack) values; the GPU runs all of it
+        pytest.skip("pairwise subset on the interpreter")
     if kern.big:
         q_lens, ctx = [257, 1, 129, 300, 64], [33000, 2000, 100, 0, 7000]
         window = None if window is None else 9000

@@ -39,7 +39,9 @@ def run(args: argparse.Namespace) -> int:
         from ragfuse.engine.sessions import check_session_id
 
         check_session_id(args.session)
-    pipe = open_pipeline(args.store, args.model, args.device, args.dtype, redis_url=args.redis)
+    # the accuracy gate's r* (a one-off calibration of minutes on a CPU) only bounds a ratio nobody chose
+    gate = args.mode == "fuse" and args.recompute_ratio is None
+    pipe = open_pipeline(args.store, args.model, args.device, args.dtype, redis_url=args.redis, gate=gate)
     if args.session is not None:
         from ragfuse.engine.sessions import SessionStore
         from ragfuse.store_dir import resolve_store_dir
