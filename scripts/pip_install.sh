@@ -12,7 +12,7 @@ shift
 pip_setting() {  # every value of one pip setting, from any of pip's configuration sources
   "$py" -m pip config list 2>/dev/null | sed -n "s/^[^=]*\.$1='\(.*\)'$/\1/p" | tr ' ' '\n' | sort -u
 }
-uv_args=()
+uv_args=(--index-strategy unsafe-best-match)  # pip's rule: the best version on any index, not the first index's
 for links in $(pip_setting find-links); do
   [ -e "$links" ] && uv_args+=(--find-links "$links")
 done
@@ -25,7 +25,7 @@ for index in $(pip_setting extra-index-url); do
   fi
 done
 if "$py" -m uv --version >/dev/null 2>&1 || "$py" -m pip install -q uv; then
-  if "$py" -m uv pip install --python "$py" ${uv_args[@]+"${uv_args[@]}"} "$@"; then
+  if "$py" -m uv pip install --python "$py" "${uv_args[@]}" "$@"; then
     exit 0
   fi
   echo "uv could not install $*; trying pip" >&2
