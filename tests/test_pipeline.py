@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -119,13 +120,22 @@ def test_chunk_kv_is_found_as_ingest_stored_it_and_a_missing_entry_computed_the_
     assert torch.allclose(entry.kv()[0], k, atol=1e-5) and torch.allclose(entry.kv()[1], v, atol=1e-5)
 
 
-def test_cli_ask_json_compares_fuse_with_full(store):
+def test_cli_ask_json_compares_fuse_with_full(store, tmp_path):
+    from ragfuse.engine.checkpoint import cache_root
+
+    # a cache without the accuracy gate's calibrations (the converted model shared): a chosen ratio
+    # needs no r*, so the command must not spend minutes calibrating one
+    models = cache_root() / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "models").symlink_to(models)
     r = subprocess.run(
         [sys.executable, "-m", "ragfuse.cli", "ask", QUESTION, "--store", str(store), "--json", "--compare",
          "--top-k", "2", "--recompute-ratio", "0.3", "--max-tokens", "16"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, env={**os.environ, "RAGFUSE_CACHE": str(tmp_path / "cache")},
     )
     assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "cache" / "gate").exists()
     out = json.loads(r.stdout)
     for key in ("answer", "sources", "mode", "recompute_ratio", "ttft_s", "total_s", "prompt_tokens",
                 "reused_tokens", "recomputed_tokens", "load_s", "recompute_s", "tiers"):
