@@ -66,7 +66,11 @@ class SelectionPolicy:
 
         K's own share of the shift (``stale_shift_k``; MuSiQue cases 20-49, kl_tf, V share 0.5):
         K 0 0.0935, 0.1 0.0690, 0.25 0.0482, 0.5 0.0430, 0.75 0.0526, 1.0 0.0665; V 0.25 / 0 with K
-        0.5: 0.0481 / 0.0589 (results/fusion-quality/stale-shift-k-share.md). One common share stays."""
+        0.5: 0.0481 / 0.0589 (results/fusion-quality/stale-shift-k-share.md). One common share stays.
+
+        With the shift, K+V deviation ranks better than V alone on held-out cases (MuSiQue 20-49
+        0.0411 vs 0.0430, better on 22/30; 2WikiMQA 20-39 0.0153 vs 0.0159, 14/20;
+        results/fusion-quality/metric-with-shift.md); V stays until the full evals' f1_full says the same."""
         return cls(ratio=0.15, check_layers=(1, 2, 3, 4, 5), first_factor=3.0, metric="v", attention_weight=0.1,
                    revert_dropped=True, stale_shift=0.5)
 
