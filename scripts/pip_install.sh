@@ -9,15 +9,16 @@
 set -euo pipefail
 py=$1
 shift
+pip_config=$("$py" -m pip config list 2>/dev/null || true)  # read once: pip takes ~0.5 s to start
 pip_setting() {  # every value of one pip setting, from any of pip's configuration sources
-  "$py" -m pip config list 2>/dev/null | sed -n "s/^[^=]*\.$1='\(.*\)'$/\1/p" | tr ' ' '\n' | sort -u
+  sed -n "s/^[^=]*\.$1='\(.*\)'$/\1/p" <<<"$pip_config" | tr ' ' '\n' | sort -u
 }
 uv_args=(--index-strategy unsafe-best-match)  # pip's rule: the best version on any index, not the first index's
 for links in $(pip_setting find-links); do
-  [ -e "$links" ] && uv_args+=(--find-links "$links")
+  if [ -e "$links" ]; then uv_args+=(--find-links "$links"); fi
 done
 for constraint in $(pip_setting constraint); do
-  [ -e "$constraint" ] && uv_args+=(--constraint "$constraint")
+  if [ -e "$constraint" ]; then uv_args+=(--constraint "$constraint"); fi
 done
 for index in $(pip_setting extra-index-url); do
   if [[ $index != file://* ]] || [ -e "${index#file://}" ]; then  # a missing local index is skipped, as pip does

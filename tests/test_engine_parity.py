@@ -42,17 +42,15 @@ def hf_greedy(model, prompts: list[list[int]], n: int) -> list[list[int]]:
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     pos = (mask.cumsum(1) - 1).clamp(min=0)
-    toks = []
     with torch.no_grad():
         out = model(ids, attention_mask=mask, position_ids=pos, use_cache=True)
-        for _ in range(n):
-            toks.append(out.logits[:, -1].argmax(-1))
-            if len(toks) == n:
-                break
+        toks = [out.logits[:, -1].argmax(-1)]
+        for _ in range(n - 1):
             mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], 1)
             pos = pos[:, -1:] + 1
             out = model(toks[-1][:, None], attention_mask=mask, position_ids=pos, past_key_values=out.past_key_values,
                         use_cache=True)
+            toks.append(out.logits[:, -1].argmax(-1))
     return torch.stack(toks, 1).tolist()
 
 
