@@ -70,7 +70,9 @@ class SelectionPolicy:
 
         With the shift, K+V deviation ranks better than V alone on held-out cases (MuSiQue 20-49
         0.0411 vs 0.0430, better on 22/30; 2WikiMQA 20-39 0.0153 vs 0.0159, 14/20;
-        results/fusion-quality/metric-with-shift.md); V stays until the full evals' f1_full says the same."""
+        results/fusion-quality/metric-with-shift.md), but not on every case: MuSiQue all 75 0.0495 vs
+        0.0486 (case 54's K-shift failure grows), 2WikiMQA all 51 0.0152 vs 0.0162, and f1_full drops on
+        both (0.816 vs 0.820, 0.890 vs 0.901; results/fusion-quality/metric-kv-all-cases.md), so V stays."""
         return cls(ratio=0.15, check_layers=(1, 2, 3, 4, 5), first_factor=3.0, metric="v", attention_weight=0.1,
                    revert_dropped=True, stale_shift=0.5)
 
