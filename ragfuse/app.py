@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from pathlib import Path
 
 import torch
 
@@ -16,7 +15,7 @@ from ragfuse.engine.kvstore.entry import dtype_name
 from ragfuse.pipeline import RagPipeline
 from ragfuse.rag_store import RagStore
 from ragfuse.retrieval import Retriever
-from ragfuse.store_dir import StoreConfig, resolve_store_dir
+from ragfuse.store_dir import ingested_store, resolve_store_dir
 
 log = logging.getLogger("ragfuse.app")
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -35,10 +34,7 @@ def open_pipeline(
 ) -> RagPipeline:
     """A pipeline over the store at ``store`` (or the default store), serving ``model`` (default:
     the model the store was ingested with). KV tiers: GPU pool (with CUDA), CPU pool, disk, Redis."""
-    root = resolve_store_dir(store)
-    config = StoreConfig.load(root)
-    if config is None:
-        raise RagfuseError(f"no ragfuse store at {root} (run `ragfuse ingest` first, or pass --store)")
+    root, config = ingested_store(store)
     if model not in (None, DEFAULT_MODEL, config.model):
         raise RagfuseError(f"the store at {root} was ingested with model {config.model!r}, not {model!r}")
     engine = engine or LLMEngine(EngineConfig(model=config.model, device=device, dtype=dtype))
@@ -75,10 +71,8 @@ def shared_pipeline(store: str | None, model: str | None = None, device: str = "
     and one pipeline per store."""
     with _SHARED_LOCK:
         if store is not None:
-            store = str(resolve_store_dir(store))
-            config = StoreConfig.load(Path(store))
-            if config is None:
-                raise RagfuseError(f"no ragfuse store at {store} (run `ragfuse ingest` first)")
+            root, config = ingested_store(store)
+            store = str(root)
             model = model or config.model
         model = model or DEFAULT_MODEL
         ekey = ("engine", model, device)

@@ -32,17 +32,22 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every subcommand, or only ``command``'s when it is one: running a command
+    then imports nothing of the others (the benchmarks load torch just to declare their options)."""
     parser = _Parser(prog="ragfuse", description="RAG middleware with a KV-cache fusion engine.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for module in dict.fromkeys(COMMANDS.values()):
+    modules = [COMMANDS[command]] if command in COMMANDS else dict.fromkeys(COMMANDS.values())
+    for module in modules:
         importlib.import_module(f"ragfuse.commands.{module}").register(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)  # the only global option takes no value
+    args = build_parser(command).parse_args(argv)
     if args.verbose:
         import logging
 

@@ -80,3 +80,12 @@ class StoreConfig:
         if diffs:
             raise StoreError("this store was built with other settings (" + "; ".join(diffs)
                              + "); use another --store or `ragfuse store rm --all` first")
+
+
+def ingested_store(path: str | Path | None) -> tuple[Path, StoreConfig]:
+    """The store directory for ``path`` and its settings; a user error where nothing was ingested."""
+    root = resolve_store_dir(path)
+    config = StoreConfig.load(root)
+    if config is None:
+        raise RagfuseError(f"no ragfuse store at {root} (run `ragfuse ingest` first, or pass --store)")
+    return root, config

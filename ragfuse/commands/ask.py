@@ -8,6 +8,7 @@ import sys
 
 from ragfuse.commands.generate import add_model_args, positive_int
 from ragfuse.commands.ingest import add_store_arg
+from ragfuse.store_dir import ingested_store
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,15 +31,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ragfuse.app import open_pipeline
-    from ragfuse.engine import SamplingParams
-
+    # the user's mistakes are told before the engine (seconds of imports and loading) starts
     if not args.question.strip():
         raise _usage("QUESTION is empty")
+    if args.recompute_ratio is not None and not 0.0 <= args.recompute_ratio <= 1.0:
+        raise _usage(f"--recompute-ratio must be in [0, 1], got {args.recompute_ratio}")
+    ingested_store(args.store)
     if args.session is not None:
         from ragfuse.engine.sessions import check_session_id
 
         check_session_id(args.session)
+    from ragfuse.app import open_pipeline
+    from ragfuse.engine import SamplingParams
+
     # the accuracy gate's r* (a one-off calibration of minutes on a CPU) only bounds a ratio nobody chose
     gate = args.mode == "fuse" and args.recompute_ratio is None
     pipe = open_pipeline(args.store, args.model, args.device, args.dtype, redis_url=args.redis, gate=gate)

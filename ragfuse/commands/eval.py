@@ -38,34 +38,38 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:
-    """Knobs of ragfuse's own selection (``fuse``); defaults are the shipped policy."""
-    from ragfuse.engine.fusion import SelectionPolicy
-
-    d = SelectionPolicy.default()
-    p.add_argument("--metric", choices=["k", "v", "kv"], default=d.metric)
-    p.add_argument("--check-layers", default=",".join(map(str, d.check_layers)))
-    p.add_argument("--first-factor", type=float, default=d.first_factor)
-    p.add_argument("--sink-tokens", type=int, default=d.sink_tokens)
-    p.add_argument("--attention-weight", type=float, default=d.attention_weight,
+    """Knobs of ragfuse's own selection (``fuse``). Unset ones keep the shipped policy's values,
+    filled in by ``policy_from_args``: reading them here would load the engine (torch) just to parse."""
+    p.add_argument("--metric", choices=["k", "v", "kv"])
+    p.add_argument("--check-layers", help="comma-separated layer indices")
+    p.add_argument("--first-factor", type=float)
+    p.add_argument("--sink-tokens", type=int)
+    p.add_argument("--attention-weight", type=float,
                    help="rank by deviation * (the question's attention to the token) ** this (0: deviation alone)")
-    p.add_argument("--revert-dropped", action=argparse.BooleanOptionalAction, default=d.revert_dropped,
+    p.add_argument("--revert-dropped", action=argparse.BooleanOptionalAction,
                    help="a check layer restores the stored KV of the candidates it drops (ratio 0 = reuse)")
-    p.add_argument("--stale-shift", type=float, default=d.stale_shift,
+    p.add_argument("--stale-shift", type=float,
                    help="share of its segment's mean fresh-minus-stored deviation added to each stale token's KV")
-    p.add_argument("--stale-shift-k", type=float, default=d.stale_shift_k,
+    p.add_argument("--stale-shift-k", type=float,
                    help="K's own share of that shift (default: the policy's; unset, the same as --stale-shift)")
 
 
+POLICY_ARGS = ("metric", "check_layers", "first_factor", "sink_tokens", "attention_weight", "revert_dropped",
+               "stale_shift", "stale_shift_k")
+
+
 def policy_from_args(args: argparse.Namespace, ratio: float) -> Any:
+    """The shipped policy at ``ratio`` with the knobs given on the command line."""
+    from dataclasses import replace
+
     from ragfuse.engine import RagfuseError
     from ragfuse.engine.fusion import SelectionPolicy
 
+    given = {name: getattr(args, name) for name in POLICY_ARGS if getattr(args, name) is not None}
     try:
-        layers = tuple(int(x) for x in args.check_layers.split(",") if x.strip())
-        return SelectionPolicy(ratio=ratio, check_layers=layers, first_factor=args.first_factor,
-                               metric=args.metric, sink_tokens=args.sink_tokens,
-                               attention_weight=args.attention_weight, revert_dropped=args.revert_dropped,
-                               stale_shift=args.stale_shift, stale_shift_k=args.stale_shift_k)
+        if "check_layers" in given:
+            given["check_layers"] = tuple(int(x) for x in given["check_layers"].split(",") if x.strip())
+        return replace(SelectionPolicy.default(), ratio=ratio, **given)
     except ValueError as exc:
         raise RagfuseError(f"bad selection policy: {exc}") from exc
 

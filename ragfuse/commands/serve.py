@@ -41,10 +41,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from ragfuse.connectors.server import ServerSettings, create_app
-
     if not 0 < args.port < 65536:
         raise SystemExit(_usage(f"--port must be in 1..65535, got {args.port}"))
     if args.max_body_mb <= 0:
@@ -56,6 +52,10 @@ def run(args: argparse.Namespace) -> int:
     if args.host not in LOOPBACK and not args.api_key:
         sys.stderr.write(f"ragfuse: warning: serving on {args.host} without an API key: anyone who can reach "
                          "the port can use it\n")
+    import uvicorn  # after the checks: the server stack takes seconds to import
+
+    from ragfuse.connectors.server import ServerSettings, create_app
+
     settings = ServerSettings(api_key=args.api_key, cors_origins=tuple(args.cors_origin),
                               max_body_bytes=int(args.max_body_mb * 2**20), max_tokens=args.max_tokens,
                               relay=not args.no_relay)
