@@ -50,8 +50,8 @@ def sessions(llm, tmp_path):
 @pytest.mark.parametrize("where", ["cpu", "disk"])
 def test_restored_session_matches_recomputing_the_history(llm, sessions, where: str) -> None:
     store = sessions(cpu_bytes=(1 << 30) if where == "cpu" else 0)
-    convs = conversations(llm.tokenizer, n=5 if where == "cpu" else 2)
-    assert len(convs) >= (5 if where == "cpu" else 2)
+    convs = conversations(llm.tokenizer, n=3 if where == "cpu" else 2)
+    assert len(convs) >= (3 if where == "cpu" else 2)
     for c, users in enumerate(convs):
         messages: list[dict[str, str]] = []
         for t, user in enumerate(users):
@@ -74,7 +74,7 @@ def test_truncation_on_stored_kv_matches_reprefilling_the_truncated_history(llm,
     sessions()
     eng = llm.engine
     first_equal = agree = 0
-    convs = conversations(llm.tokenizer, n=5, words=60)
+    convs = conversations(llm.tokenizer, n=3, words=60)
     for c, users in enumerate(convs):
         messages = [{"role": "user", "content": users[0]}]
         first = llm.chat(messages, SP, session_id=f"trunc-{c}")
@@ -98,7 +98,7 @@ def test_truncation_on_stored_kv_matches_reprefilling_the_truncated_history(llm,
     print(f"truncation: first token equal {first_equal}/{len(convs)}, all {SP.max_tokens} equal {agree}/{len(convs)}")
     # the kept tokens' KV still saw the cut ones, so this is near, not bit-equal (bench sessions
     # measures the perplexity gap on long text)
-    assert first_equal >= len(convs) - 2 and agree >= 1
+    assert first_equal >= len(convs) - 1 and agree >= 1
 
 
 def test_evicted_session_is_recomputed_and_says_so(llm, sessions) -> None:
