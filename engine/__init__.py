@@ -8,16 +8,26 @@ needs the errors (the CLI parsing its arguments, the store's directory checks) s
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import ModelError, RagfuseError, RequestError
+
+if TYPE_CHECKING:  # what type checkers and editors see; at run time ``__getattr__`` loads them
+    from .async_engine import AsyncEngine
+    from .config import EngineConfig, ModelConfig
+    from .llm import LLM
+    from .llm_engine import LLMEngine, RequestOutput
+    from .sampling import SamplingParams
 
 _LAZY = {  # public name -> the submodule defining it
     "AsyncEngine": "async_engine", "EngineConfig": "config", "ModelConfig": "config", "LLM": "llm",
     "LLMEngine": "llm_engine", "RequestOutput": "llm_engine", "SamplingParams": "sampling",
 }
 
-__all__ = ["ModelError", "RagfuseError", "RequestError", *_LAZY]
+__all__ = [
+    "LLM", "AsyncEngine", "EngineConfig", "LLMEngine", "ModelConfig", "ModelError", "RagfuseError", "RequestError",
+    "RequestOutput", "SamplingParams",
+]
 
 
 def __getattr__(name: str) -> Any:
