@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -120,7 +119,8 @@ def test_chunk_kv_is_found_as_ingest_stored_it_and_a_missing_entry_computed_the_
     assert torch.allclose(entry.kv()[0], k, atol=1e-5) and torch.allclose(entry.kv()[1], v, atol=1e-5)
 
 
-def test_cli_ask_json_compares_fuse_with_full(store, tmp_path):
+def test_cli_ask_json_compares_fuse_with_full(store, tmp_path, monkeypatch, capsys):
+    from ragfuse.cli import main  # the command's entry point in this process (test_cli runs the executable)
     from ragfuse.engine.checkpoint import cache_root
 
     # a cache without the accuracy gate's calibrations (the converted model shared): a chosen ratio
@@ -129,14 +129,12 @@ def test_cli_ask_json_compares_fuse_with_full(store, tmp_path):
     models.mkdir(parents=True, exist_ok=True)
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "models").symlink_to(models)
-    r = subprocess.run(
-        [sys.executable, "-m", "ragfuse.cli", "ask", QUESTION, "--store", str(store), "--json", "--compare",
-         "--top-k", "2", "--recompute-ratio", "0.3", "--max-tokens", "16"],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "RAGFUSE_CACHE": str(tmp_path / "cache")},
-    )
-    assert r.returncode == 0, r.stderr
+    monkeypatch.setenv("RAGFUSE_CACHE", str(tmp_path / "cache"))
+    capsys.readouterr()
+    assert main(["ask", QUESTION, "--store", str(store), "--json", "--compare", "--top-k", "2",
+                 "--recompute-ratio", "0.3", "--max-tokens", "16"]) == 0
     assert not (tmp_path / "cache" / "gate").exists()
-    out = json.loads(r.stdout)
+    out = json.loads(capsys.readouterr().out)
     for key in ("answer", "sources", "mode", "recompute_ratio", "ttft_s", "total_s", "prompt_tokens",
                 "reused_tokens", "recomputed_tokens", "load_s", "recompute_s", "tiers"):
         assert key in out

@@ -8,8 +8,6 @@ path without relay. On CUDA (``gpu``): the Triton kernels with decode graphs aga
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -58,13 +56,14 @@ def test_greedy_tokens_identical_with_and_without_relay(llm) -> None:
     assert llm.engine.blocks.num_free == free + system_blocks
 
 
-def test_generate_command_uses_relay_unless_told_not_to() -> None:
+def test_generate_command_uses_relay_unless_told_not_to(capsys: pytest.CaptureFixture[str]) -> None:
+    from ragfuse.cli import main  # the command's entry point in this process (test_cli runs the executable)
+
     def generate(*extra: str) -> dict:
-        r = subprocess.run([sys.executable, "-m", "ragfuse.cli", "generate", "Name a colour.", "--system",
-                            "You answer in one word.", "--max-tokens", "5", "--json", "--device", "cpu", *extra],
-                           capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr
-        return json.loads(r.stdout)
+        capsys.readouterr()
+        assert main(["generate", "Name a colour.", "--system", "You answer in one word.", "--max-tokens", "5",
+                     "--json", "--device", "cpu", *extra]) == 0
+        return json.loads(capsys.readouterr().out)
 
     relayed, plain = generate(), generate("--no-relay")
     assert relayed["relay"] is True and plain["relay"] is False
