@@ -8,7 +8,7 @@ import numpy as np
 
 from ragfuse.docstore import DocStore
 from ragfuse.engine.kvstore import DiskTier, KVStoreError, RedisTier, TieredKVStore
-from ragfuse.store_dir import StoreConfig, StoreError
+from ragfuse.store_dir import StoreConfig, StoreError, ingested_store
 from ragfuse.vector_index import VectorIndex
 
 DEFAULT_KV_CAPACITY_GB = 200.0
@@ -41,9 +41,7 @@ class RagStore:
     @classmethod
     def open_existing(cls, root: Path, **kwargs: object) -> RagStore:
         """Open a store that must already hold an ingest (for search, stats, rm)."""
-        config = StoreConfig.load(root)
-        if config is None:
-            raise StoreError(f"no ragfuse store at {root} (run `ragfuse ingest` first, or pass --store)")
+        root, config = ingested_store(root)
         return cls(root, config, **kwargs)  # type: ignore[arg-type]
 
     @property

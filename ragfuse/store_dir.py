@@ -87,5 +87,5 @@ def ingested_store(path: str | Path | None) -> tuple[Path, StoreConfig]:
     root = resolve_store_dir(path)
     config = StoreConfig.load(root)
     if config is None:
-        raise RagfuseError(f"no ragfuse store at {root} (run `ragfuse ingest` first, or pass --store)")
+        raise StoreError(f"no ragfuse store at {root} (run `ragfuse ingest` first, or pass --store)")
     return root, config

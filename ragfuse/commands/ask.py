@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from ragfuse.commands.generate import add_model_args, positive_int
+from ragfuse.commands.generate import add_model_args, positive_int, unit_ratio
 from ragfuse.commands.ingest import add_store_arg
 from ragfuse.store_dir import ingested_store
 
@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_store_arg(p)
     add_model_args(p)
     p.add_argument("--mode", default="fuse", choices=["fuse", "full", "prefix", "reuse"])
-    p.add_argument("--recompute-ratio", type=float, default=None,
+    p.add_argument("--recompute-ratio", type=unit_ratio, default=None,
                    help="share of stored tokens to recompute (default: the loading controller's choice)")
     p.add_argument("--top-k", type=positive_int, default=5)
     p.add_argument("--max-tokens", type=positive_int, default=64)
@@ -34,8 +34,6 @@ def run(args: argparse.Namespace) -> int:
     # the user's mistakes are told before the engine (seconds of imports and loading) starts
     if not args.question.strip():
         raise _usage("QUESTION is empty")
-    if args.recompute_ratio is not None and not 0.0 <= args.recompute_ratio <= 1.0:
-        raise _usage(f"--recompute-ratio must be in [0, 1], got {args.recompute_ratio}")
     ingested_store(args.store)
     if args.session is not None:
         from ragfuse.engine.sessions import check_session_id

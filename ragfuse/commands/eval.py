@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from ragfuse.commands.generate import add_model_args, positive_int
+from ragfuse.commands.generate import add_model_args, positive_int, unit_ratio
 from ragfuse.store_dir import CHUNK_KV_CONTEXTS
 
 
@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(the paper's one-check-layer V-deviation selection), full-bf16kv (full prefill's KV "
                         "rounded to bfloat16 and reused: the measures' noise floor), and LangChain's chains mapreduce, "
                         "maprerank (each passage alone, then combined / best-scored answer)")
-    q.add_argument("--recompute-ratio", type=float, default=0.15)
+    q.add_argument("--recompute-ratio", type=unit_ratio, default=0.15)
     q.add_argument("--sweep", action="store_true", help="also sweep ratios 0-100%% for fuse and fuse-paper")
     q.add_argument("--sweep-modes", default="fuse,fuse-paper", help="selections swept (comma-separated)")
     q.add_argument("--sweep-limit", type=positive_int, default=None, help="examples in the sweep (default: all)")
@@ -79,11 +79,9 @@ def run_qa(args: argparse.Namespace) -> int:
 
     from tqdm.auto import tqdm
 
-    from ragfuse.engine import EngineConfig, LLMEngine, RagfuseError
+    from ragfuse.engine import EngineConfig, LLMEngine
     from ragfuse.eval_qa import SWEEP, evaluate, load_dataset
 
-    if not 0.0 <= args.recompute_ratio <= 1.0:
-        raise RagfuseError(f"--recompute-ratio must be in [0, 1], got {args.recompute_ratio}")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     sweep_modes = [m.strip() for m in args.sweep_modes.split(",") if m.strip()]
     examples = load_dataset(args.dataset, args.limit, args.max_passages)

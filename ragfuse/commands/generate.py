@@ -36,6 +36,13 @@ def positive_int(value: str) -> int:
     return n
 
 
+def unit_ratio(value: str) -> float:
+    r = float(value)
+    if not 0.0 <= r <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {r}")
+    return r
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="alias, local path (HF dir or .gguf) or hub id")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
