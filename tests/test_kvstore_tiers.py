@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import torch
 from safetensors import safe_open
 
@@ -102,3 +105,39 @@ def test_get_or_compute_computes_only_missing(tmp_path):
     assert calls == [[[1, 2], [3, 4, 5]], [[6]]]
     assert isinstance(first[0], StoredKV) and first[0].key == first[2].key
     assert torch.equal(again[0].kv()[0], first[1].kv()[0])
+
+
+def test_memory_tier_stays_consistent_under_threads() -> None:
+    """Savers (a connector's save thread, a session's async save) put while loaders get and a
+    scheduler looks up, in one process: no lookup may fail mid-eviction and the byte count must
+    stay that of the entries held. A tiny switch interval makes the threads interleave often."""
+    entries = [make_entry(i, tokens=8) for i in range(12)]
+    tier = MemoryTier("cpu", "cpu", capacity_bytes=3 * entries[0].nbytes)
+    errors: list[BaseException] = []
+
+    def hammer(offset: int) -> None:
+        try:
+            for n in range(3000):
+                e = entries[(n * 5 + offset) % len(entries)]
+                tier.put(e)
+                tier.get(entries[(n + offset) % len(entries)].key)
+                tier.contains(e.key)
+                if n % 7 == offset:
+                    tier.delete(e.key)
+        except BaseException as exc:  # noqa: BLE001 - any failure in a worker fails the test
+            errors.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=hammer, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    held = [e for e in entries if tier.contains(e.key)]
+    assert tier.stats().bytes == sum(e.nbytes for e in held) <= tier.capacity_bytes
+    assert tier.stats().entries == len(held)

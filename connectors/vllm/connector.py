@@ -46,7 +46,7 @@ from ragfuse.kernels.rope import apply_rope_ref, cos_sin_table, inv_frequencies
 
 from .paged import PagedLayout, slots_for
 from .plan import CHUNK, CONTEXT, Span, normalise_chunks, plan_spans
-from .settings import ConnectorSettings, PendingSaves, shared_store
+from .settings import ConnectorSettings, PendingSaves, SpanState, shared_store
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -172,9 +172,10 @@ class RagfuseKVConnector(KVConnectorBase_V1):
         matched, contiguous = 0, True
         state.chunk_hits = state.chunk_hits_loaded = 0
         for span in state.spans:
-            available = self._available(span.key)
-            if not available and (contiguous or span.kind == CHUNK) and self.pending.is_pending(span.key):
+            found = self.pending.lookup(span.key, self._available)
+            if found is SpanState.SAVING and (contiguous or span.kind == CHUNK):
                 return None, False  # its save is in flight: ask again next step rather than miss it
+            available = found is SpanState.STORED
             if span.kind == CHUNK and not state.store_as_chunk:
                 state.chunk_hits += available
                 state.chunk_hits_loaded += available and contiguous

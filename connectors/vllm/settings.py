@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +68,14 @@ class ConnectorSettings:
         return cls(**extra)
 
 
+class SpanState(Enum):
+    """Where a span's entry stands for the scheduler: loadable, being written, or absent."""
+
+    STORED = "stored"
+    SAVING = "saving"
+    MISSING = "missing"
+
+
 class PendingSaves:
     """Marks, visible across processes, for entries a worker is still writing.
 
@@ -93,6 +103,20 @@ class PendingSaves:
         except FileNotFoundError:
             return False
         return age < self.stale_s
+
+    def lookup(self, key: str, stored: Callable[[str], bool]) -> SpanState:
+        """Whether ``key`` is stored, still being saved, or missing, as ``stored`` (the store's
+        lookup) and the marks say together.
+
+        A writer stores the entry before it clears the mark, so "not stored, then not marked" can
+        straddle a save that ended between the two checks: the entry is looked up once more before
+        it is called missing, or a follow-up request would recompute what was just saved.
+        """
+        if stored(key):
+            return SpanState.STORED
+        if self.is_pending(key):
+            return SpanState.SAVING
+        return SpanState.STORED if stored(key) else SpanState.MISSING
 
 
 _STORES: dict[ConnectorSettings, TieredKVStore] = {}

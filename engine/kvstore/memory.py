@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 import torch
@@ -15,6 +16,10 @@ class MemoryTier(Tier):
 
     The CPU pool pins its tensors when CUDA is present: only page-locked memory lets the copy to
     the GPU run asynchronously at full PCIe speed, which is what the fusor overlaps with compute.
+
+    Every call holds the tier's lock: savers (the vLLM connector's save thread, a session's async
+    save) put and evict while loaders get and a scheduler looks up, all in one process, and an
+    eviction seen half-done fails a lookup or corrupts the byte count.
     """
 
     persistent = False
@@ -29,14 +34,16 @@ class MemoryTier(Tier):
         self._entries: OrderedDict[str, StoredKV] = OrderedDict()
         self._bytes = 0
         self._stats = TierStats(capacity=self.capacity_bytes)
+        self._lock = threading.RLock()
 
     def get(self, key: str, device: torch.device | None = None) -> StoredKV | None:
-        entry = self._entries.get(key)
-        if entry is None:
-            self._stats.misses += 1
-            return None
-        self._entries.move_to_end(key)
-        self._stats.hits += 1
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self._stats.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self._stats.hits += 1
         if device is None or torch.device(device) == self.device:
             return entry
         return entry.to(device)
@@ -44,31 +51,39 @@ class MemoryTier(Tier):
     def put(self, entry: StoredKV, keep_evicted: bool = True) -> list[StoredKV]:
         if entry.nbytes > self.capacity_bytes:
             return [entry]  # never fits: hand it straight down
-        if entry.key in self._entries:
-            self._entries.move_to_end(entry.key)
-            return []
-        evicted: list[StoredKV] = []
-        while self._bytes + entry.nbytes > self.capacity_bytes:
-            _, old = self._entries.popitem(last=False)
-            self._bytes -= old.nbytes
-            self._stats.evictions += 1
-            evicted.append(old)
+        with self._lock:
+            if entry.key in self._entries:
+                self._entries.move_to_end(entry.key)
+                return []
+        # the copy (pinning on a GPU host) runs unlocked: lookups need not wait for it
         local = entry if entry.device == self.device and not self.pin else entry.to(self.device, pin=self.pin)
-        self._entries[entry.key] = local
-        self._bytes += entry.nbytes
+        with self._lock:
+            if entry.key in self._entries:  # another thread put it meanwhile
+                return []
+            evicted: list[StoredKV] = []
+            while self._bytes + entry.nbytes > self.capacity_bytes:
+                _, old = self._entries.popitem(last=False)
+                self._bytes -= old.nbytes
+                self._stats.evictions += 1
+                evicted.append(old)
+            self._entries[entry.key] = local
+            self._bytes += entry.nbytes
         return evicted
 
     def contains(self, key: str) -> bool:
-        return key in self._entries
+        with self._lock:
+            return key in self._entries
 
     def delete(self, key: str) -> bool:
-        entry = self._entries.pop(key, None)
-        if entry is None:
-            return False
-        self._bytes -= entry.nbytes
-        return True
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                return False
+            self._bytes -= entry.nbytes
+            return True
 
     def stats(self) -> TierStats:
-        self._stats.bytes = self._bytes
-        self._stats.entries = len(self._entries)
-        return self._stats
+        with self._lock:
+            self._stats.bytes = self._bytes
+            self._stats.entries = len(self._entries)
+            return self._stats
