@@ -7,12 +7,17 @@ with the connector serves the rest of the module (each start costs about 30 s he
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
+# vLLM's engine core in this process: by default each engine spawns one, which imports vLLM again (~40 s
+# on a 2-core CI box, twice a module). The connector across processes, as users run it, is covered by
+# test_server_vllm's real server.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from ragfuse.connectors.vllm.backend import Prompt, VLLMBackend  # noqa: E402
 from ragfuse.connectors.vllm.plan import plan_spans  # noqa: E402
