@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import threading
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -141,3 +142,22 @@ def test_memory_tier_stays_consistent_under_threads() -> None:
     held = [e for e in entries if tier.contains(e.key)]
     assert tier.stats().bytes == sum(e.nbytes for e in held) <= tier.capacity_bytes
     assert tier.stats().entries == len(held)
+
+
+@pytest.mark.gpu
+def test_disk_reads_to_the_gpu_from_several_threads_each_get_their_own_entry(tmp_path) -> None:
+    """Reads to a GPU go through the tier's two page-locked staging buffers; readers on other
+    threads (a prefetch pool, a session's io thread) must not write into a read in progress."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    disk = DiskTier(tmp_path, 1 << 30)
+    try:
+        entries = [make_entry(i, tokens=512) for i in range(6)]
+        for e in entries:
+            disk.put(e)
+        with ThreadPoolExecutor(4) as pool:
+            for _ in range(3):
+                got = list(pool.map(lambda e: disk.get(e.key, torch.device("cuda")), entries))
+                assert all(g is not None and same(g, e) for g, e in zip(got, entries))
+    finally:
+        disk.close()

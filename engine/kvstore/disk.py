@@ -172,6 +172,7 @@ class DiskTier(Tier):
         self._db.execute("CREATE INDEX IF NOT EXISTS entries_lru ON entries(last_access)")
         self._stats = TierStats(capacity=self.capacity_bytes)
         self._staging: list[torch.Tensor] | None = None  # page-locked buffers for reads to a GPU
+        self._staging_lock = threading.Lock()  # one reader at a time in them (reads run on worker threads)
         with self._lock:
             self._sweep()
 
@@ -243,20 +244,21 @@ class DiskTier(Tier):
         asynchronously, so the disk read of layer i+1 overlaps the copy of layer i."""
         meta = reader.meta
         nbytes = meta.layer_nbytes
-        if self._staging is None or self._staging[0].numel() < nbytes:
-            self._staging = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         out = torch.empty((meta.num_layers, *meta.layer_shape), dtype=meta.dtype, device=device)
-        done: list[torch.cuda.Event | None] = [None, None]
-        for i in range(meta.num_layers):
-            slot = i % 2
-            if done[slot] is not None:
-                done[slot].synchronize()  # the copy out of this buffer has finished
-            buf = self._staging[slot][:nbytes].view(meta.dtype).view(meta.layer_shape)
-            reader.read_layer(i, buf)
-            out[i].copy_(buf, non_blocking=True)
-            done[slot] = torch.cuda.Event()
-            done[slot].record()
-        torch.cuda.current_stream(device).synchronize()
+        with self._staging_lock:
+            if self._staging is None or self._staging[0].numel() < nbytes:
+                self._staging = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            done: list[torch.cuda.Event | None] = [None, None]
+            for i in range(meta.num_layers):
+                slot = i % 2
+                if done[slot] is not None:
+                    done[slot].synchronize()  # the copy out of this buffer has finished
+                buf = self._staging[slot][:nbytes].view(meta.dtype).view(meta.layer_shape)
+                reader.read_layer(i, buf)
+                out[i].copy_(buf, non_blocking=True)
+                done[slot] = torch.cuda.Event()
+                done[slot].record()
+            torch.cuda.current_stream(device).synchronize()
         return list(out.unbind(0))
 
     def drop(self, key: str) -> None:
