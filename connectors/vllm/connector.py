@@ -132,7 +132,7 @@ class RagfuseKVConnector(KVConnectorBase_V1):
         self._layer_ready: dict[str, threading.Event] = {}
         self._loader: threading.Thread | None = None
         self._failed_blocks: set[int] = set()
-        self._failed_reqs: set[str] = set()
+        self._failed_from: dict[str, int] = {}  # request -> first token not loaded (reported failed)
         self._save_buffers: dict[tuple[str, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragfuse-save")
         if role == KVConnectorRole.WORKER:
@@ -317,34 +317,39 @@ class RagfuseKVConnector(KVConnectorBase_V1):
             return
         layout = self._ensure_layout(forward_context)
         self._layer_ready = {name: threading.Event() for name in self._layer_index}
-        self._loader = threading.Thread(target=self._load_all, args=(meta.loads, layout), daemon=True,
-                                        name="ragfuse-load")
+        self._loader = threading.Thread(target=self._load_all, args=(meta.loads, layout, self._layer_ready),
+                                        daemon=True, name="ragfuse-load")
         self._loader.start()
 
-    def _load_all(self, loads: list[LoadOp], layout: PagedLayout) -> None:
-        """Layer by layer: read every item's layer i, rotate K to its positions, write into the cache."""
+    def _load_all(self, loads: list[LoadOp], layout: PagedLayout, ready: dict[str, threading.Event]) -> None:
+        """Layer by layer: read every item's layer i, rotate K to its positions, write into the cache.
+
+        ``ready`` is this step's events, passed in: the thread still finishes its sources after the
+        last layer, when the next step may already have put its own events on ``self``, and setting
+        those would let that step read layers not yet loaded."""
         order = sorted(self._layer_index, key=self._layer_index.__getitem__)
         jobs = []  # (op, item, source, slots, positions)
         try:
             for op in loads:
-                failed_from = None
                 for item in op.items:
-                    if failed_from is None:
+                    try:
                         source = open_source(self.store, item.key)
-                        if source is None or source.num_tokens < item.load_end - item.span_start:
-                            failed_from = item.load_start
-                            continue
-                        slots = slots_for(op.block_ids, self.block_size, item.load_start, item.load_end)
-                        positions = torch.arange(item.load_start, item.load_end)
-                        jobs.append((op, item, source, slots, positions))
-                if failed_from is not None:
-                    self._fail(op, failed_from)
+                    except Exception:  # a tier that cannot be read (I/O error, Redis down) is a miss
+                        logger.exception("ragfuse connector: opening KV entry %s failed; recomputing", item.key)
+                        source = None
+                    if source is None or source.num_tokens < item.load_end - item.span_start:
+                        self._fail(op, item.load_start)
+                        break
+                    slots = slots_for(op.block_ids, self.block_size, item.load_start, item.load_end)
+                    positions = torch.arange(item.load_start, item.load_end)
+                    jobs.append((op, item, source, slots, positions))
             for name in order:
                 i = self._layer_index[name]
                 cache = self._kv_caches[name]
                 for op, item, source, slots, positions in jobs:
-                    if op.req_id in self._failed_reqs:
-                        continue
+                    failed_from = self._failed_from.get(op.req_id)
+                    if failed_from is not None and item.load_start >= failed_from:
+                        continue  # reported failed: vLLM recomputes it; the items before it still load
                     try:
                         k, v = source.load_layer(i)
                     except CorruptEntryError as exc:
@@ -353,19 +358,32 @@ class RagfuseKVConnector(KVConnectorBase_V1):
                             source.drop()
                         self._fail(op, item.load_start)
                         continue
+                    except Exception:
+                        logger.exception("ragfuse connector: reading KV entry %s failed; recomputing", item.key)
+                        self._fail(op, item.load_start)
+                        continue
                     lo, hi = item.load_start - item.span_start, item.load_end - item.span_start
                     k = k[lo:hi] if item.kind == CONTEXT else self._rotate(k[lo:hi], positions)
                     layout.scatter(cache, slots, k, v[lo:hi])
-                self._layer_ready[name].set()
-            for _, _, source, _, _ in jobs:
-                source.finish()
+                ready[name].set()
+        except Exception:  # whatever went wrong, no block this load did not finish may count as loaded
+            logger.exception("ragfuse connector: loading KV failed; recomputing the requests' loaded tokens")
+            for op in loads:
+                if op.items:
+                    self._fail(op, op.items[0].load_start)
         finally:
-            for ev in self._layer_ready.values():
+            for ev in ready.values():
                 ev.set()
+        for _, _, source, _, _ in jobs:  # after the step's layers are out: a failure here costs nothing loaded
+            try:
+                source.finish()
+            except Exception:
+                logger.exception("ragfuse connector: finishing a read of KV entry failed")
 
     def _fail(self, op: LoadOp, from_token: int) -> None:
-        """Report the blocks from ``from_token`` on as not loaded: vLLM recomputes them."""
-        self._failed_reqs.add(op.req_id)
+        """Report the blocks from ``from_token`` on as not loaded: vLLM recomputes them (and keeps the
+        blocks before, so everything before ``from_token`` must still be loaded)."""
+        self._failed_from[op.req_id] = min(from_token, self._failed_from.get(op.req_id, from_token))
         first = from_token // self.block_size
         self._failed_blocks.update(op.block_ids[first:])
 
@@ -376,7 +394,7 @@ class RagfuseKVConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
-        self._failed_reqs = set()
+        self._failed_from = {}
         return failed
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,

@@ -7,6 +7,7 @@ with the connector serves the rest of the module (each start costs about 30 s he
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from ragfuse.connectors.vllm.backend import Prompt, VLLMBackend  # noqa: E402
 from ragfuse.connectors.vllm.plan import plan_spans  # noqa: E402
 from ragfuse.engine.kvstore import DiskTier  # noqa: E402
+from ragfuse.engine.kvstore.disk import layer_name  # noqa: E402
 from ragfuse.kernels.rope import apply_rope_ref, cos_sin_table, inv_frequencies  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -95,16 +97,30 @@ def test_second_turn_loads_history_and_matches_vllm_alone(reference: dict, conne
     assert second.token_ids == reference["turn2_ids"]
 
 
-def test_corrupt_history_entry_is_dropped_and_recomputed(reference: dict, connected: VLLMBackend) -> None:
+def _flip_layer_bytes(path: Path, layer: int) -> None:
+    """Flip 64 bytes inside one layer's data of a stored entry (a safetensors file; -1: the last layer)."""
+    with open(path, "r+b") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+        num_layers = sum(name.startswith("layer.") for name in header)
+        start, end = header[layer_name(layer % num_layers)]["data_offsets"]
+        f.seek(8 + header_len + (start + end) // 2)
+        data = f.read(64)
+        f.seek(-len(data), 1)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+@pytest.mark.parametrize("layer", [-1, 0], ids=["last-layer", "first-layer"])
+def test_corrupt_history_entry_is_dropped_and_recomputed(reference: dict, connected: VLLMBackend, layer: int) -> None:
+    """The second of the history's spans fails its checksum at one layer: its blocks and those after
+    are recomputed, and the first span, which shares the load, must still arrive whole (had its later
+    layers been skipped too, the answer would be read from blocks never written)."""
     settings = connected.settings
     connected.generate(reference["turn1"], max_tokens=1)  # history stored (no-op if the test above ran)
     _wait_saved(settings.store_dir)
     span = plan_spans(reference["turn1"].token_ids, [], settings.fingerprint, settings.kv_dtype, 128)[1]
     path = Path(settings.store_dir) / "data" / span.key[:2] / f"{span.key}.safetensors"
-    size = path.stat().st_size
-    with open(path, "r+b") as f:  # flip bytes inside the last layer's data
-        f.seek(size - 4096)
-        f.write(bytes(b ^ 0xFF for b in f.read(64)))
+    _flip_layer_bytes(path, layer)
     second = connected.generate(reference["turn2"], max_tokens=MAX_TOKENS)
     assert second.token_ids == reference["turn2_ids"]  # the failed blocks were recomputed, not served
     assert not path.exists()  # the corrupt entry was dropped when its checksum failed
