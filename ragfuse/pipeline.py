@@ -31,7 +31,9 @@ from ragfuse.chunk_kv import ChunkKV
 from ragfuse.engine import LLMEngine, RequestOutput, SamplingParams
 from ragfuse.engine.errors import RagfuseError, RequestError
 from ragfuse.engine.fusion import FusionMode, FusionStats, Segment, SelectionPolicy
-from ragfuse.engine.kvstore import CorruptEntryError, EntrySource, LayerwiseSource, StoredKV, kv_key, open_source
+from ragfuse.engine.kvstore import CorruptEntryError, EntrySource, KVStoreError, LayerwiseSource, StoredKV, kv_key
+from ragfuse.engine.kvstore.entry import UnreadableEntryError
+from ragfuse.engine.kvstore.source import open_source
 from ragfuse.passage import Passage
 from ragfuse.passage_finder import PassageFinder
 from ragfuse.prompt import RagPromptBuilder
@@ -277,13 +279,22 @@ class RagPipeline:
     ) -> EntrySource | LayerwiseSource:
         """The stored KV under ``key``, else the KV of ``token_ids`` after ``context``, computed and stored."""
         assert self.store is not None
-        src = open_source(self.store.kv, key)
+        try:
+            src = open_source(self.store.kv, key)
+        except (KVStoreError, OSError) as exc:  # a failing tier (I/O error, Redis gone): recompute, still answer
+            log.warning("KV entry %s could not be looked up: %s", key, exc)
+            notes.append(f"KV entry {key[:12]} could not be read ({exc}): recomputed")
+            src = None
         if src is not None and src.num_tokens == len(token_ids):
             return src
         (k, v), = self.engine.compute_kv([token_ids], context)
         entry = StoredKV.from_kv(key, k, v)
-        self.store.kv.put(entry)
-        notes.append(f"KV of {len(token_ids)} tokens was not stored: computed and stored now")
+        try:
+            self.store.kv.put(entry)
+            notes.append(f"KV of {len(token_ids)} tokens was not stored: computed and stored now")
+        except (KVStoreError, OSError) as exc:  # a full disk: answer anyway, say why nothing was kept
+            log.warning("KV entry %s was computed but not stored: %s", key, exc)
+            notes.append(f"KV of {len(token_ids)} tokens was not stored: computed, but storing it failed ({exc})")
         return EntrySource(entry, "computed")
 
     def _ratio(self, mode: str, ratio: float | None, sources: list) -> tuple[float, dict[str, Any] | None]:
@@ -383,11 +394,11 @@ class RagPipeline:
                 else:
                     rid, stats = self._session_turn(session_id, prep, mode, params, policy)
                 break
-            except CorruptEntryError as exc:
+            except (CorruptEntryError, UnreadableEntryError) as exc:
                 bad = getattr(exc, "key", None)
                 if bad is None or attempt == len(prep.sources):
                     raise
-                self._replace_corrupt(prep, bad)
+                self._recompute_entry(prep, bad, exc)
         for src in prep.sources:
             src.finish()
         return rid, stats
@@ -419,13 +430,19 @@ class RagPipeline:
         assert turn.fusion is not None
         return rid, turn.fusion
 
-    def _replace_corrupt(self, prep: Prepared, key: str) -> None:
+    def _recompute_entry(self, prep: Prepared, key: str, exc: KVStoreError) -> None:
+        """Swap the source of entry ``key`` for its recomputed KV: a corrupt entry is dropped from
+        its tier, an unreadable one is left there (its tier may recover)."""
         for seg in prep.segments:
             src = seg.kv
             if isinstance(src, LayerwiseSource) and src.key == key:
-                src.drop()
-                log.warning("KV entry %s failed its checksum: dropped and recomputed", key)
-                prep.notes.append(f"KV entry {key[:12]} failed its checksum: recomputed, not served")
+                if isinstance(exc, CorruptEntryError):
+                    src.drop()
+                    log.warning("KV entry %s failed its checksum: dropped and recomputed", key)
+                    prep.notes.append(f"KV entry {key[:12]} failed its checksum: recomputed, not served")
+                else:
+                    log.warning("KV entry %s could not be read, recomputed: %s", key, exc)
+                    prep.notes.append(f"KV entry {key[:12]} could not be read ({exc}): recomputed")
                 seg.kv = (self._source(key, seg.token_ids, prep.notes) if seg.label == "instruction"
                           else self._chunk_source(seg.token_ids, prep.notes))
         prep.sources = [s.kv for s in prep.segments if s.kv is not None]  # type: ignore[misc]

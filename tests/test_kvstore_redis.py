@@ -11,12 +11,20 @@ import time
 import pytest
 
 from ragfuse.bench.serve_process import free_port
-from ragfuse.engine.kvstore import DiskTier, KVStoreError, MemoryTier, RedisTier, TieredKVStore
+from ragfuse.engine.kvstore import (
+    DiskTier,
+    KVStoreError,
+    LayerwiseSource,
+    MemoryTier,
+    RedisTier,
+    TieredKVStore,
+    UnreadableEntryError,
+)
 from tests.kvstore_helpers import make_entry, same
 
 
-@pytest.fixture(scope="module")
-def redis_url():
+def _start_redis() -> tuple[subprocess.Popen, str]:
+    """A private ``redis-server`` on a free loopback port, and its URL, once it accepts connections."""
     exe = shutil.which("redis-server")
     if exe is None:
         if os.environ.get("CI"):
@@ -32,7 +40,13 @@ def redis_url():
             break
         except OSError:
             time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    proc, url = _start_redis()
+    yield url
     proc.terminate()
     proc.wait(timeout=10)
 
@@ -95,3 +109,24 @@ def test_as_remote_tier_below_memory_and_disk(redis_url, tmp_path):
 def test_unreachable_server_is_a_clear_error():
     with pytest.raises(KVStoreError, match="not reachable"):
         RedisTier(f"redis://127.0.0.1:{free_port()}/0", 1 << 20)
+
+
+def test_redis_gone_mid_read_is_unreadable_not_corrupt():
+    """The server stops between two layer reads of one entry: the reader says which entry could
+    not be read (the fusor's caller recomputes it) and does not call it corrupt (nothing is dropped)."""
+    proc, url = _start_redis()
+    try:
+        tier = RedisTier(url, 1 << 30)
+        entry = make_entry(3)
+        tier.put(entry)
+        source = LayerwiseSource(TieredKVStore([tier]), tier, entry.key)
+        k, _ = source.load_layer(0)
+        assert (k == entry.layers[0][0]).all()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    with pytest.raises(UnreadableEntryError) as failed:
+        source.load_layer(1)
+    assert failed.value.key == entry.key and "could not be read" in str(failed.value)
+    with pytest.raises(KVStoreError, match="failed"):
+        tier.contains(entry.key)

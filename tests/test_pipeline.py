@@ -96,6 +96,60 @@ def test_corrupt_entry_is_recomputed_not_served(pipeline):
     assert disk.stats().corrupt >= 1
 
 
+def _first_chunk_key(pipeline, result) -> str:
+    return pipeline.store.docs.chunks([result.sources[0]["id"]])[result.sources[0]["id"]].kv_key
+
+
+def test_a_full_disk_costs_the_stored_copy_not_the_answer(pipeline):
+    """A missing chunk's KV is computed; when the disk has no room for it the answer still comes,
+    and the notes say it was not kept (the tier's real free-space check, with its reserve raised)."""
+    from ragfuse.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=8)
+    first = pipeline.ask(QUESTION, mode="reuse", top_k=1, params=params)
+    key = _first_chunk_key(pipeline, first)
+    for tier in pipeline.store.kv.tiers:
+        tier.delete(key)
+    disk = next(t for t in pipeline.store.kv.tiers if isinstance(t, DiskTier))
+    reserve, disk.reserve_bytes = disk.reserve_bytes, 1 << 62
+    try:
+        again = pipeline.ask(QUESTION, mode="reuse", top_k=1, params=params)
+    finally:
+        disk.reserve_bytes = reserve
+    assert again.token_ids == first.token_ids
+    assert any("storing it failed" in n and "no room on disk" in n for n in again.notes)
+    assert not disk.contains(key)
+    pipeline.store.kv.put(pipeline.store.kv.get(key))  # the computed copy (kept in memory) reaches the disk now
+    assert disk.contains(key)
+
+
+def test_an_unreadable_entry_is_recomputed_and_left_in_place(pipeline):
+    """An entry the disk cannot read (here its file is a directory: the open fails with an OS error)
+    is recomputed for the request; unlike a corrupt one it is not dropped, and reads again once fixed."""
+    from ragfuse.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=8)
+    first = pipeline.ask(QUESTION, mode="reuse", top_k=1, params=params)
+    key = _first_chunk_key(pipeline, first)
+    disk = next(t for t in pipeline.store.kv.tiers if isinstance(t, DiskTier))
+    for tier in pipeline.store.kv.tiers:  # the next read comes from disk
+        if not tier.persistent:
+            tier.delete(key)
+    path = disk.path_of(key)
+    data = path.read_bytes()
+    corrupt = disk.stats().corrupt
+    path.unlink()
+    path.mkdir()
+    try:
+        again = pipeline.ask(QUESTION, mode="reuse", top_k=1, params=params)
+    finally:
+        path.rmdir()
+        path.write_bytes(data)
+    assert again.token_ids == first.token_ids
+    assert any("could not be read" in n for n in again.notes)
+    assert disk.get(key) is not None and disk.stats().corrupt == corrupt
+
+
 def test_chunk_kv_is_found_as_ingest_stored_it_and_a_missing_entry_computed_the_same_way(pipeline):
     """The pipeline keys a chunk's KV as ingest did (after the instruction prefix, the store's
     setting), so stored chunks load without recompute; a missing entry is computed after the same

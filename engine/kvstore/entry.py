@@ -32,6 +32,15 @@ class CorruptEntryError(KVStoreError):
     """An entry whose bytes do not match its checksum: it is dropped, never served."""
 
 
+class UnreadableEntryError(KVStoreError):
+    """An entry that could not be read (an I/O error, its tier unreachable): recomputed for this
+    request, and left in its tier, which may serve it again once it recovers. ``key``: the entry."""
+
+    def __init__(self, message: str, key: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
 }

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -37,6 +39,14 @@ class RedisTier(Tier):
             raise KVStoreError(f"Redis at {url} is not reachable: {exc}") from exc
         self._stats = TierStats(capacity=self.capacity_bytes)
 
+    @contextmanager
+    def _talking(self) -> Iterator[None]:
+        """Client and socket errors as ``KVStoreError``: what callers of any tier catch."""
+        try:
+            yield
+        except self._redis_errors as exc:
+            raise KVStoreError(f"Redis at {self.url} failed: {exc}") from exc
+
     def _hkey(self, key: str) -> str:
         return f"{self.prefix}:e:{key}"
 
@@ -50,24 +60,27 @@ class RedisTier(Tier):
 
     def meta(self, key: str) -> EntryMeta | None:
         """The entry's metadata (shape, checksums) without its layers; pair with ``read_layer``."""
-        raw = self._r.hget(self._hkey(key), "meta")
+        with self._talking():
+            raw = self._r.hget(self._hkey(key), "meta")
         if raw is None:
             return None
         return EntryMeta.from_json(json.loads(raw))
 
     def read_layer(self, key: str, meta: EntryMeta, i: int) -> torch.Tensor:
         """Layer ``i`` of ``key`` on CPU, verified (the per-layer access the fusor uses)."""
-        raw = self._r.hget(self._hkey(key), f"L{i:04d}")
+        with self._talking():
+            raw = self._r.hget(self._hkey(key), f"L{i:04d}")
         if raw is None:
             raise CorruptEntryError(f"entry {key}: layer {i} missing in Redis")
         return _verified_layer(meta, i, raw)
 
     def get(self, key: str, device: torch.device | None = None) -> StoredKV | None:
-        try:
+        with self._talking():
             fields = self._r.hgetall(self._hkey(key))
-            if not fields:
-                self._stats.misses += 1
-                return None
+        if not fields:
+            self._stats.misses += 1
+            return None
+        try:
             meta = EntryMeta.from_json(json.loads(fields[b"meta"]))
             layers = [_verified_layer(meta, i, fields.get(f"L{i:04d}".encode())) for i in range(meta.num_layers)]
         except (CorruptEntryError, KeyError, ValueError):
@@ -75,10 +88,9 @@ class RedisTier(Tier):
             self._stats.misses += 1
             self.delete(key)
             return None
-        except self._redis_errors as exc:
-            raise KVStoreError(f"Redis at {self.url} failed: {exc}") from exc
         self._stats.hits += 1
-        self._r.zadd(self._lru, {key: time.time()})
+        with self._talking():
+            self._r.zadd(self._lru, {key: time.time()})
         entry = StoredKV(meta, layers)
         return entry if device is None or torch.device(device).type == "cpu" else entry.to(device)
 
@@ -86,7 +98,7 @@ class RedisTier(Tier):
         size = entry.nbytes
         if size > self.capacity_bytes:
             return [entry]
-        try:
+        with self._talking():
             if self._r.exists(self._hkey(entry.key)):
                 return []
             evicted: list[StoredKV] = []
@@ -110,8 +122,6 @@ class RedisTier(Tier):
             pipe.zadd(self._lru, {entry.key: time.time()})
             pipe.incrby(self._bytes, size)
             pipe.execute()
-        except self._redis_errors as exc:
-            raise KVStoreError(f"Redis at {self.url} failed: {exc}") from exc
         return evicted
 
     def _remove(self, key: str) -> bool:
@@ -123,15 +133,18 @@ class RedisTier(Tier):
         return False
 
     def contains(self, key: str) -> bool:
-        return bool(self._r.exists(self._hkey(key)))
+        with self._talking():
+            return bool(self._r.exists(self._hkey(key)))
 
     def delete(self, key: str) -> bool:
-        self._r.zrem(self._lru, key)
-        return self._remove(key)
+        with self._talking():
+            self._r.zrem(self._lru, key)
+            return self._remove(key)
 
     def stats(self) -> TierStats:
-        self._stats.bytes = int(self._r.get(self._bytes) or 0)
-        self._stats.entries = int(self._r.zcard(self._lru))
+        with self._talking():
+            self._stats.bytes = int(self._r.get(self._bytes) or 0)
+            self._stats.entries = int(self._r.zcard(self._lru))
         return self._stats
 
     def close(self) -> None:

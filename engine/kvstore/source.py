@@ -13,7 +13,7 @@ import threading
 import torch
 
 from .disk import DiskEntryReader, DiskTier
-from .entry import CorruptEntryError, StoredKV
+from .entry import CorruptEntryError, KVStoreError, StoredKV, UnreadableEntryError
 from .redis_tier import RedisTier
 from .store import TieredKVStore
 
@@ -67,7 +67,8 @@ class LayerwiseSource:
 
     def load_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Raises ``CorruptEntryError`` when the layer fails its checksum: the caller drops the
-        entry (``drop``) and recomputes the chunk, never serving what was read."""
+        entry (``drop``) and recomputes the chunk, never serving what was read; and
+        ``UnreadableEntryError`` when it cannot be read at all: the caller recomputes the chunk."""
         with self._lock:
             try:
                 if self._reader is not None:
@@ -78,6 +79,8 @@ class LayerwiseSource:
             except CorruptEntryError as exc:
                 exc.key = self.key  # which entry to drop and recompute
                 raise
+            except (OSError, KVStoreError) as exc:  # a failing disk, Redis gone: recompute, keep the entry
+                raise UnreadableEntryError(f"KV entry {self.key} could not be read: {exc}", self.key) from exc
         self._layers[layer] = t
         return t[0], t[1]
 
