@@ -298,6 +298,26 @@ def test_documents_upload_list_delete(served):
     assert doc["id"] not in {d["id"] for d in httpx.get(url, headers=AUTH).json()["data"]}
 
 
+def test_an_upload_the_disk_has_no_room_for_is_a_507_and_changes_nothing(served):
+    """The KV tier's real free-space check refuses (its reserve raised): the client gets a server
+    error naming the cause, and neither the document list nor the uploads directory changes."""
+    from ragfuse.engine.kvstore import DiskTier
+
+    url = f"{served.url}/v1/documents"
+    listed = httpx.get(url, headers=AUTH).json()["data"]
+    disk = next(t for t in served.backend.pipeline.store.kv.tiers if isinstance(t, DiskTier))
+    reserve, disk.reserve_bytes = disk.reserve_bytes, 1 << 62
+    try:
+        doc = {"name": "tides.md", "text": "Spring tides at Hollowpoint reach 6.1 metres in March."}
+        r = httpx.post(url, json={"documents": [doc]}, headers=AUTH, timeout=120)
+    finally:
+        disk.reserve_bytes = reserve
+    assert r.status_code == 507 and "no room on disk" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["type"] == "server_error"
+    assert httpx.get(url, headers=AUTH).json()["data"] == listed
+    assert not (served.store / "uploads" / "tides.md").exists()
+
+
 @pytest.mark.parametrize("name", ["../escape.txt", "/etc/passwd", "a/b.txt", "notes.exe", "", ".hidden.txt"])
 def test_documents_are_only_uploaded_content(served, name):
     r = httpx.post(f"{served.url}/v1/documents", json={"documents": [{"name": name, "text": "x"}]}, headers=AUTH)

@@ -15,11 +15,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ragfuse.engine.errors import RagfuseError
+from ragfuse.engine.kvstore.disk import DiskFullError
+from ragfuse.engine.kvstore.entry import KVStoreError
 
 log = logging.getLogger("ragfuse.server")
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
-         500: "server_error", 501: "not_implemented_error", 503: "server_error"}
+         500: "server_error", 501: "not_implemented_error", 503: "server_error", 507: "server_error"}
 
 
 class APIError(Exception):
@@ -42,6 +44,10 @@ def describe_error(exc: BaseException) -> tuple[int, str]:
     """Status and message for an exception raised while serving (also used mid-stream)."""
     if isinstance(exc, APIError):
         return exc.status, exc.message
+    if isinstance(exc, DiskFullError):  # the server's storage, not the request: 507, as WebDAV named it
+        return 507, str(exc)
+    if isinstance(exc, KVStoreError):  # a KV tier failing (Redis gone, I/O errors): the client may retry
+        return 503, str(exc)
     if isinstance(exc, RagfuseError):  # the project's user errors: bad request, missing store...
         return 400, str(exc)
     log.error("internal error", exc_info=exc)

@@ -54,8 +54,17 @@ class DocumentLibrary:
         names = [check_name(n) for n, _ in files]
         if len(set(names)) != len(names):
             raise RequestError("two documents in one request have the same name")
+        before = {n: self._read(n) for n in names}
         paths = [self._write(n, data) for n, data in files]
-        report = self.ingestor.ingest(paths)
+        try:
+            report = self.ingestor.ingest(paths)
+        except BaseException:  # e.g. no room for the KV: the uploads are put back as they were
+            for name, old in before.items():
+                if old is None:
+                    (self.uploads / name).unlink(missing_ok=True)
+                else:
+                    self._write(name, old)
+            raise
         for skipped in report.skipped:
             Path(skipped.path).unlink(missing_ok=True)
         wanted = {str(p) for p in paths}
@@ -84,6 +93,11 @@ class DocumentLibrary:
         ids = [i for path, _ in self.store.docs.files() if document_id(path) in wanted
                for i in self.store.docs.chunk_ids(path)]
         return [list(c.token_ids) for c in self.store.docs.chunks(ids).values()]
+
+    def _read(self, name: str) -> bytes | None:
+        """An earlier upload's bytes, or None."""
+        path = self.uploads / name
+        return path.read_bytes() if path.is_file() else None
 
     def _write(self, name: str, data: bytes) -> Path:
         """Write atomically (temp file, then rename), so a failed upload never leaves half a file."""
