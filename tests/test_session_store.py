@@ -65,3 +65,26 @@ def test_sessions_are_listed_and_deleted_with_their_files(tmp_path) -> None:
     reopened = SessionStore(tmp_path, "fp", torch.float32)  # what survives the process
     assert [(s.session_id, s.tier) for s in reopened.sessions()] == [("b", "disk")]
     reopened.close()
+
+
+def test_a_disk_with_no_room_costs_sessions_not_errors(tmp_path) -> None:
+    """Memory holds one session and the disk (the tier's real free-space check, its reserve raised)
+    takes none: the session memory holds stays usable without its disk copy, the one pushed out of
+    memory is gone with a reason (its next turn recomputes the history), and nothing raises: not a
+    lookup, not flush or close (the failed write used to resurface at each of them)."""
+    one = LAYERS * 2 * 10 * HEADS * DIM * 4
+    store = SessionStore(tmp_path, "fp", torch.float32, cpu_bytes=one, disk_bytes=10 * one)
+    assert store.disk is not None
+    store.disk.reserve_bytes = 1 << 62
+    for i, sid in enumerate(["a", "b"]):
+        store.save(sid, list(range(11)), [(0, 10)], snapshot(10, i))
+        store.flush()
+    look = store.lookup("a")
+    assert look.record is None and look.reason.startswith("session a ")
+    assert store.conversation("a") == []
+    kept = store.lookup("b")
+    assert kept.tier == "cpu" and kept.record.tokens == list(range(11))
+    k, _ = kept.open_source(10, None).load_layer(1)
+    assert torch.equal(k, snapshot(10, 1).layers[1, 0])
+    assert store.disk.entry_keys() == [] and store.stats()["disk_bytes"] == 0
+    store.close()

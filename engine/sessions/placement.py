@@ -214,6 +214,15 @@ class SessionPlacement:
         """The session is gone (corrupt file, deleted by the user)."""
         self.sessions.pop(session_id, None)
 
+    def disk_write_failed(self, session_id: str) -> bool:
+        """The session's disk copy could not be written, so it is not on disk; True while host
+        memory still holds it (then it lives on there, without its durable copy)."""
+        info = self.sessions.get(session_id)
+        if info is None:
+            return False
+        info.on_disk = False
+        return info.in_cpu
+
     # ---- eviction ------------------------------------------------------------------------------
 
     def _make_room(

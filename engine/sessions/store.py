@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from ..errors import RequestError
-from ..kvstore import DiskTier, StoredKV, kv_key
+from ..kvstore import DiskTier, KVStoreError, StoredKV, kv_key
 from ..kvstore.entry import EntryMeta, dtype_name, layer_checksum
 from .history import Ranges
 from .placement import Move, SessionInfo, SessionPlacement, make_policy
@@ -212,11 +212,23 @@ class SessionStore:
         self._io_pending[session_id] = self._io.submit(fn)
 
     def _write_files(self, rec: SessionRecord, entry: StoredKV) -> None:
+        """Persist a session (on the I/O thread). A disk that cannot take it (full, failing) costs
+        the durable copy only, while memory holds the session, else the session itself, as an
+        eviction would, with the reason; raised here, the error would resurface at every later
+        lookup and at close, and the session could never be used or replaced."""
         assert self.disk is not None and self.root is not None
-        self.disk.put(entry, keep_evicted=False)
         tmp = self._record_path(rec.session_id).with_suffix(".tmp")
-        tmp.write_text(rec.to_json())
-        os.replace(tmp, self._record_path(rec.session_id))
+        try:
+            self.disk.put(entry, keep_evicted=False)
+            tmp.write_text(rec.to_json())
+            os.replace(tmp, self._record_path(rec.session_id))
+        except (KVStoreError, OSError) as exc:
+            tmp.unlink(missing_ok=True)
+            log.warning("session %s could not be written to disk: %s", rec.session_id, exc)
+            with self._lock:
+                held = rec.session_id in self._memory and self.placement.disk_write_failed(rec.session_id)
+                if self._records.get(rec.session_id) is rec and not held:
+                    self._forget(rec.session_id, f"could not be written to disk ({exc})")
 
     def _delete_files(self, rec: SessionRecord) -> None:
         if self.disk is None:
