@@ -226,8 +226,9 @@ class SessionStore:
             tmp.unlink(missing_ok=True)
             log.warning("session %s could not be written to disk: %s", rec.session_id, exc)
             with self._lock:
-                held = rec.session_id in self._memory and self.placement.disk_write_failed(rec.session_id)
-                if self._records.get(rec.session_id) is rec and not held:
+                if self._records.get(rec.session_id) is not rec:
+                    return  # superseded by a later turn, whose own write decides
+                if not (rec.session_id in self._memory and self.placement.disk_write_failed(rec.session_id)):
                     self._forget(rec.session_id, f"could not be written to disk ({exc})")
 
     def _delete_files(self, rec: SessionRecord) -> None:
