@@ -31,9 +31,16 @@ from ragfuse.chunk_kv import ChunkKV
 from ragfuse.engine import LLMEngine, RequestOutput, SamplingParams
 from ragfuse.engine.errors import RagfuseError, RequestError
 from ragfuse.engine.fusion import FusionMode, FusionStats, Segment, SelectionPolicy
-from ragfuse.engine.kvstore import CorruptEntryError, EntrySource, KVStoreError, LayerwiseSource, StoredKV, kv_key
-from ragfuse.engine.kvstore.entry import UnreadableEntryError
-from ragfuse.engine.kvstore.source import open_source
+from ragfuse.engine.kvstore import (
+    CorruptEntryError,
+    EntrySource,
+    KVStoreError,
+    LayerwiseSource,
+    StoredKV,
+    UnreadableEntryError,
+    kv_key,
+    open_source,
+)
 from ragfuse.passage import Passage
 from ragfuse.passage_finder import PassageFinder
 from ragfuse.prompt import RagPromptBuilder
@@ -281,7 +288,7 @@ class RagPipeline:
         assert self.store is not None
         try:
             src = open_source(self.store.kv, key)
-        except (KVStoreError, OSError) as exc:  # a failing tier (I/O error, Redis gone): recompute, still answer
+        except KVStoreError as exc:  # a failing tier (I/O error, Redis gone): recompute, still answer
             log.warning("KV entry %s could not be looked up: %s", key, exc)
             notes.append(f"KV entry {key[:12]} could not be read ({exc}): recomputed")
             src = None

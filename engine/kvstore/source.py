@@ -47,7 +47,10 @@ class LayerwiseSource:
         self.key = key
         self._reader: DiskEntryReader | None = None
         if isinstance(tier, DiskTier):
-            self._reader = tier.open(key)
+            try:
+                self._reader = tier.open(key)
+            except OSError as exc:  # a failing disk: recompute, keep the entry (as for a layer read)
+                raise UnreadableEntryError(f"KV entry {key} could not be opened: {exc}", key) from exc
             if self._reader is None:
                 raise KeyError(key)
             self.meta = self._reader.meta
