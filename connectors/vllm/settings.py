@@ -6,6 +6,8 @@ reaches the scheduler and every worker process through vLLM's config.
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -81,9 +83,13 @@ class PendingSaves:
 
     vLLM runs the scheduler and the workers in different processes, and saves are written on a
     background thread, so a follow-up request can be scheduled before its history reaches the
-    store. The worker touches ``pending/<key>`` before queueing a save and removes it once the entry
+    store. The worker writes ``pending/<key>`` before queueing a save and removes it once the entry
     is stored; the scheduler defers a request whose next span is marked instead of recomputing it.
-    A mark older than ``stale_s`` (a worker killed mid-save) is ignored.
+    A mark names the process that wrote it (host and process id; the scheduler's): a mark whose
+    process is gone (an engine restarted after a crash, finding its predecessor's marks) is ignored
+    at once, so requests are not held back for saves that will never end; a mark older than
+    ``stale_s`` is ignored whoever wrote it (a worker killed mid-save under a live scheduler, a
+    writer on another host, whose process cannot be checked from here).
     """
 
     def __init__(self, root: str | Path, stale_s: float = 60.0) -> None:
@@ -92,17 +98,19 @@ class PendingSaves:
         self.stale_s = stale_s
 
     def mark(self, key: str) -> None:
-        (self.dir / key).touch()
+        (self.dir / key).write_text(f"{socket.gethostname()} {os.getpid()}")
 
     def clear(self, key: str) -> None:
         (self.dir / key).unlink(missing_ok=True)
 
     def is_pending(self, key: str) -> bool:
+        path = self.dir / key
         try:
-            age = time.time() - (self.dir / key).stat().st_mtime
+            age = time.time() - path.stat().st_mtime
+            writer = path.read_text()
         except FileNotFoundError:
             return False
-        return age < self.stale_s
+        return age < self.stale_s and _writer_alive(writer)
 
     def lookup(self, key: str, stored: Callable[[str], bool]) -> SpanState:
         """Whether ``key`` is stored, still being saved, or missing, as ``stored`` (the store's
@@ -117,6 +125,21 @@ class PendingSaves:
         if self.is_pending(key):
             return SpanState.SAVING
         return SpanState.STORED if stored(key) else SpanState.MISSING
+
+
+def _writer_alive(writer: str) -> bool:
+    """Whether the process a mark names may still be writing: False only for a process of this host
+    that no longer exists (a mark still being written, or from another host, counts as alive)."""
+    host, _, pid = writer.rpartition(" ")
+    if host != socket.gethostname() or not pid.isdigit():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 _STORES: dict[ConnectorSettings, TieredKVStore] = {}

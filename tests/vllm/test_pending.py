@@ -4,6 +4,8 @@ pending marks: pure Python, runs in both venvs."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -34,6 +36,38 @@ def test_a_mark_left_by_a_dead_writer_expires(tmp_path: Path) -> None:
     try:
         key = make_entry(4).key
         pending.mark(key)
+        old = time.time() - pending.stale_s - 1
+        os.utime(pending.dir / key, (old, old))
+        assert pending.lookup(key, disk.contains) is SpanState.MISSING
+    finally:
+        disk.close()
+
+
+def test_a_mark_left_by_a_process_that_is_gone_is_ignored_at_once(tmp_path: Path) -> None:
+    """An engine restarted after a crash finds its predecessor's marks, seconds old: the requests
+    they cover must not wait out ``stale_s`` for saves nobody will finish."""
+    disk, pending = _tier_and_marks(tmp_path)
+    try:
+        gone, alive = make_entry(6).key, make_entry(7).key
+        script = ("import sys; from ragfuse.connectors.vllm.settings import PendingSaves; "
+                  "PendingSaves(sys.argv[1]).mark(sys.argv[2])")
+        subprocess.run([sys.executable, "-c", script, str(tmp_path), gone], check=True)
+        pending.mark(alive)
+        assert (pending.dir / gone).exists()
+        assert pending.lookup(gone, disk.contains) is SpanState.MISSING
+        assert pending.lookup(alive, disk.contains) is SpanState.SAVING
+    finally:
+        disk.close()
+
+
+def test_a_mark_from_another_host_waits_for_its_age(tmp_path: Path) -> None:
+    """A writer this host cannot check (a store shared with another machine) is trusted until the
+    mark is ``stale_s`` old."""
+    disk, pending = _tier_and_marks(tmp_path)
+    try:
+        key = make_entry(8).key
+        (pending.dir / key).write_text("some-other-host 1")
+        assert pending.lookup(key, disk.contains) is SpanState.SAVING
         old = time.time() - pending.stale_s - 1
         os.utime(pending.dir / key, (old, old))
         assert pending.lookup(key, disk.contains) is SpanState.MISSING
