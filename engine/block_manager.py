@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol
 
-from .errors import RequestError
+from .errors import CacheFullError
 
 
 class BlockCache(Protocol):
@@ -54,7 +54,7 @@ class BlockManager:
         """Append blocks to ``block_table`` (in place) until it holds ``num_tokens`` tokens."""
         need = self.blocks_needed(block_table, num_tokens)
         if need > self.num_free:
-            raise RequestError(f"KV cache full: need {need} blocks, {self.num_free} free")
+            raise CacheFullError(f"KV cache full: need {need} blocks, {self.num_free} free")
         if need > len(self.free_ids):
             assert self.cache is not None  # reclaimable blocks exist only with a cache
             self.cache.evict(need - len(self.free_ids))

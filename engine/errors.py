@@ -11,3 +11,8 @@ class ModelError(RagfuseError):
 
 class RequestError(RagfuseError):
     """A request the engine cannot serve (empty prompt, too long, bad sampling parameters)."""
+
+
+class CacheFullError(RequestError):
+    """The KV cache has no room for a request now: a passing state, not a bad request. Blocks come
+    back as running requests finish, so a caller with other requests in flight may retry later."""

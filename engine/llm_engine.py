@@ -87,7 +87,8 @@ class LLMEngine:
         self.relay_prompts = RelayPrompts(self, MAX_SYSTEM_PROMPTS)  # registered on demand, LRU-bounded
         self.tree = PrefixTree(self.blocks) if self.config.prefix_tree else None
         self.scheduler = Scheduler(
-            self.blocks, self.config.max_num_seqs, max(self.config.max_num_batched_tokens, 1), self.tree
+            self.blocks, self.config.max_num_seqs, max(self.config.max_num_batched_tokens, 1), self.tree,
+            reclaim=self.relay_prompts.reclaim,
         )
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[Sequence] = []  # fused requests whose first token is not reported yet
@@ -373,7 +374,8 @@ class LLMEngine:
         # fused or session KV is not the exact KV of these tokens, so its blocks never join the prefix tree
         offset = self.systems.get(system).num_tokens if system is not None else 0
         seq = Sequence(rid, ids, params, cacheable=False, tree_open=False, system=system, position_offset=offset)
-        self.blocks.grow(seq.block_table, len(ids))
+        self.relay_prompts.reclaim(self.blocks.blocks_needed([], len(ids)), keep=system)
+        self.blocks.grow(seq.block_table, len(ids))  # CacheFullError if there is still no room
         try:
             logits, stats = prefill(seq.block_table)
         except BaseException:

@@ -13,6 +13,7 @@ request is served without relay (``acquire`` returns None): same output, only sl
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -41,17 +42,26 @@ class RelayPrompts:
 
     def acquire(self, token_ids: list[int]) -> int | None:
         """The id of the registered prompt with these tokens (registering it if needed), or None
-        when the bound is reached and every registered prompt has unfinished requests."""
+        when the bound is reached and every registered prompt has unfinished requests, or when the
+        cache has no room for the prompt's blocks even with every idle prompt released."""
         known = self.engine.systems.find(token_ids)
         if known is not None:
             self.reuses += 1
         else:
-            if not self._make_room():
+            if not self._make_room() or not self.reclaim(self.engine.blocks.blocks_needed([], len(token_ids))):
                 return None
             known = self.engine.register_system(token_ids)
         self._used[known] = tuple(token_ids)
         self._used.move_to_end(known)
         return known
+
+    def reclaim(self, blocks: int, keep: int | None = None) -> bool:
+        """Release idle prompts, least recently used first, until ``blocks`` cache blocks are free;
+        whether they are. The scheduler calls this before it leaves a request waiting for blocks or
+        preempts one: a prompt nobody follows must not hold the cache against live requests (a few
+        long system prompts could otherwise leave a request waiting forever with nothing running).
+        ``keep``: a prompt a request about to be added follows (not yet counted as busy)."""
+        return self._release_lru_while(lambda: self.engine.blocks.num_free < blocks, keep)
 
     def release_idle(self) -> int:
         """Release every prompt this registry holds that no unfinished request follows (a front end
@@ -65,15 +75,21 @@ class RelayPrompts:
 
     def _make_room(self) -> bool:
         """Release idle prompts until one more fits (under both this bound and the engine's)."""
-        def full() -> bool:
-            return len(self._used) >= self.max_prompts or self.engine.systems.free_count == 0
+        return self._release_lru_while(
+            lambda: len(self._used) >= self.max_prompts or self.engine.systems.free_count == 0)
 
+    def _release_lru_while(self, short: Callable[[], bool], keep: int | None = None) -> bool:
+        """Release idle prompts (but ``keep``), least recently used first, while ``short()``; False if
+        it still is with none idle left."""
         self._prune()
-        while full():
-            idle = next((sid for sid in self._used if not self.engine.system_busy(sid)), None)
+        while short():
+            idle = next((sid for sid in self._used if sid != keep and not self.engine.system_busy(sid)), None)
             if idle is None:
                 return False
-            self.engine.release_system(idle)
-            del self._used[idle]
-            self.releases += 1
+            self._release(idle)
         return True
+
+    def _release(self, sid: int) -> None:
+        self.engine.release_system(sid)
+        del self._used[sid]
+        self.releases += 1

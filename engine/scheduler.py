@@ -13,6 +13,7 @@ and prefills only the rest, and every block a step fills joins the tree as it is
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .block_manager import BlockManager
@@ -33,10 +34,14 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(
-        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, tree: PrefixTree | None = None
+        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, tree: PrefixTree | None = None,
+        reclaim: Callable[[int], bool] | None = None,
     ) -> None:
         self.blocks = blocks
         self.tree = tree
+        # frees blocks held for later use (idle on-demand system prompts) until the given count is free;
+        # asked before a sequence is left waiting or preempted for want of blocks
+        self.reclaim = reclaim
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -69,7 +74,7 @@ class Scheduler:
             if budget <= 0:
                 break
             n = min(seq.num_uncomputed, budget)
-            if not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n):
+            if not self._room(seq, seq.num_computed_tokens + n):
                 continue
             self._grow(seq, seq.num_computed_tokens + n)
             seqs.append(seq)
@@ -81,7 +86,7 @@ class Scheduler:
             if matched:
                 self.tree.match(seq)
             n = min(seq.num_uncomputed, budget)
-            if not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n):
+            if not self._room(seq, seq.num_computed_tokens + n):
                 if matched:
                     self.tree.unmatch(seq)
                 break
@@ -99,7 +104,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or seq.num_uncomputed != 1:
                 continue  # preempted to make room, or still in a chunked prefill
-            while not self.blocks.can_grow(seq.block_table, seq.num_tokens):
+            while not self._room(seq, seq.num_tokens):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
@@ -108,6 +113,11 @@ class Scheduler:
                 self._grow(seq, seq.num_tokens)
                 scheduled.append(seq)
         return ScheduledBatch(scheduled, [1] * len(scheduled), False) if scheduled else None
+
+    def _room(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether ``seq`` can grow to ``num_tokens`` tokens, reclaiming held blocks if it must."""
+        need = self.blocks.blocks_needed(seq.block_table, num_tokens)
+        return need <= self.blocks.num_free or (self.reclaim is not None and self.reclaim(need))
 
     def grow_ahead(self, seqs: list[Sequence]) -> bool:
         """Blocks for one more token of each sequence than it has computed, all or none: for a decode

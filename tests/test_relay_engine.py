@@ -216,6 +216,38 @@ def test_relay_prompts_registered_on_demand_are_bounded_and_released_lru(engine)
     assert reg.release_idle() == 1 and reg.registered == 0 and engine.blocks.num_free == free
 
 
+def test_idle_on_demand_system_prompts_give_their_blocks_to_waiting_requests() -> None:
+    """Chats with long system prompts leave them registered (``relay_prompts``) after they end; a
+    later request that needs those blocks must get them, not wait forever with nothing running.
+    A prompt that cannot fit even then is served without relay (None), not refused."""
+    cfg = EngineConfig(device="cpu", dtype="float32", block_size=8, kv_cache_bytes=160 * 4096)
+    engine = LLMEngine(cfg, random_weights=ModelConfig.from_dict(SHAPE))
+    assert engine.blocks.num_blocks == 160
+    prompts = [[1 + (i * 7 + j) % 200 for j in range(400)] for i in range(3)]  # 50 blocks each
+    for p in prompts:
+        sid = engine.relay_prompts.acquire(p)
+        assert sid is not None
+        run_all(engine, [([5, 6, 7], sid, True)], 2)
+    assert engine.blocks.num_free == 10 and engine.relay_prompts.registered == 3
+    plain = [1 + j % 250 for j in range(300)]  # 38 blocks with its answer
+    steps = 0
+    rid = engine.add_request(plain, SamplingParams(max_tokens=4, ignore_eos=True))
+    finished = False
+    while engine.has_unfinished() and steps < 50:
+        finished |= any(o.finished and o.request_id == rid for o in engine.step())
+        steps += 1
+    assert finished, "the request never got the idle prompts' blocks"
+    assert engine.relay_prompts.releases == 1  # the least recently used one was enough
+    assert engine.systems.find(prompts[0]) is None and engine.systems.find(prompts[2]) is not None
+    busy = [engine.add_request([5, 6], SamplingParams(max_tokens=50, ignore_eos=True), system=engine.systems.find(p))
+            for p in prompts[1:]]
+    huge = [1 + j % 230 for j in range(500)]  # 63 blocks: more than are free, and no prompt is idle
+    assert engine.relay_prompts.acquire(huge) is None
+    for rid in busy:
+        engine.abort(rid)
+    assert engine.relay_prompts.acquire(huge) is not None
+
+
 RANDOM_SHAPE = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
     "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
