@@ -1,7 +1,8 @@
 """Reading files into documents: plain text, Markdown, HTML, PDF, and JSON/JSONL records.
 
-A file that cannot be read as text (empty, binary, undecodable, too large, or a record file without
-the asked-for text field) is reported by name with the reason and skipped; it never stops an ingest.
+A file that cannot be read as text (empty, binary, undecodable, too large, a PDF or JSON file that
+cannot be parsed, a record file without the asked-for text field, or a name that is not UTF-8) is
+reported by name with the reason and skipped; it never stops an ingest.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,13 +57,19 @@ def find_files(paths: Iterable[str | Path]) -> tuple[list[Path], list[SkippedFil
         elif p.is_file():
             found.append(p)
         else:
-            missing.append(SkippedFile(str(p), "no such file or directory"))
+            missing.append(SkippedFile(_display_path(p), "no such file or directory"))
     return list(dict.fromkeys(f.resolve() for f in found)), missing
 
 
 def load_file(path: Path, max_bytes: int = DEFAULT_MAX_BYTES, text_field: str = "text",
               title_field: str | None = "title") -> LoadedFile | SkippedFile:
     """Read ``path`` into documents, or say why it was skipped."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        # Python hands such a name over with surrogate escapes, which the docstore (SQLite, UTF-8)
+        # cannot hold, and which a UTF-8 terminal cannot print
+        return SkippedFile(_display_path(path), "file name is not valid UTF-8 (rename the file)")
     try:
         size = path.stat().st_size
         if size > max_bytes:
@@ -92,6 +100,11 @@ def load_file(path: Path, max_bytes: int = DEFAULT_MAX_BYTES, text_field: str = 
     return LoadedFile(str(path), hashlib.sha256(data).hexdigest(), docs)
 
 
+def _display_path(path: str | Path) -> str:
+    """``path`` as printable UTF-8 text: bytes of the name that are not UTF-8 appear as ``\\xNN``."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
 def _decode(data: bytes) -> str:
     if b"\0" in data[:8192]:
         raise _Unreadable("binary (NUL bytes)")
@@ -112,13 +125,16 @@ def _html_text(html: str) -> str:
 
 def _pdf_text(data: bytes) -> str:
     from pypdf import PdfReader
-    from pypdf.errors import PdfReadError
 
     try:
         reader = PdfReader(io.BytesIO(data))
         return "\n\n".join(page.extract_text() or "" for page in reader.pages)
-    except (PdfReadError, ValueError, KeyError) as exc:
-        raise _Unreadable(f"unreadable PDF ({exc})") from exc
+    except Exception as exc:
+        # a damaged file makes pypdf raise its own errors (PdfReadError; LimitReachedError for an object
+        # loop or a stream that inflates past its limits), DependencyError for an encryption it cannot
+        # read, and built-in ones (ValueError, KeyError, AttributeError, RecursionError): all of them
+        # mean this one file cannot be read
+        raise _Unreadable(f"unreadable PDF ({str(exc) or type(exc).__name__})") from exc
 
 
 def _record_documents(text: str, suffix: str, source: str, text_field: str,
@@ -137,6 +153,8 @@ def _record_documents(text: str, suffix: str, source: str, text_field: str,
             records = loaded if isinstance(loaded, list) else [loaded]
     except json.JSONDecodeError as exc:
         raise _Unreadable(f"invalid JSON ({exc.msg} at line {exc.lineno})") from exc
+    except RecursionError as exc:  # the decoder recurses once per level of nesting
+        raise _Unreadable("JSON nested too deeply to read") from exc
     found = False
     for i, rec in enumerate(records):
         for where, holder, value in _walk(rec, text_field.split("."), f"#{i}"):

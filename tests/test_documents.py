@@ -1,0 +1,75 @@
+"""Reading files into documents: a file that cannot be read is skipped with its reason (no model needed)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ragfuse.documents import LoadedFile, SkippedFile, find_files, load_file
+
+
+def _pdf(*objects: str) -> bytes:
+    """A PDF whose numbered objects are ``objects`` (object 1 the catalog), with a correct xref table."""
+    out = b"%PDF-1.4\n"
+    offsets = []
+    for i, body in enumerate(objects, 1):
+        offsets.append(len(out))
+        out += f"{i} 0 obj\n{body}\nendobj\n".encode()
+    xref = len(out)
+    out += f"xref\n0 {len(objects) + 1}\n0000000000 65535 f \n".encode()
+    out += b"".join(f"{o:010d} 00000 n \n".encode() for o in offsets)
+    out += f"trailer\n<< /Size {len(objects) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n".encode()
+    return out
+
+
+GOOD_PDF = _pdf(
+    "<< /Type /Catalog /Pages 2 0 R >>", "<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+    "<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R"
+    " /Resources << /Font << /F1 5 0 R >> >> >>",
+    "<< /Length 53 >>\nstream\nBT /F1 12 Tf 72 720 Td (Hello lighthouse world) Tj ET\nendstream",
+    "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+)
+
+
+@pytest.mark.parametrize("data, why", [
+    # no /Catalog and a page tree that does not parse: pypdf's root recovery meets object 2 again and
+    # raises LimitReachedError (a PyPdfError, not a PdfReadError)
+    (_pdf("<< /Type /Xatalog /Pages 2 0 R >>", "X< /Type /Pages /Kids [] /Count 0 >>"), "loop with self reference"),
+    # the page tree is a reference to itself: pypdf fails with an AttributeError of its own
+    (_pdf("<< /Type /Catalog /Pages 2 0 R >>", "2 0 R"), "unreadable PDF"),
+    (GOOD_PDF[: len(GOOD_PDF) // 3], "unreadable PDF"),
+])
+def test_a_pdf_pypdf_cannot_parse_is_skipped_with_its_reason(tmp_path, data, why):
+    good = tmp_path / "good.pdf"
+    good.write_bytes(GOOD_PDF)
+    assert load_file(good).documents[0].text.strip() == "Hello lighthouse world"
+    bad = tmp_path / "bad.pdf"
+    bad.write_bytes(data)
+    skipped = load_file(bad)
+    assert isinstance(skipped, SkippedFile) and skipped.reason.startswith("unreadable PDF") and why in skipped.reason
+
+
+@pytest.mark.parametrize("name, data", [
+    ("deep.json", b"[" * 100_000),
+    ("deep.jsonl", b'{"text": "fine"}\n' + b'{"a": ' * 100_000),
+])
+def test_json_nested_too_deeply_is_skipped_with_its_reason(tmp_path, name, data):
+    path = tmp_path / name
+    path.write_bytes(data)
+    skipped = load_file(path)
+    assert isinstance(skipped, SkippedFile) and skipped.reason == "JSON nested too deeply to read"
+
+
+@pytest.mark.skipif(os.name != "posix", reason="file names are bytes on POSIX only")
+def test_a_file_name_that_is_not_utf8_is_skipped_by_a_printable_name(tmp_path):
+    (tmp_path / "notes.txt").write_text("The lighthouse was electrified in 1931.")
+    with open(os.path.join(os.fsencode(tmp_path), b"caf\xe9-menu.txt"), "wb") as f:  # a Latin-1 name
+        f.write(b"Soup of the day.")
+    files, _ = find_files([tmp_path])
+    loaded = {f.name: load_file(f) for f in files}
+    assert isinstance(loaded["notes.txt"], LoadedFile)
+    skipped = loaded["caf\udce9-menu.txt"]
+    assert isinstance(skipped, SkippedFile) and "file name is not valid UTF-8" in skipped.reason
+    assert skipped.path == f"{tmp_path}/caf\\xe9-menu.txt"
+    skipped.path.encode("utf-8")  # printable on a UTF-8 terminal, storable in SQLite
