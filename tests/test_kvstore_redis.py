@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -130,3 +133,68 @@ def test_redis_gone_mid_read_is_unreadable_not_corrupt():
     assert failed.value.key == entry.key and "could not be read" in str(failed.value)
     with pytest.raises(KVStoreError, match="failed"):
         tier.contains(entry.key)
+
+
+@contextmanager
+def _after_command(tier: RedisTier, n: int, action) -> Iterator[list[bool]]:
+    """Run ``action`` (another tier's call, on its own connection) right after ``tier``'s ``n``-th
+    command has been answered by the server: one forced interleaving of two processes sharing Redis.
+    The list it yields holds True once ``action`` ran (False-y if ``tier`` sent fewer commands)."""
+    client = tier._r
+    send = client.execute_command
+    sent, fired = 0, []
+
+    def execute_command(*args, **options):
+        nonlocal sent
+        reply = send(*args, **options)
+        sent += 1
+        if sent == n:
+            action()
+            fired.append(True)
+        return reply
+
+    client.execute_command = execute_command
+    try:
+        yield fired
+    finally:
+        del client.execute_command
+
+
+def _assert_counts_match_held(tier: RedisTier) -> None:
+    """The byte counter and the LRU agree with the entry hashes actually in Redis."""
+    hashes = [h.decode() for h in tier._r.scan_iter(match=f"{tier.prefix}:e:*")]
+    held = sum(int(tier._r.hget(h, "nbytes")) for h in hashes)
+    stats = tier.stats()
+    assert (stats.bytes, stats.entries) == (held, len(hashes))
+    assert {m.decode() for m in tier._r.zrange(tier._lru, 0, -1)} == {h.rsplit(":", 1)[1] for h in hashes}
+
+
+# name: (capacity in entries, entries there before, what process A does, what process B does meanwhile)
+RACES = {
+    "put-vs-put": (8, [0], lambda t, e: t.put(e[1]), lambda t, e: t.put(e[1])),
+    "delete-vs-delete": (8, [0, 1], lambda t, e: t.delete(e[1].key), lambda t, e: t.delete(e[1].key)),
+    "delete-vs-put": (8, [0], lambda t, e: t.delete(e[1].key), lambda t, e: t.put(e[1])),
+    "evict-vs-delete": (1, [0], lambda t, e: t.put(e[1]), lambda t, e: t.delete(e[0].key)),
+    "evict-vs-put": (1, [0], lambda t, e: t.put(e[1]), lambda t, e: t.put(e[1])),
+}
+
+
+@pytest.mark.parametrize("race", list(RACES))
+def test_byte_counter_survives_two_processes_racing(redis_url, race):
+    """Two tiers on one server (two processes) act on the same entry; B's call is forced in after each
+    of A's commands in turn. Whatever the interleaving, the byte counter and the entry count match
+    the entries Redis holds: a put counts only if it created the entry, a delete only if it removed it."""
+    capacity, before, a_does, b_does = RACES[race]
+    entries = [make_entry(i) for i in range(2)]
+    for n in itertools.count(1):
+        prefix = f"test:race:{race}:{n}"
+        a, b = (RedisTier(redis_url, capacity * entries[0].nbytes, prefix=prefix) for _ in range(2))
+        for i in before:
+            a.put(entries[i])
+        with _after_command(a, n, lambda b=b: b_does(b, entries)) as fired:
+            a_does(a, entries)
+        _assert_counts_match_held(a)
+        a.close()
+        b.close()
+        if not fired:
+            break

@@ -2,8 +2,10 @@
 
 Each entry is one Redis hash: field ``meta`` (the entry's JSON metadata, checksums included) and one
 field per layer, so a reader can fetch a single layer with HGET. A sorted set orders entries by last
-access (the LRU); a counter holds the bytes stored. ZPOPMIN makes eviction safe between processes:
-two of them never evict the same entry twice or double-subtract its bytes.
+access (the LRU); a counter holds the bytes stored. Several processes share one server, so the counter
+moves only inside Lua scripts that Redis runs atomically: a put counts an entry's bytes only if it
+created the hash, a removal gives them back only if it deleted it. Two processes putting, deleting or
+evicting the same entry at once thus count it once, and the counter stays the sum of the entries held.
 """
 
 from __future__ import annotations
@@ -17,6 +19,24 @@ import torch
 
 from .entry import CorruptEntryError, EntryMeta, KVStoreError, StoredKV, tensor_bytes
 from .tier import Tier, TierStats
+
+# KEYS: entry hash, LRU, byte counter. ARGV: entry key, access time, nbytes, then field, value, ...
+_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('INCRBY', KEYS[3], ARGV[3])
+return 1
+"""
+
+# KEYS: entry hash, LRU, byte counter. ARGV: entry key.
+_REMOVE = """
+local nbytes = redis.call('HGET', KEYS[1], 'nbytes')
+redis.call('ZREM', KEYS[2], ARGV[1])
+if redis.call('DEL', KEYS[1]) == 0 then return 0 end
+if nbytes then redis.call('DECRBY', KEYS[3], nbytes) end
+return 1
+"""
 
 
 class RedisTier(Tier):
@@ -37,6 +57,8 @@ class RedisTier(Tier):
             self._r.ping()
         except self._redis_errors as exc:
             raise KVStoreError(f"Redis at {url} is not reachable: {exc}") from exc
+        self._create_script = self._r.register_script(_CREATE)
+        self._remove_script = self._r.register_script(_REMOVE)
         self._stats = TierStats(capacity=self.capacity_bytes)
 
     @contextmanager
@@ -90,7 +112,7 @@ class RedisTier(Tier):
             return None
         self._stats.hits += 1
         with self._talking():
-            self._r.zadd(self._lru, {key: time.time()})
+            self._r.zadd(self._lru, {key: time.time()}, xx=True)  # xx: never revive one removed meanwhile
         entry = StoredKV(meta, layers)
         return entry if device is None or torch.device(device).type == "cpu" else entry.to(device)
 
@@ -99,7 +121,7 @@ class RedisTier(Tier):
         if size > self.capacity_bytes:
             return [entry]
         with self._talking():
-            if self._r.exists(self._hkey(entry.key)):
+            if self._r.exists(self._hkey(entry.key)):  # saves the upload; _CREATE decides, atomically
                 return []
             evicted: list[StoredKV] = []
             while int(self._r.get(self._bytes) or 0) + size > self.capacity_bytes:
@@ -113,24 +135,16 @@ class RedisTier(Tier):
                 self._stats.evictions += 1
                 if old is not None:
                     evicted.append(old)
-            mapping: dict[str, bytes] = {"meta": json.dumps(entry.meta.to_json()).encode(),
-                                         "nbytes": str(size).encode()}
+            fields: list[str | bytes] = ["meta", json.dumps(entry.meta.to_json()), "nbytes", str(size)]
             for i, t in enumerate(entry.layers):
-                mapping[f"L{i:04d}"] = bytes(tensor_bytes(t.to("cpu")))
-            pipe = self._r.pipeline(transaction=True)
-            pipe.hset(self._hkey(entry.key), mapping=mapping)
-            pipe.zadd(self._lru, {entry.key: time.time()})
-            pipe.incrby(self._bytes, size)
-            pipe.execute()
+                fields += [f"L{i:04d}", bytes(tensor_bytes(t.to("cpu")))]
+            self._create_script(keys=[self._hkey(entry.key), self._lru, self._bytes],
+                                args=[entry.key, time.time(), size, *fields])
         return evicted
 
     def _remove(self, key: str) -> bool:
-        """Delete the hash and give back its bytes, once even if two processes race here."""
-        nbytes = self._r.hget(self._hkey(key), "nbytes")
-        if self._r.delete(self._hkey(key)):
-            self._r.incrby(self._bytes, -int(nbytes or 0))
-            return True
-        return False
+        """Delete the entry and give back its bytes, only if this call deleted it (two processes may race here)."""
+        return bool(self._remove_script(keys=[self._hkey(key), self._lru, self._bytes], args=[key]))
 
     def contains(self, key: str) -> bool:
         with self._talking():
@@ -138,7 +152,6 @@ class RedisTier(Tier):
 
     def delete(self, key: str) -> bool:
         with self._talking():
-            self._r.zrem(self._lru, key)
             return self._remove(key)
 
     def stats(self) -> TierStats:
