@@ -3,7 +3,9 @@
 Order matters for "nothing stored is lost": embeddings and KV are computed first; only then is each
 file's set of chunks swapped in one docstore transaction, and the index updated. An error before
 that (disk full, bad file) leaves the store exactly as it was. Unchanged files (same content hash
-and same settings, which the store enforces) are not touched at all.
+and same settings, which the store enforces, and, for an ingest that precomputes KV, every chunk's KV
+stored) are not touched at all. KV no chunk uses any more is deleted last, once every file's new
+chunks are in: a chunk that moved from one file to another keeps its KV.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ class Ingestor:
             loaded = load_file(path, self.max_bytes, self.text_field, self.title_field)
             if isinstance(loaded, SkippedFile):
                 report.skipped.append(loaded)
-            elif self.store.docs.file_hash(loaded.path) == loaded.content_hash:
+            elif self._unchanged(loaded):
                 report.unchanged_files.append(loaded.path)
             else:
                 pending.append(self._chunk(loaded))
@@ -85,19 +87,19 @@ class Ingestor:
         offset = 0
         all_removed: list[int] = []
         all_added: list[int] = []
+        old_keys: list[str] = []
         for p in pending:
             n = len(p.texts)
             chunks = [
                 NewChunk(src, text, ids, chunk_kv.key(ids) if chunk_kv is not None else None, vec)
                 for src, text, ids, vec in zip(p.sources, p.texts, p.token_ids, vectors[offset:offset + n])
             ]
-            old_keys = [c.kv_key for c in self.store.docs.chunks(self.store.docs.chunk_ids(p.file.path)).values()
-                        if c.kv_key]
+            old_keys += [c.kv_key for c in self.store.docs.chunks(self.store.docs.chunk_ids(p.file.path)).values()
+                         if c.kv_key]
             was_there = self.store.docs.file_hash(p.file.path) is not None
             removed, added = self.store.docs.replace_file(p.file.path, p.file.content_hash, chunks)
             all_removed += removed
             all_added += added
-            report.kv_removed += self.store.forget_kv(old_keys)
             (report.replaced_files if was_there else report.new_files).append(p.file.path)
             report.chunks_added += len(added)
             report.chunks_removed += len(removed)
@@ -106,8 +108,23 @@ class Ingestor:
         if pending:  # one index update (and save) for the whole ingest; until then the saved
             # index is behind the docstore's generation and a crash would make the next open rebuild it
             self.store.apply_changes(all_removed, all_added, vectors)
+        # only now, with every file's new chunks in, can "no chunk uses it" be told: a key one file
+        # dropped may be a chunk that moved to another file of this ingest
+        report.kv_removed = self.store.forget_kv(old_keys)
         report.seconds = time.perf_counter() - t0
         return report
+
+    def _unchanged(self, loaded: LoadedFile) -> bool:
+        """Stored with the same content and, when this ingest precomputes KV, with every chunk's KV
+        keyed and stored: a file ingested with --no-kv (or whose KV is gone) is ingested again."""
+        if self.store.docs.file_hash(loaded.path) != loaded.content_hash:
+            return False
+        chunk_kv = self.chunk_kv
+        if chunk_kv is None:
+            return True
+        chunks = self.store.docs.chunks(self.store.docs.chunk_ids(loaded.path)).values()
+        return all(c.kv_key == chunk_kv.key(c.token_ids) and self.store.kv.locate(c.kv_key) is not None
+                   for c in chunks)
 
     def _chunk(self, loaded: LoadedFile) -> _Pending:
         p = _Pending(loaded, [], [], [])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -131,3 +132,59 @@ def test_nested_json_records(tmp_path):
     assert [(d.text, d.source.split("#")[1]) for d in loaded.documents] == [
         ("A\nalpha", "0.ctxs[0].text"), ("B\nbeta", "0.ctxs[1].text"), ("gamma", "1.ctxs[0].text")]
     assert "no record has" in load_file(path, text_field="body").reason
+
+
+def test_a_no_kv_ingest_then_a_kv_ingest_precomputes_the_kv(tmp_path, corpus, engine, embedder):
+    store = RagStore(tmp_path / "store", _config(embedder))
+    eiffel = corpus / "eiffel.txt"
+    first = _ingest(store, engine, embedder, [eiffel], precompute_kv=False)
+    assert first.new_files and first.kv_computed == 0
+    # the same unchanged file, now wanting KV: its chunks have none, so it is not "unchanged"
+    second = _ingest(store, engine, embedder, [eiffel])
+    assert second.replaced_files == [str(eiffel.resolve())] and second.kv_computed == 1
+    ids = store.docs.chunk_ids(str(eiffel.resolve()))
+    assert [store.kv.locate(c.kv_key) for c in store.docs.chunks(ids).values()] == ["disk"]
+    third = _ingest(store, engine, embedder, [eiffel])
+    assert third.unchanged_files and third.kv_computed == 0 and third.chunks_added == 0
+    assert _ingest(store, engine, embedder, [eiffel], precompute_kv=False).unchanged_files  # --no-kv: KV not asked
+    store.close()
+
+
+def test_a_chunk_that_moves_to_another_file_keeps_its_kv(tmp_path, engine, embedder):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    moving = "Saltmarsh harbour was dredged in 1874 to admit larger steamers."
+    (docs / "a.txt").write_text(moving)
+    store = RagStore(tmp_path / "store", _config(embedder))
+    assert _ingest(store, engine, embedder, [docs]).kv_computed == 1
+    (docs / "b.txt").write_text(moving)  # the paragraph moves to b.txt, and a.txt says something else
+    (docs / "a.txt").write_text("Saltmarsh harbour now only serves fishing boats.")
+    rep = _ingest(store, engine, embedder, [docs])
+    assert (len(rep.new_files), len(rep.replaced_files), rep.kv_computed, rep.kv_reused) == (1, 1, 1, 1)
+    assert rep.kv_removed == 0  # a.txt's old key is b.txt's chunk's now
+    chunks = [c for p, _ in store.docs.files() for c in store.docs.chunks(store.docs.chunk_ids(p)).values()]
+    assert sorted(store.kv.locate(c.kv_key) for c in chunks) == ["disk", "disk"]
+    _, kv_removed = store.remove([str((docs / "b.txt").resolve())])  # the last chunk using it gone: so is the KV
+    assert kv_removed == 1
+    store.close()
+
+
+def test_files_that_cannot_be_read_are_skipped_and_the_rest_ingested(tmp_path, engine, embedder):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "good.txt").write_text("The Danube flows through ten countries into the Black Sea.")
+    (docs / "deep.json").write_bytes(b"[" * 100_000)
+    (docs / "loop.pdf").write_bytes(  # no catalog; pypdf meets object 2 again: LimitReachedError
+        b"%PDF-1.4\n1 0 obj\n<< /Type /Xatalog /Pages 2 0 R >>\nendobj\n2 0 obj\nX<\nendobj\n"
+        b"xref\n0 3\n0000000000 65535 f \n0000000009 00000 n \n0000000058 00000 n \n"
+        b"trailer\n<< /Size 3 /Root 1 0 R >>\nstartxref\n76\n%%EOF\n")
+    with open(os.path.join(os.fsencode(docs), b"caf\xe9-menu.txt"), "wb") as f:  # a Latin-1 file name
+        f.write(b"Soup of the day.")
+    store = RagStore(tmp_path / "store", _config(embedder))
+    rep = _ingest(store, engine, embedder, [docs], precompute_kv=False)
+    assert rep.new_files == [str((docs / "good.txt").resolve())]
+    reasons = {s.path.rsplit("/", 1)[-1]: s.reason for s in rep.skipped}
+    assert reasons.keys() == {"deep.json", "loop.pdf", "caf\\xe9-menu.txt"}
+    assert reasons["deep.json"] == "JSON nested too deeply to read" and "unreadable PDF" in reasons["loop.pdf"]
+    assert "not valid UTF-8" in reasons["caf\\xe9-menu.txt"]
+    store.close()
