@@ -198,6 +198,26 @@ def test_malformed_chat_requests_get_openai_errors(served, body, status, param):
     assert "Traceback" not in r.text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("content", [
+    '"hi \\ud800"', '[{"type": "text", "text": "hi"}, {"type": "text", "text": "\\udc00"}]'], ids=["string", "parts"])
+def test_chat_text_that_cannot_be_utf8_is_a_400(served, content, stream):
+    """A lone surrogate is valid JSON (an escape), yet no tokenizer can encode it: the chat route
+    refuses it as the completions route refuses it in a prompt, before a stream starts."""
+    body = (f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": {content}}}], "max_tokens": 2, '
+            f'"stream": {json.dumps(stream)}}}')
+    r = httpx.post(f"{served.url}/v1/chat/completions", content=body.encode(),
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages.0.content" and "unicode string" in err["message"]
+    assert err["type"] == "invalid_request_error"
+    prompt = f'{{"model": "{MODEL}", "prompt": "hi \\ud800", "max_tokens": 2}}'
+    r = httpx.post(f"{served.url}/v1/completions", content=prompt.encode(),
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 400 and "unicode string" in r.json()["error"]["message"]
+
+
 def test_limits_and_bad_bodies(served, client):
     post = lambda path, **kw: httpx.post(served.url + path, headers={**AUTH, **kw.pop("headers", {})}, **kw)
     r = post("/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
@@ -316,6 +336,27 @@ def test_an_upload_the_disk_has_no_room_for_is_a_507_and_changes_nothing(served)
     assert r.json()["error"]["type"] == "server_error"
     assert httpx.get(url, headers=AUTH).json()["data"] == listed
     assert not (served.store / "uploads" / "tides.md").exists()
+
+
+@pytest.mark.parametrize("content", [b"   ", b"\x00\x01\x02"], ids=["blank", "binary"])
+def test_a_skipped_replacement_loses_nothing(served, content):
+    """Re-uploading a document with content the ingest skips (blank, binary) reports only the skip:
+    the earlier upload stays listed with its chunks and on disk with its bytes."""
+    url = f"{served.url}/v1/documents"
+    text = "Alpha beta gamma delta: the four harbour buoys of Hollowpoint."
+    r = httpx.post(url, json={"documents": [{"name": "buoys.md", "text": text}]}, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    (doc,) = r.json()["data"]
+    listed = httpx.get(url, headers=AUTH).json()["data"]
+    r = httpx.post(url, files=[("files", ("buoys.md", content))], headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["data"] == [] and [s["name"] for s in r.json()["skipped"]] == ["buoys.md"]
+    assert httpx.get(url, headers=AUTH).json()["data"] == listed
+    assert (served.store / "uploads" / "buoys.md").read_text() == text
+    r = httpx.post(url, files=[("files", ("new-blank.md", content))], headers=AUTH, timeout=120)
+    assert r.json()["data"] == [] and not (served.store / "uploads" / "new-blank.md").exists()
+    assert httpx.get(url, headers=AUTH).json()["data"] == listed
+    assert httpx.delete(f"{url}/{doc['id']}", headers=AUTH).json()["deleted"] is True  # the next tests' store
 
 
 @pytest.mark.parametrize("name", ["../escape.txt", "/etc/passwd", "a/b.txt", "notes.exe", "", ".hidden.txt"])

@@ -48,7 +48,8 @@ class DocumentLibrary:
 
     def add(self, files: list[tuple[str, bytes]]) -> dict[str, Any]:
         """Store and ingest ``(name, content)`` pairs; an upload with the name of an earlier one
-        replaces it. Files the ingest skips (binary, empty...) are removed again and reported."""
+        replaces it. A file the ingest skips (binary, empty...) is reported and changes nothing: its
+        earlier upload, if any, stays on disk and in the store as it was."""
         if not files:
             raise RequestError("no documents in the request")
         names = [check_name(n) for n, _ in files]
@@ -60,14 +61,12 @@ class DocumentLibrary:
             report = self.ingestor.ingest(paths)
         except BaseException:  # e.g. no room for the KV: the uploads are put back as they were
             for name, old in before.items():
-                if old is None:
-                    (self.uploads / name).unlink(missing_ok=True)
-                else:
-                    self._write(name, old)
+                self._restore(name, old)
             raise
-        for skipped in report.skipped:
-            Path(skipped.path).unlink(missing_ok=True)
-        wanted = {str(p) for p in paths}
+        skipped = {Path(s.path).name for s in report.skipped}
+        for name in skipped:
+            self._restore(name, before[name])  # the ingest left the store's record of it alone
+        wanted = {str(p) for p in paths if p.name not in skipped}
         return {
             "object": "list",
             "data": [self._info(p, n) for p, n in self.store.docs.files(str(self.uploads)) if p in wanted],
@@ -98,6 +97,13 @@ class DocumentLibrary:
         """An earlier upload's bytes, or None."""
         path = self.uploads / name
         return path.read_bytes() if path.is_file() else None
+
+    def _restore(self, name: str, old: bytes | None) -> None:
+        """Put an upload back as it was before this request: its earlier bytes, or no file."""
+        if old is None:
+            (self.uploads / name).unlink(missing_ok=True)
+        else:
+            self._write(name, old)
 
     def _write(self, name: str, data: bytes) -> Path:
         """Write atomically (temp file, then rename), so a failed upload never leaves half a file."""

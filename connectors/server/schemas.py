@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticKnownError
 
 SEED_MAX = 2**63 - 1
 StopStr = Annotated[str, Field(min_length=1, max_length=256)]
@@ -39,6 +40,19 @@ class TextPart(_Body):
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
+
+    @field_validator("content")
+    @classmethod
+    def _encodable(cls, content: str | list[TextPart]) -> str | list[TextPart]:
+        """JSON may escape a lone UTF-16 surrogate ("\\ud800"), which cannot be UTF-8 encoded, so no
+        tokenizer takes it: refused here with the error pydantic gives it in the constrained text fields
+        (``prompt``, ``question``, ``stop``), which check this themselves; a plain ``str`` does not."""
+        for text in [content] if isinstance(content, str) else [part.text for part in content]:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise PydanticKnownError("string_unicode") from None
+        return content
 
 
 class ChatCompletionRequest(SamplingFields):
