@@ -4,6 +4,10 @@ The engine is single-threaded, so one background thread owns it: it takes new re
 from a queue between steps, runs ``step`` while there is work, and hands each output to its
 caller's asyncio queue through that caller's event loop. A caller that stops listening (a client
 disconnect cancels its task) aborts its request, which frees its cache blocks.
+
+A request whose start finds the KV cache full (``CacheFullError``: a fused prefill takes its blocks at
+once, it does not queue in the scheduler) waits, in arrival order, and starts again after each step
+until running requests have freed the room; it fails only when nothing is left running to free any.
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ import itertools
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from .errors import CacheFullError
 from .llm_engine import LLMEngine, RequestOutput
 from .sampling import SamplingParams
 
@@ -53,6 +59,7 @@ class AsyncEngine:
         self.engine = engine
         self._inbox: queue.Queue[_Submit | _Call | _Abort | None] = queue.Queue()
         self._listeners: dict[str, _Submit] = {}
+        self._deferred: deque[_Submit] = deque()  # starts that found the cache full, oldest first
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="ragfuse-engine", daemon=True)
         self._thread.start()
@@ -60,7 +67,7 @@ class AsyncEngine:
     @property
     def queue_depth(self) -> int:
         """Requests waiting for their first step (for metrics)."""
-        return len(self.engine.scheduler.waiting)
+        return len(self.engine.scheduler.waiting) + len(self._deferred)
 
     @property
     def num_running(self) -> int:
@@ -117,6 +124,9 @@ class AsyncEngine:
                     self._take(item)
             except queue.Empty:
                 pass
+            self._start_deferred()
+            if not self.engine.has_unfinished():
+                continue
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # a bug in a step must not leave callers waiting forever
@@ -134,16 +144,47 @@ class AsyncEngine:
             if rid is not None:
                 self._listeners.pop(rid, None)
                 self.engine.abort(rid)
+            elif item.sub in self._deferred:
+                self._deferred.remove(item.sub)
             return
         if isinstance(item, _Call):
             self._run_call(item)
             return
+        if self._deferred:  # behind the ones already waiting for room
+            self._deferred.append(item)
+            return
+        self._start(item)
+
+    def _start(self, item: _Submit) -> bool:
+        """Start a submission; False if the cache has no room for it yet (it waits: ``_deferred``)."""
         try:
             item.request_id = item.start(self.engine)
+        except CacheFullError as exc:
+            if self.engine.has_unfinished():  # running requests will free blocks: try again after a step
+                if item not in self._deferred:
+                    self._deferred.append(item)
+                return False
+            self._fail(item, exc)
+            return True
         except Exception as exc:
-            item.loop.call_soon_threadsafe(item.out.put_nowait, exc)
-            return
+            self._fail(item, exc)
+            return True
         self._listeners[item.request_id] = item
+        return True
+
+    def _start_deferred(self) -> None:
+        """Start the waiting submissions, oldest first, as far as the cache now has room."""
+        while self._deferred:
+            item = self._deferred[0]
+            if not self._start(item):
+                return
+            if self._deferred and self._deferred[0] is item:
+                self._deferred.popleft()
+
+    @staticmethod
+    def _fail(item: _Submit, exc: BaseException) -> None:
+        with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody to tell
+            item.loop.call_soon_threadsafe(item.out.put_nowait, exc)
 
     def _run_call(self, call: _Call) -> None:
         def settle(ok: bool, value: Any) -> None:

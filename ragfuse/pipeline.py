@@ -404,11 +404,19 @@ class RagPipeline:
             except (CorruptEntryError, UnreadableEntryError) as exc:
                 bad = getattr(exc, "key", None)
                 if bad is None or attempt == len(prep.sources):
+                    self._finish_sources(prep)
                     raise
                 self._recompute_entry(prep, bad, exc)
+            except BaseException:  # e.g. the cache full (a server retries the request later): close the readers
+                self._finish_sources(prep)
+                raise
+        self._finish_sources(prep)
+        return rid, stats
+
+    @staticmethod
+    def _finish_sources(prep: Prepared) -> None:
         for src in prep.sources:
             src.finish()
-        return rid, stats
 
     def _relay_system(self, prep: Prepared, mode: str, session_id: str | None, relay: bool) -> int | None:
         """The relay id of the instruction prefix, where it runs as a system prompt (module docstring)."""

@@ -187,6 +187,51 @@ def test_async_engine_serves_concurrent_callers_and_cancels():
         aeng.shutdown()
 
 
+def test_async_engine_holds_a_fused_start_until_the_cache_has_room():
+    """A fused prefill takes its blocks when it starts; with the cache busy it must wait for room
+    (not fail: the client did nothing wrong), in order, and one cancelled while it waits never starts."""
+    from ragfuse.engine.fusion import FusionMode, Segment
+
+    eng = random_engine(kv_blocks=40)
+    aeng = AsyncEngine(eng)
+    long_plain = prompts(1, 60)[0]  # 15 blocks, 25 by its last token
+    fused_ids = prompts(1, 104)[0]  # 26 blocks: no room until the plain request ends
+    started: list[str] = []
+
+    def start_fused(engine: LLMEngine, tag: str) -> str:
+        rid, _ = engine.add_fused_request([Segment(fused_ids)], SamplingParams(max_tokens=3, ignore_eos=True),
+                                          FusionMode.FULL)
+        started.append(tag)
+        return rid
+
+    async def tokens(agen) -> list[int]:
+        last = None
+        async for out in agen:
+            last = out
+        return last.token_ids
+
+    async def main():
+        plain = aeng.generate(long_plain, SamplingParams(max_tokens=40, ignore_eos=True))
+        first = await plain.__anext__()
+        fused = asyncio.create_task(tokens(aeng.generate_with(lambda e: start_fused(e, "kept"))))
+        dropped = asyncio.create_task(tokens(aeng.generate_with(lambda e: start_fused(e, "cancelled"))))
+        await asyncio.sleep(0.05)
+        dropped.cancel()
+        rest = await tokens(plain)
+        return first, rest, await fused
+
+    try:
+        _first, rest, fused = asyncio.run(main())
+        assert len(rest) == 40 and len(fused) == 3 and started == ["kept"]
+        for _ in range(100):
+            if not eng.has_unfinished():
+                break
+            asyncio.run(asyncio.sleep(0.01))
+        assert eng.blocks.num_free == eng.blocks.num_blocks and aeng.queue_depth == 0
+    finally:
+        aeng.shutdown()
+
+
 def test_gpu_memory_share_comes_from_the_environment_and_is_checked(monkeypatch):
     """Processes sharing one GPU each lower their KV share through the environment; a share outside (0, 1] fails."""
     from ragfuse.engine.errors import ModelError
