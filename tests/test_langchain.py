@@ -124,6 +124,25 @@ async def test_async_calls_read_the_store_from_worker_threads(store):
     assert all(r.response_metadata["ragfuse"]["reused_tokens"] > 0 for r in results)
 
 
+def test_invoke_takes_langchains_stream_switch():
+    """``invoke(stream=True)`` is LangChain's documented way to take the streaming path (and
+    ``stream=False`` the other): the switch is LangChain's, the answer the same either way."""
+    model = ChatRagfuse(**PARAMS)
+    plain = model.invoke("Name a colour.")
+    streamed = model.invoke("Name a colour.", stream=True)
+    assert streamed.content == plain.content and streamed.usage_metadata == plain.usage_metadata
+    assert model.invoke("Name a colour.", stream=False).content == plain.content
+
+
+def test_stop_may_be_one_string():
+    model = ChatRagfuse(**PARAMS)
+    full = model.invoke("Name a colour.").content  # greedy: "The colour is a rare and precious one..."
+    cut = full[: full.index("rare")]
+    assert "e" in cut  # what a stop split into characters ("r", "a", "e") would cut at
+    assert model.invoke("Name a colour.", stop="rare").content == cut
+    assert model.invoke("Name a colour.", stop=["rare"]).content == cut
+
+
 def test_bad_input_is_refused():
     model = ChatRagfuse(**PARAMS)
     with pytest.raises(ValueError, match="text only"):

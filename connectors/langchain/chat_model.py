@@ -81,6 +81,7 @@ class ChatRagfuse(BaseChatModel):
         if model != self.model:
             raise ValueError(f"this ChatRagfuse serves {self.model!r}; make another for {model!r}")
         documents: Sequence[Document | str | Passage] = kwargs.pop("documents", None) or ()
+        kwargs.pop("stream", None)  # LangChain's switch between _stream and _generate, acted on already
         unknown = set(kwargs) - set(_CALL_OPTIONS)
         if unknown:
             raise ValueError(f"ChatRagfuse does not take {', '.join(sorted(unknown))}")
@@ -91,8 +92,9 @@ class ChatRagfuse(BaseChatModel):
             _add_documents(turns, [document_passage(d) for d in documents])
         finder = pipe.finder if pipe.store is not None and self.find_stored_chunks else None
         parts = chat_parts(pipe.engine.tokenizer, turns, finder)
+        stop = stop if stop is not None else self.stop  # callers pass one string too (SamplingParams takes it as one)
         params = SamplingParams(max_tokens=opts["max_tokens"], temperature=opts["temperature"], top_p=opts["top_p"],
-                                seed=opts["seed"], stop=list(stop if stop is not None else self.stop or []))
+                                seed=opts["seed"], stop=stop if isinstance(stop, str) else list(stop or []))
         return pipe, parts, params, opts["mode"], opts["recompute_ratio"]
 
     # ---- generating -------------------------------------------------------------------------
