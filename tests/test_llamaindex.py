@@ -43,6 +43,17 @@ def test_complete_chat_and_stream():
     assert llm.metadata.is_chat_model and llm.metadata.context_window > 1000
 
 
+def test_stop_is_a_string_a_list_or_none():
+    """LlamaIndex callers pass ``stop`` as one string as often as a list: a string is one stop string."""
+    llm = RagfuseLLM(**PARAMS)
+    full = llm.complete("List the days of the week, comma separated:").text
+    cut = full[: full.index("Tuesday")]  # greedy: "Monday: Monday\nTuesday..."
+    assert "d" in cut  # what a stop split into characters ("T", "u", "e", "s", "d"...) would cut at
+    for stop in ("Tuesday", ["Tuesday"]):
+        assert llm.complete("List the days of the week, comma separated:", stop=stop).text == cut
+    assert llm.complete("List the days of the week, comma separated:", stop=None).text == full
+
+
 async def test_async_complete_and_stream():
     llm = RagfuseLLM(**PARAMS)
     done = await llm.acomplete("Say hi.")

@@ -85,7 +85,8 @@ class RagfuseLLM(CustomLLM):
 
     def _params(self, kwargs: dict[str, Any]) -> SamplingParams:
         opts = {k: kwargs.get(k, getattr(self, k)) for k in ("max_tokens", "temperature", "top_p", "seed")}
-        return SamplingParams(**opts, stop=list(kwargs.get("stop", [])))
+        stop = kwargs.get("stop")  # a string, a list of them, or None (SamplingParams takes a string as one)
+        return SamplingParams(**opts, stop=stop if isinstance(stop, str) else list(stop or []))
 
     def _completions(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponseGen:
         turns = None if formatted else [("user", [prompt])]
