@@ -359,6 +359,19 @@ def test_a_skipped_replacement_loses_nothing(served, content):
     assert httpx.delete(f"{url}/{doc['id']}", headers=AUTH).json()["deleted"] is True  # the next tests' store
 
 
+def test_an_upload_nested_too_deeply_is_skipped_not_a_server_error(served):
+    """JSON deeper than the decoder can recurse (a 100 kB upload of "[") is a file the ingest skips
+    with its reason, like any unreadable one; the server stays up and keeps nothing of it."""
+    url = f"{served.url}/v1/documents"
+    listed = httpx.get(url, headers=AUTH).json()["data"]
+    r = httpx.post(url, files=[("files", ("deep.json", b"[" * 100_000))], headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["data"] == []
+    assert r.json()["skipped"] == [{"name": "deep.json", "reason": "JSON nested too deeply to read"}]
+    assert httpx.get(url, headers=AUTH).json()["data"] == listed
+    assert not (served.store / "uploads" / "deep.json").exists()
+
+
 @pytest.mark.parametrize("name", ["../escape.txt", "/etc/passwd", "a/b.txt", "notes.exe", "", ".hidden.txt"])
 def test_documents_are_only_uploaded_content(served, name):
     r = httpx.post(f"{served.url}/v1/documents", json={"documents": [{"name": name, "text": "x"}]}, headers=AUTH)
