@@ -8,11 +8,25 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
+
+from ragfuse.store_dir import StoreError
+
+T = TypeVar("T")
+# bound values per statement: SQLite's smallest default limit (builds differ, from 999 to 250,000), so
+# an IN list of any length is sent in pieces every build accepts
+SQL_VARIABLES = 999
+
+
+def batches(items: Sequence[T]) -> Iterator[Sequence[T]]:
+    """``items`` in pieces of at most ``SQL_VARIABLES``, one statement's worth of bound values each."""
+    for i in range(0, len(items), SQL_VARIABLES):
+        yield items[i:i + SQL_VARIABLES]
 
 
 @dataclass(frozen=True)
@@ -37,28 +51,46 @@ class NewChunk:
 
 class DocStore:
     def __init__(self, path: Path) -> None:
-        # framework connectors read it from worker threads (a batch, an async stream); SQLite is built
-        # serialized (sqlite3.threadsafety 3), and writes (ingest) come from one thread at a time
-        self.db = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.executescript(
-            """
-            CREATE TABLE IF NOT EXISTS files (path TEXT PRIMARY KEY, content_hash TEXT NOT NULL,
-                num_chunks INTEGER NOT NULL, ingested REAL NOT NULL);
-            CREATE TABLE IF NOT EXISTS chunks (id INTEGER PRIMARY KEY AUTOINCREMENT, file TEXT NOT NULL,
-                source TEXT NOT NULL, ord INTEGER NOT NULL, text TEXT NOT NULL, token_ids BLOB NOT NULL,
-                kv_key TEXT, embedding BLOB NOT NULL);
-            CREATE INDEX IF NOT EXISTS chunks_file ON chunks(file);
-            CREATE INDEX IF NOT EXISTS chunks_kv ON chunks(kv_key);
-            CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
-            """
-        )
+        self.path = path
+        # generations this docstore's own transactions committed: an index that saw all changes up to
+        # one generation plus these is current without a rebuild (``changed_only_here``)
+        self.own_generations: set[int] = set()
+        try:
+            # framework connectors read it from worker threads (a batch, an async stream); SQLite is built
+            # serialized (sqlite3.threadsafety 3), and writes (ingest) come from one thread at a time
+            self.db = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open the docstore {path}: {exc}") from exc
+        try:
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.executescript(
+                """
+                CREATE TABLE IF NOT EXISTS files (path TEXT PRIMARY KEY, content_hash TEXT NOT NULL,
+                    num_chunks INTEGER NOT NULL, ingested REAL NOT NULL);
+                CREATE TABLE IF NOT EXISTS chunks (id INTEGER PRIMARY KEY AUTOINCREMENT, file TEXT NOT NULL,
+                    source TEXT NOT NULL, ord INTEGER NOT NULL, text TEXT NOT NULL, token_ids BLOB NOT NULL,
+                    kv_key TEXT, embedding BLOB NOT NULL);
+                CREATE INDEX IF NOT EXISTS chunks_file ON chunks(file);
+                CREATE INDEX IF NOT EXISTS chunks_kv ON chunks(kv_key);
+                CREATE INDEX IF NOT EXISTS chunks_head ON chunks(substr(token_ids, 1, 64));
+                CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
+                """
+            )
+            self.generation  # noqa: B018 - a first read, so a damaged file fails here, named
+        except sqlite3.Error as exc:
+            self.db.close()
+            raise StoreError(f"cannot open the docstore {path}: {exc}") from exc
 
     @property
     def generation(self) -> int:
         """Bumped by every change; the index records which generation it reflects."""
         row = self.db.execute("SELECT v FROM meta WHERE k='generation'").fetchone()
         return int(row[0]) if row else 0
+
+    def changed_only_here(self, since: int, until: int) -> bool:
+        """Whether every change after generation ``since`` up to ``until`` was committed through this
+        docstore (another process's commit in between makes an index kept since ``since`` stale)."""
+        return all(g in self.own_generations for g in range(since + 1, until + 1))
 
     def file_hash(self, path: str) -> str | None:
         row = self.db.execute("SELECT content_hash FROM files WHERE path=?", (path,)).fetchone()
@@ -73,7 +105,7 @@ class DocStore:
                 cur = self.db.execute(
                     "INSERT INTO chunks (file, source, ord, text, token_ids, kv_key, embedding)"
                     " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (path, c.source, i, c.text, np.asarray(c.token_ids, dtype=np.int32).tobytes(), c.kv_key,
+                    (path, c.source, i, c.text, _blob(c.token_ids), c.kv_key,
                      np.asarray(c.embedding, dtype=np.float32).tobytes()),
                 )
                 new_ids.append(int(cur.lastrowid))
@@ -95,7 +127,7 @@ class DocStore:
         return ids
 
     def _tx(self) -> _Transaction:
-        return _Transaction(self.db)
+        return _Transaction(self)
 
     def files(self, prefix: str | None = None) -> list[tuple[str, int]]:
         """(path, chunk count) of stored files, under ``prefix`` when given."""
@@ -105,31 +137,52 @@ class DocStore:
         return [r for r in rows if r[0] == prefix or r[0].startswith(prefix.rstrip("/") + "/")]
 
     def chunks(self, ids: Sequence[int]) -> dict[int, StoredChunk]:
-        if not ids:
-            return {}
-        marks = ",".join("?" * len(ids))
-        rows = self.db.execute(
-            f"SELECT id, file, source, ord, text, token_ids, kv_key FROM chunks WHERE id IN ({marks})", list(ids)
-        ).fetchall()
-        return {r[0]: StoredChunk(r[0], r[1], r[2], r[3], r[4], tuple(np.frombuffer(r[5], dtype=np.int32).tolist()),
-                                  r[6]) for r in rows}
+        rows = [r for part in batches(list(ids)) for r in self.db.execute(
+            f"SELECT id, file, source, ord, text, token_ids, kv_key FROM chunks WHERE id IN ({_marks(part)})", part)]
+        return {r[0]: StoredChunk(r[0], r[1], r[2], r[3], r[4], _tokens(r[5]), r[6]) for r in rows}
+
+    def kv_refs(self, paths: Sequence[str]) -> list[tuple[str | None, tuple[int, ...]]]:
+        """(stored KV key, token ids) of every chunk of ``paths``: what their KV can be found by."""
+        return [(r[0], _tokens(r[1])) for p in paths
+                for r in self.db.execute("SELECT kv_key, token_ids FROM chunks WHERE file=?", (p,))]
 
     def chunk_heads(self, n: int) -> list[tuple[int, str]]:
         """(id, first ``n`` characters) of every chunk at least ``n`` characters long."""
         return self.db.execute("SELECT id, substr(text, 1, ?) FROM chunks WHERE length(text) >= ?", (n, n)).fetchall()
 
-    def all_embeddings(self, dim: int) -> tuple[np.ndarray, np.ndarray]:
-        rows = self.db.execute("SELECT id, embedding FROM chunks ORDER BY id").fetchall()
+    def all_embeddings(self, dim: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """(generation, ids, embeddings) of every chunk, read in one transaction, so the generation is
+        the one the embeddings are at even while another process commits."""
+        try:
+            self.db.execute("BEGIN")
+            try:
+                generation = self.generation
+                rows = self.db.execute("SELECT id, embedding FROM chunks ORDER BY id").fetchall()
+            finally:
+                self.db.execute("COMMIT")
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"cannot read the embeddings in the docstore {self.path}: {exc}") from exc
+        blob = b"".join(r[1] for r in rows)
+        if len(blob) != len(rows) * dim * 4:
+            raise StoreError(f"the docstore {self.path} holds embeddings of another size than {dim} dimensions "
+                             "(the store's embedding_dim)")
         ids = np.array([r[0] for r in rows], dtype=np.int64)
-        vecs = np.frombuffer(b"".join(r[1] for r in rows), dtype=np.float32).reshape(len(rows), dim)
-        return ids, vecs
+        return generation, ids, np.frombuffer(blob, dtype=np.float32).reshape(len(rows), dim)
 
-    def kv_keys_in_use(self, keys: Sequence[str]) -> set[str]:
-        if not keys:
-            return set()
-        marks = ",".join("?" * len(keys))
-        return {r[0] for r in self.db.execute(f"SELECT DISTINCT kv_key FROM chunks WHERE kv_key IN ({marks})",
-                                              list(keys))}
+    def kv_keys_in_use(self, keys: Collection[str]) -> set[str]:
+        """Which of ``keys`` some chunk still has as its stored KV key."""
+        return {r[0] for part in batches(list(keys)) for r in self.db.execute(
+            f"SELECT DISTINCT kv_key FROM chunks WHERE kv_key IN ({_marks(part)})", part)}
+
+    def token_ids_in_use(self, token_lists: Collection[tuple[int, ...]]) -> set[tuple[int, ...]]:
+        """Which of ``token_lists`` some chunk still has (its KV, wherever stored, is still wanted).
+
+        Found through the index over the first 16 tokens (``chunks_head``), then compared whole."""
+        blobs = {_blob(t): t for t in token_lists}
+        heads = list({b[:64] for b in blobs})
+        return {blobs[r[0]] for part in batches(heads) for r in self.db.execute(
+            f"SELECT DISTINCT token_ids FROM chunks WHERE substr(token_ids, 1, 64) IN ({_marks(part)})", part)
+            if r[0] in blobs}
 
     def counts(self) -> dict[str, int]:
         files = self.db.execute("SELECT COUNT(*) FROM files").fetchone()[0]
@@ -141,11 +194,24 @@ class DocStore:
         self.db.close()
 
 
-class _Transaction:
-    """BEGIN IMMEDIATE ... COMMIT, with the generation bumped inside, so the index can tell."""
+def _blob(token_ids: Sequence[int]) -> bytes:
+    return np.asarray(token_ids, dtype=np.int32).tobytes()
 
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
+
+def _tokens(blob: bytes) -> tuple[int, ...]:
+    return tuple(np.frombuffer(blob, dtype=np.int32).tolist())
+
+
+def _marks(values: Sequence[object]) -> str:
+    return ",".join("?" * len(values))
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE ... COMMIT, with the generation bumped inside, so the index can tell; the
+    generation committed is recorded as the docstore's own."""
+
+    def __init__(self, docs: DocStore) -> None:
+        self.docs, self.db = docs, docs.db
 
     def __enter__(self) -> None:
         self.db.execute("BEGIN IMMEDIATE")
@@ -155,4 +221,6 @@ class _Transaction:
             self.db.execute("ROLLBACK")
             return
         self.db.execute("INSERT INTO meta VALUES ('generation', '1') ON CONFLICT(k) DO UPDATE SET v = v + 1")
+        generation = self.docs.generation
         self.db.execute("COMMIT")
+        self.docs.own_generations.add(generation)

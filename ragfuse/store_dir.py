@@ -12,6 +12,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import get_type_hints
 
 from ragfuse.engine.errors import RagfuseError
 
@@ -28,6 +29,15 @@ def check_chunk_kv_context(kind: str) -> str:
     if kind not in CHUNK_KV_CONTEXTS:
         raise StoreError(f"chunk KV context must be one of {', '.join(CHUNK_KV_CONTEXTS)}, not {kind!r}")
     return kind
+
+
+def check_chunking(chunk_tokens: int, chunk_overlap: int) -> None:
+    """Refuse chunk settings no chunker can work with (``chunking.TokenChunker``'s rule), before a
+    store records them: a store whose settings are refused by every later ingest would be stuck."""
+    if chunk_tokens < 16:
+        raise StoreError(f"--chunk-tokens must be at least 16, got {chunk_tokens}")
+    if not 0 <= chunk_overlap < chunk_tokens:
+        raise StoreError(f"--chunk-overlap must be in [0, {chunk_tokens}), got {chunk_overlap}")
 
 
 def resolve_store_dir(path: str | Path | None = None) -> Path:
@@ -54,12 +64,25 @@ class StoreConfig:
     chunk_kv_context: str = "instruction"
 
     def __post_init__(self) -> None:
+        """Every field of its type (``store.json`` is edited by hand, and a string where a number
+        belongs would only fail deep inside a rebuild), chunk settings a chunker accepts."""
+        for name, kind in get_type_hints(type(self)).items():
+            value = getattr(self, name)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise StoreError(f"{name} must be {kind.__name__}, not {value!r}")
+        if self.embedding_dim < 1:
+            raise StoreError(f"embedding_dim must be at least 1, not {self.embedding_dim}")
+        check_chunking(self.chunk_tokens, self.chunk_overlap)
         check_chunk_kv_context(self.chunk_kv_context)
 
     def save(self, root: Path) -> None:
         tmp = root / "store.json.tmp"
-        tmp.write_text(json.dumps(asdict(self), indent=2))
-        tmp.replace(root / "store.json")
+        try:
+            tmp.write_text(json.dumps(asdict(self), indent=2))
+            tmp.replace(root / "store.json")
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise StoreError(f"cannot record the store's settings in {root / 'store.json'}: {exc.strerror}") from exc
 
     @classmethod
     def load(cls, root: Path) -> StoreConfig | None:
@@ -70,7 +93,9 @@ class StoreConfig:
             data = json.loads(path.read_text())
             data.setdefault("chunk_kv_context", "none")  # written before the setting: its chunks' KV is alone
             return cls(**data)
-        except (ValueError, TypeError, AttributeError) as exc:
+        except OSError as exc:  # e.g. a directory where the file belongs
+            raise StoreError(f"{path} is unreadable: {exc.strerror or exc}") from exc
+        except (ValueError, TypeError, AttributeError, StoreError) as exc:
             raise StoreError(f"{path} is unreadable: {exc}") from exc
 
     def check_compatible(self, other: StoreConfig) -> None:

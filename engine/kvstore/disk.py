@@ -9,7 +9,10 @@ Safety rules, each for a fault the tests inject:
 - manifest changes, renames and evictions happen under one file lock, so processes sharing the
   directory never evict each other's half-registered entries or double-count bytes;
 - a write that hits a full disk (ENOSPC, quota, file-size limit) deletes its temp file and raises
-  ``DiskFullError``; nothing listed is touched.
+  ``DiskFullError``; nothing listed is touched;
+- the manifest is only an index of the entry files, each of which holds its key and checksums: a
+  manifest SQLite cannot read is moved aside (``manifest.sqlite.corrupt-*``) and a new one lists the
+  files whose headers read, instead of the tier failing to open (or its sweep deleting every file).
 
 Files are valid safetensors (tensor ``layer.0000`` ... holding ``[2, tokens, heads, dim]``, metadata
 ``ragfuse_kv``). The reader parses the header itself and ``readinto``s each layer straight into its
@@ -23,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import shutil
 import sqlite3
@@ -42,6 +46,7 @@ from .tier import Tier, TierStats
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 META_FIELD = "ragfuse_kv"
+log = logging.getLogger("ragfuse.kvstore")
 
 
 class DiskFullError(KVStoreError):
@@ -161,22 +166,71 @@ class DiskTier(Tier):
             raise KVStoreError(f"cannot create KV store directory {self.root}: {exc.strerror}") from exc
         self._lock = FileLock(str(self.root / ".lock"))
         self._db_lock = threading.Lock()
-        self._db = sqlite3.connect(self.root / "manifest.sqlite", timeout=60, check_same_thread=False,
-                                   isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, file TEXT NOT NULL, nbytes INTEGER NOT NULL,"
-            " checksum TEXT NOT NULL, num_tokens INTEGER NOT NULL, created REAL NOT NULL, last_access REAL NOT NULL)"
-        )
-        self._db.execute("CREATE INDEX IF NOT EXISTS entries_lru ON entries(last_access)")
         self._stats = TierStats(capacity=self.capacity_bytes)
         self._staging: list[torch.Tensor] | None = None  # page-locked buffers for reads to a GPU
         self._staging_lock = threading.Lock()  # one reader at a time in them (reads run on worker threads)
         with self._lock:
-            self._sweep()
+            self._open_manifest()
 
     # ---- housekeeping ------------------------------------------------------------------------
+
+    def _open_manifest(self) -> None:
+        """Open the manifest (the caller holds the file lock) and sweep. One SQLite finds damaged (not
+        a database, malformed) is set aside and rebuilt from the entry files; errors that say nothing
+        of the file (locked, no permission, I/O) are a KVStoreError, and the manifest is left alone."""
+        path = self.root / "manifest.sqlite"
+        try:
+            try:
+                self._db = self._connect(path)
+            except sqlite3.OperationalError:
+                raise
+            except sqlite3.DatabaseError as exc:
+                aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+                for suffix in ("", "-wal", "-shm"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.replace(f"{path}{suffix}", f"{aside}{suffix}")
+                log.warning("KV manifest %s is damaged (%s): moved to %s, listing the entry files anew",
+                            path, exc, aside.name)
+                self._db = self._connect(path)
+                self._relist()
+        except (sqlite3.Error, OSError) as exc:
+            raise KVStoreError(f"cannot open the KV manifest {path}: {exc}") from exc
+        self._sweep()
+
+    @staticmethod
+    def _connect(path: Path) -> sqlite3.Connection:
+        """The manifest, its table created where new and read through once (damage shows here)."""
+        db = sqlite3.connect(path, timeout=60, check_same_thread=False, isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, file TEXT NOT NULL,"
+                " nbytes INTEGER NOT NULL, checksum TEXT NOT NULL, num_tokens INTEGER NOT NULL,"
+                " created REAL NOT NULL, last_access REAL NOT NULL)"
+            )
+            db.execute("CREATE INDEX IF NOT EXISTS entries_lru ON entries(last_access)")
+            db.execute("SELECT COUNT(*), SUM(nbytes) FROM entries").fetchall()
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _relist(self) -> None:
+        """List every entry file whose header reads, under the key it names (last access: its mtime).
+        Files that do not read are left unlisted, for the sweep to remove."""
+        for path in (self.root / "data").glob("*/*.safetensors"):
+            try:
+                with DiskEntryReader(path, None) as reader:
+                    meta = reader.meta
+                st = path.stat()
+            except (CorruptEntryError, OSError):
+                continue
+            if path != self._path(meta.key):
+                continue
+            self._sql("INSERT OR REPLACE INTO entries (key, file, nbytes, checksum, num_tokens, created, last_access)"
+                      " VALUES (?, ?, ?, ?, ?, ?, ?)", (meta.key, str(path.relative_to(self.root)), st.st_size,
+                                                        meta.checksum, meta.num_tokens, st.st_mtime, st.st_mtime))
 
     def _sweep(self) -> None:
         """Remove what crashed writers left: temp files of dead processes and files not in the manifest."""

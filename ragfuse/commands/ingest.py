@@ -44,8 +44,9 @@ def run(args: argparse.Namespace) -> int:
     from ragfuse.engine import EngineConfig, LLMEngine
     from ragfuse.ingest import Ingestor
     from ragfuse.rag_store import RagStore
-    from ragfuse.store_dir import StoreConfig, resolve_store_dir
+    from ragfuse.store_dir import StoreConfig, check_chunking, resolve_store_dir
 
+    check_chunking(args.chunk_tokens, args.chunk_overlap)  # before a model loads (StoreConfig checks again)
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
     embedder = Embedder(args.embedding_model)
     root = resolve_store_dir(args.store)

@@ -18,7 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=stats)
     r = ssub.add_parser("rm", help="remove files (or everything under a directory) and their unused KV")
     r.add_argument("paths", nargs="*", metavar="PATH")
-    r.add_argument("--all", action="store_true", help="remove every file")
+    r.add_argument("--all", action="store_true",
+                   help="remove every file and all stored KV, and reset the settings (the next ingest sets them)")
     add_store_arg(r)
     r.set_defaults(func=rm)
 
@@ -52,11 +53,14 @@ def rm(args: argparse.Namespace) -> int:
 
     if not args.paths and not args.all:
         raise RagfuseError("name the files to remove, or pass --all")
+    if args.all:
+        files, chunks, kv = RagStore.clear_at(resolve_store_dir(args.store))
+        print(f"removed {files} files, {chunks} chunks, {kv} KV entries; the store's settings are reset "
+              "(the next ingest sets them)")
+        return 0
     store = RagStore.open_existing(resolve_store_dir(args.store))
     try:
-        targets = [p for p, _ in store.docs.files()] if args.all else [
-            p for path in args.paths for p, _ in store.docs.files(str(Path(path).resolve()))
-        ]
+        targets = [p for path in args.paths for p, _ in store.docs.files(str(Path(path).resolve()))]
         if not targets:
             raise RagfuseError(f"no stored file matches {' '.join(args.paths)}")
         chunks, kv = store.remove(targets)
