@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+from ragfuse.engine.errors import RequestError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -58,18 +62,22 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop,
     )
+    transcript: Path | None = None
+    history: list[dict[str, str]] = []
     if args.session is not None:
         from ragfuse.engine.sessions import check_session_id
 
         if args.raw:
             raise SystemExit(_usage_error("--session needs the chat template (drop --raw)"))
         check_session_id(args.session)
+        transcript = _transcript_path(args)
+        history = _read_transcript(transcript, args.session)  # before the model loads: a bad one fails at once
     t0 = time.perf_counter()
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
     load_s = time.perf_counter() - t0
     system_id = None
-    if args.session is not None:
-        final = _session_turn(llm, args, params)
+    if transcript is not None:
+        final = _session_turn(llm, args, params, transcript, history)
     else:
         messages = [{"role": "user", "content": args.prompt}]
         if args.raw:
@@ -98,27 +106,66 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _session_turn(llm: Any, args: argparse.Namespace, params: Any) -> Any:
-    """One turn of a stored conversation: its messages (text, for the chat template) live beside
-    the session's KV; the engine reuses the KV of everything already said."""
-    import os
-    from pathlib import Path
-
+def _transcript_path(args: argparse.Namespace) -> Path:
+    """Where session ``args.session``'s messages live: ``chats/ID.json`` beside the sessions' KV."""
     import platformdirs
 
     root = Path(args.session_dir or os.environ.get("RAGFUSE_SESSIONS")
                 or Path(platformdirs.user_data_dir("ragfuse")) / "sessions").expanduser()
-    chats = root / "chats"
-    chats.mkdir(parents=True, exist_ok=True)
-    path = chats / f"{args.session}.json"
-    messages = json.loads(path.read_text()) if path.exists() else []
-    messages.append({"role": "user", "content": args.prompt})
-    llm.enable_sessions(str(root))
+    return root / "chats" / f"{args.session}.json"
+
+
+def _read_transcript(path: Path, session: str) -> list[dict[str, str]]:
+    """The session's messages so far ([] for a new one). One that cannot be read (a write cut short
+    by an older version, an edit by hand) is a RequestError that says how to start afresh."""
+    if not path.exists():
+        return []
+    try:
+        messages = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise _unreadable_transcript(path, session, exc.strerror) from exc
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise _unreadable_transcript(path, session, f"not JSON: {exc}") from exc
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise _unreadable_transcript(path, session, "not a list of {role, content} messages")
+    return messages
+
+
+def _unreadable_transcript(path: Path, session: str, why: str) -> RequestError:
+    return RequestError(f"session {session}: its transcript {path} cannot be read ({why}); "
+                        "delete the file to start the conversation afresh")
+
+
+def _write_transcript(path: Path, messages: list[dict[str, str]]) -> None:
+    """Replace the transcript at once (a temporary file renamed over it): a process killed while
+    writing, or a full disk, leaves the previous turn's transcript, never half of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(messages, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise RequestError(f"cannot save the session's transcript {path}: {exc.strerror}; "
+                           "this turn's answer is not part of the conversation") from exc
+
+
+def _session_turn(llm: Any, args: argparse.Namespace, params: Any, transcript: Path,
+                  history: list[dict[str, str]]) -> Any:
+    """One turn of a stored conversation: its messages (text, for the chat template) live beside
+    the session's KV; the engine reuses the KV of everything already said."""
+    messages = [*history, {"role": "user", "content": args.prompt}]
+    llm.enable_sessions(str(transcript.parent.parent))  # the sessions' directory: KV, and chats/
     out = llm.chat(messages, params, args.system, session_id=args.session)
     llm.engine.sessions.close()  # the KV reaches disk before the process ends
     if not args.json:
         sys.stdout.write(out.text)
-    path.write_text(json.dumps([*messages, {"role": "assistant", "content": out.text}]))
+    _write_transcript(transcript, [*messages, {"role": "assistant", "content": out.text}])
     return out
 
 
