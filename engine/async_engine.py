@@ -114,7 +114,7 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while True:
-            block = not self.engine.has_unfinished()
+            block = not self.engine.has_unfinished() and not self._deferred  # else: starts to retry
             try:
                 while True:
                     item = self._inbox.get(block=block)
