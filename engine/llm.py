@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from .config import EngineConfig
 from .llm_engine import LLMEngine, RequestOutput
 from .sampling import SamplingParams
+from .step_router import StepRouter
 
 
 class LLM:
@@ -47,42 +48,37 @@ class LLM:
         prompt, through relay attention unless ``relay`` is False (then the prompt's blocks are shared).
         """
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids = [self.engine.add_request(p, sp, system=system, relay=relay) for p, sp in zip(prompts, plist)]
-        return self._collect(ids, progress)
+        return self._collect(lambda: [self.engine.add_request(p, sp, system=system, relay=relay)
+                                      for p, sp in zip(prompts, plist)], progress)
 
-    def _collect(self, ids: list[str], progress: bool = False) -> list[RequestOutput]:
-        """Step the engine until every request in ``ids`` has finished; results in ``ids`` order."""
-        done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generate", disable=not progress)
-        try:
-            while len(done) < len(ids):
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
-        except BaseException:
+    @property
+    def router(self) -> StepRouter:
+        """The engine's one ``StepRouter``: this front end's requests and any others' (a pipeline, another
+        ``LLM``, an open stream) share its steps."""
+        return StepRouter.of(self.engine)
+
+    def _collect(self, add: Callable[[], list[str]], progress: bool = False) -> list[RequestOutput]:
+        """Add requests (``add`` returns their ids) and step until every one has finished; results in
+        their order."""
+        with self.router.lock:
+            ids = add()
             for rid in ids:
-                self.engine.abort(rid)
-            raise
-        finally:
-            bar.close()
-        self.engine.close_turns()  # session turns among them: their answers' last tokens, then saved
-        return [done[i] for i in ids]
+                self.router.track(rid)
+        with tqdm(total=len(ids), desc="generate", disable=not progress) as bar:
+            outs = self.router.collect(ids, on_finished=lambda _: bar.update(1))
+        with self.router.lock:
+            self.engine.close_turns()  # session turns among them: their answers' last tokens, then saved
+        return outs
 
     def stream(
         self, prompt: str | list[int], params: SamplingParams | None = None, system: int | None = None
     ) -> Iterator[RequestOutput]:
-        """Yield an output each time the request gets tokens; the last one has ``finished``."""
-        rid = self.engine.add_request(prompt, params, system=system)
-        try:
-            while True:
-                for out in self.engine.step():
-                    if out.request_id == rid:
-                        yield out
-                        if out.finished:
-                            return
-        finally:
-            self.engine.abort(rid)  # a consumer that stops early frees the request's blocks
+        """Yield an output each time the request gets tokens; the last one has ``finished``. A
+        consumer that stops early frees the request's blocks; other calls may run meanwhile."""
+        with self.router.lock:
+            rid = self.engine.add_request(prompt, params, system=system)
+            self.router.track(rid)
+        yield from self.router.outputs(rid)
 
     def chat_ids(self, messages: list[dict[str, str]], system: str | None = None) -> list[int]:
         return self._render(messages, system, generation_prompt=True)
@@ -114,7 +110,7 @@ class LLM:
         chat API; only what is new since the stored KV is prefilled. ``metrics`` says how much was
         reused, from where, and how much of the loading was hidden. With ``relay`` a leading system
         prompt is served by relay attention (see ``add_chat_request``)."""
-        return self._collect([self.add_chat_request(messages, params, system, session_id, relay)])[0]
+        return self._collect(lambda: [self.add_chat_request(messages, params, system, session_id, relay)])[0]
 
     def add_chat_request(
         self, messages: list[dict[str, str]], params: SamplingParams | None = None, system: str | None = None,

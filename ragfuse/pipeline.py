@@ -20,9 +20,7 @@ default after that same instruction prefix, so a chunk's stored KV has seen what
 from __future__ import annotations
 
 import logging
-import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -41,6 +39,7 @@ from ragfuse.engine.kvstore import (
     kv_key,
     open_source,
 )
+from ragfuse.engine.step_router import StepRouter
 from ragfuse.passage import Passage
 from ragfuse.passage_finder import PassageFinder
 from ragfuse.prompt import RagPromptBuilder
@@ -49,9 +48,6 @@ from ragfuse.retrieval import Retriever
 
 log = logging.getLogger("ragfuse.pipeline")
 MODES = tuple(m.value for m in FusionMode)
-# the engine is single-threaded: every pipeline over one engine takes this engine's lock per request
-_ENGINE_LOCKS: weakref.WeakKeyDictionary[LLMEngine, threading.Lock] = weakref.WeakKeyDictionary()
-_LOCKS_LOCK = threading.Lock()
 
 
 @dataclass
@@ -146,8 +142,8 @@ class RagPipeline:
         self.chunk_kv = (ChunkKV.for_context(engine, store.config.chunk_kv_context, self.builder)
                          if store is not None else None)
         self.relay = relay
-        with _LOCKS_LOCK:  # callers on several threads (a framework's batch) take turns on the engine
-            self.lock = _ENGINE_LOCKS.setdefault(engine, threading.Lock())
+        # callers on several threads (a framework's batch) and open streams share the engine through it
+        self.router = StepRouter.of(engine)
 
     @property
     def finder(self) -> PassageFinder:
@@ -331,10 +327,10 @@ class RagPipeline:
         the turn follows the session's history (its KV reused, not recomputed) and the fused prompt
         and answer become part of that history for the next turn. ``relay``: this call's choice
         (default: the pipeline's)."""
-        with self.lock:
-            t0 = time.perf_counter()
-            prep, retrieve_s = self.prepare(question, top_k, mode, ratio)
-            yield from self._answer(prep, mode, params, t0, retrieve_s, session_id, relay)
+        with self.router.lock:
+            started = self.start(question, mode, ratio, top_k, params, session_id, relay)
+            self.router.track(started.request_id)
+        yield from self._follow(started)
 
     def stream_passages(
         self, question: str, passages: list[Passage], mode: str = "fuse", ratio: float | None = None,
@@ -353,30 +349,24 @@ class RagPipeline:
     def _stream_prepared(
         self, prepare: Callable[[], Prepared], mode: str, params: SamplingParams | None
     ) -> Iterator[RequestOutput | AskResult]:
-        # preparing may open stored KV or compute missing KV on the engine: only once this request has it
-        with self.lock:
+        # preparing may open stored KV or compute missing KV on the engine: under the engine's lock
+        with self.router.lock:
             t0 = time.perf_counter()
-            yield from self._answer(prepare(), mode, params, t0, 0.0)
+            started = self._start_prepared(prepare(), mode, params, t0, 0.0)
+            self.router.track(started.request_id)
+        yield from self._follow(started)
 
-    def _answer(
-        self, prep: Prepared, mode: str, params: SamplingParams | None, t0: float, retrieve_s: float,
-        session_id: str | None = None, relay: bool | None = None,
-    ) -> Iterator[RequestOutput | AskResult]:
-        params = params or SamplingParams(max_tokens=64)
-        rid, stats = self._fuse(prep, mode, params, session_id, relay)
-        ttft = time.perf_counter() - t0 - retrieve_s  # the first token was sampled by the fused prefill
+    def _follow(self, started: Started) -> Iterator[RequestOutput | AskResult]:
+        """A started request's outputs, then its ``AskResult``. The engine's lock is not held while
+        the caller has an output, so a stream read halfway does not block the next call."""
         last: RequestOutput | None = None
-        try:
-            while last is None or not last.finished:
-                for out in self.engine.step():
-                    if out.request_id == rid:
-                        last = out
-                        yield out
-        finally:
-            if last is None or not last.finished:
-                self.engine.abort(rid)
-        result = self._result(prep, stats, last, mode, t0, ttft, retrieve_s)
-        self.engine.close_turns()  # a session turn: its answer's last token, then the session saved
+        for out in self.router.outputs(started.request_id):
+            last = out
+            yield out
+        assert last is not None
+        result = self.result(started, last)
+        with self.router.lock:
+            self.engine.close_turns()  # a session turn: its answer's last token, then the session saved
         yield result
 
     def ask(self, question: str, **kwargs: Any) -> AskResult:
@@ -471,6 +461,12 @@ class RagPipeline:
         ``session_id`` and ``relay``: as in ``stream``."""
         t0 = time.perf_counter()
         prep, retrieve_s = self.prepare(question, top_k, mode, ratio)
+        return self._start_prepared(prep, mode, params, t0, retrieve_s, session_id, relay)
+
+    def _start_prepared(
+        self, prep: Prepared, mode: str, params: SamplingParams | None, t0: float, retrieve_s: float,
+        session_id: str | None = None, relay: bool | None = None,
+    ) -> Started:
         rid, stats = self._fuse(prep, mode, params or SamplingParams(max_tokens=64), session_id, relay)
         return Started(rid, prep, stats, mode, t0, retrieve_s, time.perf_counter() - t0 - retrieve_s)
 

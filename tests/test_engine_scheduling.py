@@ -138,6 +138,43 @@ def test_stream_equals_generate_and_abandoning_a_stream_frees_blocks(llm):
     assert llm.engine.blocks.num_free == free
 
 
+def _within(seconds: float, fn):
+    """``fn()``'s result, or a failure if it has not returned in ``seconds`` (a deadlock or a stream
+    waiting for outputs someone else consumed would otherwise hang the suite)."""
+    import threading
+
+    box: list = []
+    worker = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert box, f"no result in {seconds} s"
+    return box[0]
+
+
+def test_open_streams_and_calls_interleave_on_one_thread():
+    """A stream read halfway, then other calls on the same engine (another stream, a batch), then the
+    rest of the stream: each gets exactly its own tokens, as when run alone."""
+    ps = prompts(3, 10)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    alone = [o.token_ids for o in LLM.from_engine(random_engine(kv_blocks=300)).generate(ps, params)]
+    llm = LLM.from_engine(random_engine(kv_blocks=300))
+
+    def interleaved() -> list[list[int]]:
+        first, second = llm.stream(ps[0], params), llm.stream(ps[1], params)
+        head = next(first)
+        batch = llm.generate([ps[2]], params)[0]
+        rest = list(second)
+        tail = list(first)
+        return [[*head.delta_token_ids, *(t for o in tail for t in o.delta_token_ids)],
+                rest[-1].token_ids, batch.token_ids]
+
+    assert _within(60, interleaved) == alone
+    abandoned = llm.stream(ps[0], SamplingParams(max_tokens=100, ignore_eos=True))
+    next(abandoned)
+    abandoned.close()  # a consumer that stops early: its request is aborted, its blocks freed
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+
+
 def test_bad_requests_are_refused_clearly(engine):
     with pytest.raises(RequestError, match="empty"):
         engine.add_request("")

@@ -75,6 +75,31 @@ def test_instruction_prefix_runs_through_relay_with_the_tokens_of_its_stored_cop
     assert pipeline.engine.relay_prompts.reuses == reuses + 1  # the prefix stays registered
 
 
+def test_a_stream_read_halfway_does_not_block_the_next_question(pipeline):
+    """A framework's stream left open (LangChain ``stream`` then ``invoke`` on one thread) used to
+    hold the engine's lock and deadlock the next call; now both answer, each its own tokens."""
+    import threading
+
+    from ragfuse.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=12)
+    alone = pipeline.ask(QUESTION, mode="fuse", ratio=0.3, top_k=2, params=params).answer
+    other = "How many panels does the Kessel Valley solar farm have?"
+    other_alone = pipeline.ask(other, mode="fuse", ratio=0.3, top_k=2, params=params).answer
+    got: list[str] = []
+
+    def interleaved() -> None:
+        stream = pipeline.stream(QUESTION, mode="fuse", ratio=0.3, top_k=2, params=params)
+        next(stream)
+        got.append(pipeline.ask(other, mode="fuse", ratio=0.3, top_k=2, params=params).answer)
+        got.append(list(stream)[-1].answer)
+
+    worker = threading.Thread(target=interleaved, daemon=True)
+    worker.start()
+    worker.join(120)
+    assert got == [other_alone, alone]
+
+
 def test_corrupt_entry_is_recomputed_not_served(pipeline):
     from ragfuse.engine import SamplingParams
 

@@ -86,8 +86,7 @@ def test_truncation_on_stored_kv_matches_reprefilling_the_truncated_history(llm,
                                       keep_first=llm._system_tokens(messages, None))
         truncated_prompt = turn.plan.token_ids
         assert turn.plan.truncated >= 10 and turn.reused > 0 and turn.tier == "cpu"
-        rid = eng.start_session_turn(turn, SP)
-        out = llm._collect([rid])[0]
+        out = llm._collect(lambda t=turn: [eng.start_session_turn(t, SP)])[0]
         assert out.metrics["session_truncated_tokens"] == turn.plan.truncated
         assert any("cut directly" in n for n in out.metrics["session_notes"])
         # the reference: token truncation, then the truncated history prefilled from scratch
