@@ -135,13 +135,14 @@ def browser():
 
 @pytest.fixture(scope="module")
 def demo_url(tmp_path_factory):
-    """``ragfuse demo`` as a user starts it, on a new (empty) store, on loopback."""
+    """``ragfuse demo`` as a user starts it, on a new (empty) store, on loopback; without the gate's
+    r* calibration (4+ minutes of this CPU on a first run, covered by the gate's own tests)."""
     tmp = tmp_path_factory.mktemp("demo-cli")
     port = free_port()
     log = (tmp / "demo.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "ragfuse.cli", "demo", "--store", str(tmp / "store"), "--host", "127.0.0.1",
-         "--port", str(port), "--docs", str(DEMO)],
+         "--port", str(port), "--docs", str(DEMO), "--no-gate"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"},
     )
     url = f"http://127.0.0.1:{port}/"

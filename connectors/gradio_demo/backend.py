@@ -59,13 +59,15 @@ def ensure_store(root: Path, model: str) -> None:
 class DemoBackend:
     def __init__(self, store: str | None, model: str = DEFAULT_MODEL, device: str = "auto", dtype: str | None = None,
                  docs_dir: str | Path | None = None,
-                 open_pipe: Callable[[Path], RagPipeline] | None = None) -> None:
+                 open_pipe: Callable[[Path], RagPipeline] | None = None, gate: bool = True) -> None:
         """``docs_dir``: documents offered for picking (the repository's demo documents by default).
-        ``open_pipe``: how to open the pipeline over the store directory (default: ``open_pipeline``)."""
+        ``open_pipe``: how to open the pipeline over the store directory (default: ``open_pipeline``,
+        with the accuracy gate's r* calibration unless ``gate`` is False)."""
         root = resolve_store_dir(store)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragfuse-demo")
         ensure_store(root, model)
-        self.pipe: RagPipeline = self._call(open_pipe or (lambda r: open_pipeline(str(r), model, device, dtype)), root)
+        opener = open_pipe or (lambda r: open_pipeline(str(r), model, device, dtype, gate=gate))
+        self.pipe: RagPipeline = self._call(opener, root)
         self.uploads = root / "uploads"
         self.docs_dir = Path(docs_dir) if docs_dir else None
 

@@ -21,6 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--docs", default=str(REPO_DOCS) if REPO_DOCS.is_dir() else None,
                    help="directory of documents offered for picking (default: the repository's demo/docs)")
+    p.add_argument("--no-gate", action="store_true",
+                   help="skip the accuracy gate's r* calibration (recompute ratio: the policy's default)")
     p.set_defaults(func=run)
 
 
@@ -49,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         raise RagfuseError(f"the demo needs `pip install 'ragfuse[demo]'` ({exc.name} is missing)") from exc
 
-    backend = DemoBackend(args.store, args.model, args.device, args.dtype, docs_dir=args.docs)
+    backend = DemoBackend(args.store, args.model, args.device, args.dtype, docs_dir=args.docs, gate=not args.no_gate)
     app = build_app(backend)
     print(f"ragfuse demo on http://{args.host}:{args.port} (store {backend.pipe.store.root})", flush=True)
     app.queue().launch(server_name=args.host, server_port=args.port, share=False, show_error=True, quiet=True)
