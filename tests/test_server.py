@@ -166,6 +166,42 @@ def test_client_disconnect_cancels_a_non_streaming_request(served):
 # ---- security and malformed requests -----------------------------------------------------------
 
 
+def test_a_body_without_the_key_is_refused_before_it_is_read():
+    """The body limit buffers a body before the routes see it; without the key nothing of it may be
+    read (an unauthenticated client must not make the server hold up to the limit per connection)."""
+    import asyncio
+
+    from ragfuse.connectors.server.security import BodyLimit
+
+    reached: list[bytes] = []
+
+    async def route(scope, receive, send) -> None:  # what stands behind the middleware: takes the body
+        message = await receive()
+        reached.append(message["body"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    def call(authorization: bytes | None) -> tuple[int, int]:
+        pulled, sent = 0, []
+
+        async def receive():
+            nonlocal pulled
+            pulled += 1
+            return {"type": "http.request", "body": b"x" * 1000, "more_body": pulled < 3}
+
+        async def send(message):
+            sent.append(message)
+
+        headers = [(b"authorization", authorization)] if authorization else []
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": headers}
+        asyncio.run(BodyLimit(route, max_bytes=10_000, api_key="sk-test")(scope, receive, send))
+        return sent[0]["status"], pulled
+
+    assert call(None) == (401, 0)
+    assert call(b"Bearer wrong") == (401, 0)
+    assert call(b"Bearer sk-test") == (200, 3) and reached == [b"x" * 3000]
+
+
 def test_api_key_is_required_everywhere_but_health(served):
     for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/openapi.json"),
                          ("POST", "/v1/chat/completions"), ("GET", "/v1/documents"), ("GET", "/v1/sessions"),

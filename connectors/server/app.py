@@ -56,5 +56,5 @@ def create_app(backend: Backend, settings: ServerSettings | None = None, close_b
     app.include_router(guarded)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, **cors_kwargs(settings.cors_origins))
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, api_key=settings.api_key)
     return app

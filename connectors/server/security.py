@@ -20,31 +20,41 @@ from .errors import APIError, error_response
 _bearer = HTTPBearer(auto_error=False, description="the server's API key (`ragfuse serve --api-key`)")
 
 
+_BAD_KEY = "missing or invalid API key (send `Authorization: Bearer <key>`)"
+
+
+def _key_ok(given: bytes, expected: bytes | None) -> bool:
+    return expected is None or hmac.compare_digest(given, expected)
+
+
 def api_key_dependency(api_key: str | None) -> Callable[..., Awaitable[None]]:
     """A FastAPI dependency that lets a request through only with ``Authorization: Bearer <api_key>``
     (every request, when no key is set)."""
     expected = api_key.encode() if api_key else None
 
     async def require_key(creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:  # noqa: B008
-        if expected is None:
-            return
-        given = creds.credentials.encode() if creds is not None else b""
-        if not hmac.compare_digest(given, expected):
-            raise APIError(401, "missing or invalid API key (send `Authorization: Bearer <key>`)",
-                           code="invalid_api_key")
+        if not _key_ok(creds.credentials.encode() if creds is not None else b"", expected):
+            raise APIError(401, _BAD_KEY, code="invalid_api_key")
 
     return require_key
 
 
 class BodyLimit:
-    """ASGI middleware: a request whose body exceeds ``max_bytes`` gets 413 before any route sees it."""
+    """ASGI middleware: a request whose body exceeds ``max_bytes`` gets 413 before any route sees it.
+    With ``api_key``, a request with a body (POST, PUT, PATCH) and without the key gets its 401 before
+    any of the body is read: a client without the key cannot make the server hold bodies in memory."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, api_key: str | None = None) -> None:
         self.app, self.max_bytes = app, max_bytes
+        self.expected = api_key.encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if scope.get("method") in ("POST", "PUT", "PATCH") and not _key_ok(_bearer_key(scope), self.expected):
+            response = error_response(401, _BAD_KEY, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
@@ -79,6 +89,15 @@ class BodyLimit:
         response = error_response(413, f"request body larger than the server's limit of {self.max_bytes} bytes",
                                   code="request_too_large")
         await response(scope, receive, send)
+
+
+def _bearer_key(scope: Scope) -> bytes:
+    """The key of an ``Authorization: Bearer <key>`` header (empty without one)."""
+    for name, value in scope.get("headers", []):
+        if name == b"authorization":
+            scheme, _, key = value.partition(b" ")
+            return key.strip() if scheme.lower() == b"bearer" else b""
+    return b""
 
 
 def _content_length(scope: Scope) -> int | None:
