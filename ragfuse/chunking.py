@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ragfuse.engine.errors import RagfuseError
+from ragfuse.store_dir import check_chunking
 
 DEFAULT_CHUNK_TOKENS = 512
 # a run of characters without a separator is handed to the splitter (which tokenizes it whole) in
@@ -38,10 +38,7 @@ class Chunk:
 
 class TokenChunker:
     def __init__(self, tokenizer: Any, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, overlap: int = 0) -> None:
-        if chunk_tokens < 16:
-            raise RagfuseError(f"--chunk-tokens must be at least 16, got {chunk_tokens}")
-        if not 0 <= overlap < chunk_tokens:
-            raise RagfuseError(f"--chunk-overlap must be in [0, {chunk_tokens}), got {overlap}")
+        check_chunking(chunk_tokens, overlap)
         from langchain_text_splitters import RecursiveCharacterTextSplitter
 
         self.tokenizer = tokenizer

@@ -32,8 +32,8 @@ def check_chunk_kv_context(kind: str) -> str:
 
 
 def check_chunking(chunk_tokens: int, chunk_overlap: int) -> None:
-    """Refuse chunk settings no chunker can work with (``chunking.TokenChunker``'s rule), before a
-    store records them: a store whose settings are refused by every later ingest would be stuck."""
+    """Refuse chunk settings no chunker can work with (``chunking.TokenChunker`` checks them here too),
+    before a store records them: a store whose settings are refused by every later ingest would be stuck."""
     if chunk_tokens < 16:
         raise StoreError(f"--chunk-tokens must be at least 16, got {chunk_tokens}")
     if not 0 <= chunk_overlap < chunk_tokens:
