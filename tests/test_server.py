@@ -224,6 +224,10 @@ def test_api_key_is_required_everywhere_but_health(served):
     ({"model": MODEL, "messages": CHAT, "n": 3}, 400, "n"),
     ({"model": MODEL, "messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"model": "gpt-4", "messages": CHAT}, 404, "model"),
+    ({"model": MODEL, "messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"model": MODEL, "messages": CHAT, "logprobs": True, "top_logprobs": 2}, 400, "logprobs"),
+    ({"model": MODEL, "messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"model": MODEL, "messages": CHAT, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
 ])
 def test_malformed_chat_requests_get_openai_errors(served, body, status, param):
     r = httpx.post(f"{served.url}/v1/chat/completions", json=body, headers=AUTH)
@@ -232,6 +236,22 @@ def test_malformed_chat_requests_get_openai_errors(served, body, status, param):
     assert err["param"] is not None and err["param"].startswith(param) and err["message"]
     assert err["type"] in ("invalid_request_error", "not_found_error")
     assert "Traceback" not in r.text
+
+
+def test_options_that_ask_for_nothing_are_accepted_and_completions_refuse_the_rest(served):
+    """OpenAI options the server cannot honour are refused (an answer without the asked-for tool call
+    or log-probabilities would pass for one), but their neutral values, which clients send by
+    default, are served like a request without them."""
+    neutral = {"tools": [], "tool_choice": "none", "logprobs": False, "presence_penalty": 0, "logit_bias": {},
+               "response_format": {"type": "text"}, "user": "someone"}
+    r = httpx.post(f"{served.url}/v1/chat/completions", headers=AUTH, timeout=120,
+                   json={"model": MODEL, "messages": CHAT, "max_tokens": 2, "temperature": 0, **neutral})
+    assert r.status_code == 200, r.text
+    for option, value in [("echo", True), ("best_of", 3), ("suffix", "end"), ("logprobs", 0)]:
+        r = httpx.post(f"{served.url}/v1/completions", headers=AUTH,
+                       json={"model": MODEL, "prompt": "Hello", "max_tokens": 2, option: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == option, r.text
+        assert "does not support" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("stream", [False, True])

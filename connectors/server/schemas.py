@@ -3,10 +3,10 @@ and they reject malformed input (wrong types, out-of-range sampling values) befo
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-from pydantic_core import PydanticKnownError
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError, PydanticKnownError
 
 SEED_MAX = 2**63 - 1
 StopStr = Annotated[str, Field(min_length=1, max_length=256)]
@@ -18,7 +18,29 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class SamplingFields(_Body):
+def _unsupported(neutral: str) -> Any:
+    return Field(None, description=f"not supported: refused unless left out or {neutral}")
+
+
+class _Refusing(_Body):
+    """A request body that refuses the OpenAI options this server cannot honour when they ask for
+    something: ignoring ``tools`` or ``logprobs`` would hand back an answer the client did not ask for
+    (no tool call, no log-probabilities) as if it were one. Harmless extras (``user``, ``metadata``)
+    stay ignored. ``NEUTRAL`` maps each such option to the values that ask for nothing."""
+
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        neutral = cls.NEUTRAL.get(info.field_name or "")
+        if neutral is not None and value not in neutral:
+            raise PydanticCustomError("unsupported", "ragfuse does not support {option}: leave it out",
+                                      {"option": info.field_name})
+        return value
+
+
+class SamplingFields(_Refusing):
     max_tokens: int | None = Field(None, ge=1, description="at most the server's --max-tokens")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -26,6 +48,10 @@ class SamplingFields(_Body):
     stop: StopStr | Annotated[list[StopStr], Field(max_length=4)] | None = None
     stream: bool = False
     n: int = Field(1, ge=1, le=1, description="one choice per request")
+    presence_penalty: Any = _unsupported("0")
+    frequency_penalty: Any = _unsupported("0")
+    logit_bias: Any = _unsupported("empty")
+    NEUTRAL = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {})}
 
 
 class StreamOptions(_Body):
@@ -64,12 +90,28 @@ class ChatCompletionRequest(SamplingFields):
         None, description="ragfuse: continue this session (its stored KV reused; send the whole conversation)")
     relay: bool | None = Field(None, description="ragfuse: serve a leading system message by relay attention "
                                                  "(default: the server's setting)")
+    tools: Any = _unsupported("empty")
+    tool_choice: Any = _unsupported('"none"')
+    functions: Any = _unsupported("empty")
+    function_call: Any = _unsupported('"none"')
+    logprobs: Any = _unsupported("false")
+    top_logprobs: Any = _unsupported("0")
+    response_format: Any = _unsupported('{"type": "text"}')
+    NEUTRAL = {**SamplingFields.NEUTRAL, "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+               "function_call": (None, "none"), "logprobs": (None, False), "top_logprobs": (None, 0),
+               "response_format": (None, {"type": "text"})}
 
 
 class CompletionRequest(SamplingFields):
     model: str
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
     stream_options: StreamOptions | None = None
+    logprobs: Any = _unsupported("null")
+    echo: Any = _unsupported("false")
+    best_of: Any = _unsupported("1")
+    suffix: Any = _unsupported("empty")
+    NEUTRAL = {**SamplingFields.NEUTRAL, "logprobs": (None,), "echo": (None, False), "best_of": (None, 1),
+               "suffix": (None, "")}
 
 
 class RagQueryRequest(SamplingFields):
