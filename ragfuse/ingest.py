@@ -87,15 +87,14 @@ class Ingestor:
         offset = 0
         all_removed: list[int] = []
         all_added: list[int] = []
-        old_keys: list[str] = []
+        old_refs: list[tuple[str | None, tuple[int, ...]]] = []
         for p in pending:
             n = len(p.texts)
             chunks = [
                 NewChunk(src, text, ids, chunk_kv.key(ids) if chunk_kv is not None else None, vec)
                 for src, text, ids, vec in zip(p.sources, p.texts, p.token_ids, vectors[offset:offset + n])
             ]
-            old_keys += [c.kv_key for c in self.store.docs.chunks(self.store.docs.chunk_ids(p.file.path)).values()
-                         if c.kv_key]
+            old_refs += self.store.docs.kv_refs([p.file.path])
             was_there = self.store.docs.file_hash(p.file.path) is not None
             removed, added = self.store.docs.replace_file(p.file.path, p.file.content_hash, chunks)
             all_removed += removed
@@ -109,8 +108,9 @@ class Ingestor:
             # index is behind the docstore's generation and a crash would make the next open rebuild it
             self.store.apply_changes(all_removed, all_added, vectors)
         # only now, with every file's new chunks in, can "no chunk uses it" be told: a key one file
-        # dropped may be a chunk that moved to another file of this ingest
-        report.kv_removed = self.store.forget_kv(old_keys)
+        # dropped may be a chunk that moved to another file of this ingest. Replaced chunks lose
+        # their stored KV and also what `ask` stored for them (as `store rm` does)
+        report.kv_removed = self.store.forget_chunk_kv(old_refs)
         report.seconds = time.perf_counter() - t0
         return report
 

@@ -103,10 +103,10 @@ def test_remove_more_chunks_than_sqlite_binds_in_one_statement(tmp_path):
     store.close()
 
 
-def test_rm_removes_the_kv_ask_stored_for_chunks_but_not_what_another_chunk_uses(tmp_path, engine):
-    """A store ingested without KV: `ask` computes each retrieved chunk's KV and stores it under the
-    chunk's computed key (none is in the docstore). Removing a file removes that KV, unless another
-    file's chunk has the same tokens (and so the same key)."""
+def _ask_stored(tmp_path: Path, engine) -> tuple[RagStore, Path, dict[str, str]]:
+    """A store ingested without KV from a.txt, b.txt (the same text) and c.txt, after an `ask` that
+    computed each retrieved chunk's KV and stored it under the chunk's computed key (none is in the
+    docstore); returns the store, the docs folder and each file's chunk key."""
     from ragfuse.chunk_kv import ChunkKV
     from ragfuse.embeddings import Embedder
     from ragfuse.ingest import Ingestor
@@ -129,10 +129,33 @@ def test_rm_removes_the_kv_ask_stored_for_chunks_but_not_what_another_chunk_uses
     key = {name: chunk_kv.key(c.token_ids) for name in "abc"
            for c in store.docs.chunks(store.docs.chunk_ids(str((docs / f"{name}.txt").resolve()))).values()}
     assert key["a"] == key["b"] and store.kv.locate(key["a"]) and store.kv.locate(key["c"])
+    return store, docs, key
+
+
+def test_rm_removes_the_kv_ask_stored_for_chunks_but_not_what_another_chunk_uses(tmp_path, engine):
+    """Removing a file removes the KV `ask` stored for its chunks, unless another file's chunk has the
+    same tokens (and so the same key)."""
+    store, docs, key = _ask_stored(tmp_path, engine)
     assert store.remove([str((docs / "a.txt").resolve())]) == (1, 0)
     assert store.kv.locate(key["b"]) == "disk"  # b.txt's chunk still uses it
     assert store.remove([str((docs / n).resolve()) for n in ("b.txt", "c.txt")]) == (2, 2)
     assert store.kv.locate(key["b"]) is None and store.kv.locate(key["c"]) is None
+    store.close()
+
+
+def test_reingesting_a_changed_file_removes_the_kv_ask_stored_for_its_old_chunks(tmp_path, engine):
+    """Ingest replacing a changed file forgets its old chunks' KV as `store rm` does, also the KV that
+    `ask` stored for them; a chunk of the same tokens in another file keeps its KV."""
+    from ragfuse.embeddings import Embedder
+    from ragfuse.ingest import Ingestor
+
+    store, docs, key = _ask_stored(tmp_path, engine)
+    (docs / "a.txt").write_text("Saltmarsh harbour closed to steamers in 1921.")
+    (docs / "c.txt").write_text("The Rhine rises in the Swiss Alps.")
+    report = Ingestor(store, engine, Embedder(), precompute_kv=False, progress=False).ingest([docs])
+    assert sorted(Path(p).name for p in report.replaced_files) == ["a.txt", "c.txt"]
+    assert report.kv_removed == 1 and store.kv.locate(key["c"]) is None
+    assert store.kv.locate(key["b"]) == "disk"  # b.txt's chunk, unchanged, still uses it
     store.close()
 
 
