@@ -11,10 +11,10 @@ chunks are in: a chunk that moved from one file to another keeps its KV.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from tqdm.auto import tqdm
 
@@ -25,6 +25,19 @@ from ragfuse.documents import DEFAULT_MAX_BYTES, LoadedFile, SkippedFile, find_f
 from ragfuse.embeddings import Embedder
 from ragfuse.engine.kvstore import StoredKV
 from ragfuse.rag_store import RagStore
+
+T = TypeVar("T")
+
+
+class EngineRunner(Protocol):
+    """Runs ``fn`` where the engine and the store may be used (and returns its result)."""
+
+    def __call__(self, fn: Callable[[], T]) -> T: ...
+
+
+def run_here(fn: Callable[[], T]) -> T:
+    """The runner of a caller that owns the engine and store itself (the CLI, tests)."""
+    return fn()
 
 
 @dataclass
@@ -54,9 +67,15 @@ class _Pending:
 class Ingestor:
     def __init__(self, store: RagStore, engine: Any, embedder: Embedder, precompute_kv: bool = True,
                  kv_batch_tokens: int = 4096, max_bytes: int = DEFAULT_MAX_BYTES, text_field: str = "text",
-                 title_field: str | None = "title", progress: bool = True) -> None:
+                 title_field: str | None = "title", progress: bool = True, on_engine: EngineRunner = run_here,
+                 tokenizer: Any = None) -> None:
+        """``on_engine``: how to run a step that uses the engine or the store; ``tokenizer``: the
+        chunker's (default the engine's; a caller chunking on another thread passes its own copy,
+        since a fast tokenizer's settings are shared state)."""
         self.store, self.engine, self.embedder = store, engine, embedder
-        self.chunker = TokenChunker(engine.tokenizer, store.config.chunk_tokens, store.config.chunk_overlap)
+        self.on_engine = on_engine
+        self.chunker = TokenChunker(tokenizer if tokenizer is not None else engine.tokenizer,
+                                    store.config.chunk_tokens, store.config.chunk_overlap)
         # how the store's chunks get their KV (after the instruction prefix, or alone): the
         # pipeline keys and computes them the same way, from the same store setting
         self.chunk_kv = ChunkKV.for_context(engine, store.config.chunk_kv_context) if precompute_kv else None
@@ -73,7 +92,7 @@ class Ingestor:
             loaded = load_file(path, self.max_bytes, self.text_field, self.title_field)
             if isinstance(loaded, SkippedFile):
                 report.skipped.append(loaded)
-            elif self._unchanged(loaded):
+            elif self.on_engine(lambda loaded=loaded: self._unchanged(loaded)):
                 report.unchanged_files.append(loaded.path)
             else:
                 pending.append(self._chunk(loaded))
@@ -84,6 +103,13 @@ class Ingestor:
             t1 = time.perf_counter()
             self._precompute(chunk_kv, [ids for p in pending for ids in p.token_ids], report)
             report.kv_seconds = time.perf_counter() - t1
+        self.on_engine(lambda: self._commit(pending, vectors, report))
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    def _commit(self, pending: list[_Pending], vectors: Any, report: IngestReport) -> None:
+        """Swap each file's chunks in, update the index once, then forget KV no chunk uses."""
+        chunk_kv = self.chunk_kv
         offset = 0
         all_removed: list[int] = []
         all_added: list[int] = []
@@ -111,8 +137,6 @@ class Ingestor:
         # dropped may be a chunk that moved to another file of this ingest. Replaced chunks lose
         # their stored KV and also what `ask` stored for them (as `store rm` does)
         report.kv_removed = self.store.forget_chunk_kv(old_refs)
-        report.seconds = time.perf_counter() - t0
-        return report
 
     def _unchanged(self, loaded: LoadedFile) -> bool:
         """Stored with the same content and, when this ingest precomputes KV, with every chunk's KV
@@ -137,15 +161,10 @@ class Ingestor:
 
     def _precompute(self, chunk_kv: ChunkKV, token_lists: list[tuple[int, ...]], report: IngestReport) -> None:
         """Compute the KV of every chunk not stored yet, in batches of about ``kv_batch_tokens``."""
-        todo: dict[str, tuple[int, ...]] = {}
-        for ids in token_lists:
-            key = chunk_kv.key(ids)
-            if key in todo:
-                continue
-            if self.store.kv.locate(key) is not None:
-                report.kv_reused += 1
-            else:
-                todo[key] = ids
+        keyed = {chunk_kv.key(ids): ids for ids in token_lists}
+        stored = self.on_engine(lambda: {k for k in keyed if self.store.kv.locate(k) is not None})
+        report.kv_reused += len(stored)
+        todo = {k: ids for k, ids in keyed.items() if k not in stored}
         bar = tqdm(total=sum(map(len, todo.values())), desc="precomputing KV", unit="tok",
                    disable=not self.progress or not todo)
         batch: list[tuple[str, tuple[int, ...]]] = []
@@ -154,9 +173,12 @@ class Ingestor:
             batch.append(item)
             size = sum(len(ids) for _, ids in batch)
             if size >= self.kv_batch_tokens or i == len(items) - 1:
-                for (key, _), (k, v) in zip(batch, chunk_kv.compute([list(ids) for _, ids in batch])):
-                    self.store.kv.put(StoredKV.from_kv(key, k, v))
+                self.on_engine(lambda batch=batch: self._store_kv(chunk_kv, batch))
                 report.kv_computed += len(batch)
                 bar.update(size)
                 batch = []
         bar.close()
+
+    def _store_kv(self, chunk_kv: ChunkKV, batch: list[tuple[str, tuple[int, ...]]]) -> None:
+        for (key, _), (k, v) in zip(batch, chunk_kv.compute([list(ids) for _, ids in batch])):
+            self.store.kv.put(StoredKV.from_kv(key, k, v))

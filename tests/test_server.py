@@ -374,6 +374,46 @@ def test_documents_upload_list_delete(served):
     assert doc["id"] not in {d["id"] for d in httpx.get(url, headers=AUTH).json()["data"]}
 
 
+def test_streams_go_on_while_a_document_is_ingested(served):
+    """An upload is chunked and embedded off the engine thread and its KV computed in batches between
+    decode steps: a running stream's longest wait for a token during the upload is a fraction of the
+    upload's time (it was all of it when the whole ingest ran as one call on the engine thread)."""
+    text = " ".join(f"Ledger line {i}: the Quarrel Bay customs house weighed {i * 37 % 1000} crates of "
+                    f"{('salt', 'tin', 'wool', 'amber')[i % 4]}." for i in range(240))
+    body = {"model": MODEL, "max_tokens": 64, "temperature": 0, "prompt": "1, 2, 3, 4, 5, 6,"}
+    arrivals: list[float] = []
+    window: list[float] = []
+
+    async def stream() -> None:
+        async with httpx.AsyncClient(timeout=300) as c, c.stream(
+                "POST", f"{served.url}/v1/completions", json={**body, "stream": True}, headers=AUTH) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append(time.monotonic())
+
+    async def upload() -> None:
+        while len(arrivals) < 3:  # the stream runs
+            await asyncio.sleep(0.01)
+        async with httpx.AsyncClient(timeout=300) as c:
+            window.append(time.monotonic())
+            r = await c.post(f"{served.url}/v1/documents", headers=AUTH,
+                             json={"documents": [{"name": "ledger.md", "text": text}]})
+            window.append(time.monotonic())
+        assert r.status_code == 200 and r.json()["data"][0]["chunks"] >= 4, r.text
+
+    async def both() -> None:
+        await asyncio.gather(stream(), upload())
+
+    asyncio.run(both())
+    start, end = window
+    inside = [start, *[t for t in arrivals if start < t < end], min(end, arrivals[-1])]
+    longest = max(b - a for a, b in zip(inside, inside[1:]))
+    assert longest < 0.5 * (end - start), (longest, end - start, len(inside))
+    doc = next(d for d in httpx.get(f"{served.url}/v1/documents", headers=AUTH).json()["data"]
+               if d["name"] == "ledger.md")
+    assert httpx.delete(f"{served.url}/v1/documents/{doc['id']}", headers=AUTH).json()["deleted"] is True
+
+
 def test_an_upload_the_disk_has_no_room_for_is_a_507_and_changes_nothing(served):
     """The KV tier's real free-space check refuses (its reserve raised): the client gets a server
     error naming the cause, and neither the document list nor the uploads directory changes."""

@@ -1,6 +1,8 @@
 """ragfuse's own engine as the server's backend: one ``AsyncEngine`` loop shared by every request
-(continuous batching across clients), with RAG, ingest and store access run on that loop's thread
-so the engine and its store are only ever used from one thread.
+(continuous batching across clients), with RAG and store access run on that loop's thread so the
+engine and its store are only ever used from one thread. An upload is read, chunked and embedded on
+a worker thread (its own tokenizer and embedder); its store accesses and KV batches are calls on the
+loop's thread, between decode steps, so running streams go on while a document is ingested.
 
 Sessions are the engine's own session store (``engine.sessions``: each conversation's KV kept in
 host memory and on disk between turns, under the store's ``sessions/`` directory by default, the
@@ -10,10 +12,12 @@ relay attention, the system prompt registered once (``engine.relay_prompts``, LR
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import copy
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ragfuse.engine import LLM, AsyncEngine, LLMEngine, RequestOutput, SamplingParams
 from ragfuse.engine.sessions import SessionStore
@@ -22,6 +26,10 @@ from ragfuse.pipeline import RagPipeline, Started
 from .backend import REUSE_KEYS, ChatPrompt, Delta, RagAnswer, RagOptions, Sampling, TextPrompt
 from .library import DocumentLibrary
 
+T = TypeVar("T")
+# an upload's KV is computed in batches of about this many tokens, each one call on the engine
+# thread: running streams wait at most one batch for their next token
+UPLOAD_KV_BATCH_TOKENS = 1024
 
 def ensure_store(store: str | None, model: str) -> Path:
     """The store directory, created empty (default embedding, 512-token chunks) when there is none
@@ -71,6 +79,7 @@ class EngineBackend:
     def __init__(self, pipeline: RagPipeline, model_id: str, sessions_dir: str | Path | None = None,
                  session_cpu_bytes: int = 4 << 30, session_disk_bytes: int = 32 << 30) -> None:
         """``sessions_dir``: where sessions' KV is kept (default: the store's ``sessions/``)."""
+        from ragfuse.embeddings import Embedder
         from ragfuse.ingest import Ingestor
 
         self.pipeline = pipeline
@@ -81,7 +90,13 @@ class EngineBackend:
         self.sessions = SessionStore(root, engine.fingerprint, engine.dtype, session_cpu_bytes, session_disk_bytes)
         engine.enable_sessions(self.sessions)
         self.loop = AsyncEngine(engine)
-        ingestor = Ingestor(pipeline.store, pipeline.engine, pipeline.retriever.embedder, progress=False)
+        self._uploading = asyncio.Lock()  # one upload at a time: each restores its files on failure
+        self._event_loop: asyncio.AbstractEventLoop | None = None  # the server's, set by the upload
+        # the upload's own tokenizer and embedder: a fast tokenizer's settings are state that the
+        # engine thread's retrieval and prompts would change under it
+        ingestor = Ingestor(pipeline.store, engine, Embedder(pipeline.retriever.embedder.name), progress=False,
+                            kv_batch_tokens=UPLOAD_KV_BATCH_TOKENS, on_engine=self._on_engine,
+                            tokenizer=copy.deepcopy(engine.tokenizer))
         self.library = DocumentLibrary(pipeline.store, ingestor)
 
     async def generate(self, prompt: ChatPrompt | TextPrompt, sampling: Sampling,
@@ -119,7 +134,14 @@ class EngineBackend:
         yield RagAnswer(report, started[0].prep.kv_tiers())
 
     async def add_documents(self, files: list[tuple[str, bytes]]) -> dict[str, Any]:
-        return await self.loop.call(lambda _: self.library.add(files))
+        async with self._uploading:
+            self._event_loop = asyncio.get_running_loop()
+            return await asyncio.to_thread(self.library.add, files)
+
+    def _on_engine(self, fn: Callable[[], T]) -> T:
+        """Run an upload's store access or KV batch on the engine thread (called from the worker)."""
+        assert self._event_loop is not None
+        return asyncio.run_coroutine_threadsafe(self.loop.call(lambda _: fn()), self._event_loop).result()
 
     async def list_documents(self) -> list[dict[str, Any]]:
         return await self.loop.call(lambda _: self.library.list())

@@ -39,7 +39,9 @@ def check_name(name: str) -> str:
 
 
 class DocumentLibrary:
-    """Not thread-safe: the caller runs every method on the thread that owns the engine and store."""
+    """Not thread-safe: one method at a time. ``list``, ``delete`` and ``chunk_tokens`` run on the
+    thread that owns the engine and store; ``add`` may run on another, as its store accesses go
+    through the ingestor's ``on_engine``."""
 
     def __init__(self, store: RagStore, ingestor: Ingestor) -> None:
         self.store, self.ingestor = store, ingestor
@@ -67,9 +69,10 @@ class DocumentLibrary:
         for name in skipped:
             self._restore(name, before[name])  # the ingest left the store's record of it alone
         wanted = {str(p) for p in paths if p.name not in skipped}
+        stored = self.ingestor.on_engine(lambda: self.store.docs.files(str(self.uploads)))
         return {
             "object": "list",
-            "data": [self._info(p, n) for p, n in self.store.docs.files(str(self.uploads)) if p in wanted],
+            "data": [self._info(p, n) for p, n in stored if p in wanted],
             "skipped": [{"name": Path(s.path).name, "reason": s.reason} for s in report.skipped],
             "ingest": {k: v for k, v in asdict(report).items() if isinstance(v, (int, float))},
         }
