@@ -29,7 +29,7 @@ from .library import DocumentLibrary
 T = TypeVar("T")
 # an upload's KV is computed in batches of about this many tokens, each one call on the engine
 # thread: running streams wait at most one batch for their next token
-UPLOAD_KV_BATCH_TOKENS = 1024
+UPLOAD_KV_BATCH_TOKENS = 512
 
 def ensure_store(store: str | None, model: str) -> Path:
     """The store directory, created empty (default embedding, 512-token chunks) when there is none
