@@ -43,6 +43,13 @@ _ALIASES: dict[str, tuple[str, str]] = {
 # tick (coarse on some filesystems), unseen by its stat: its digest is then not cached.
 _SETTLE_NS = 2_000_000_000
 _READ_BYTES = 1 << 24
+INDEX_FILE = "model.safetensors.index.json"
+# What a hub fetch takes: config, weights, tokenizer files and the chat template, which recent transformers
+# save as chat_template.jinja beside tokenizer_config.json. consolidated*.safetensors is a second
+# copy of the weights in Mistral's native names (its official repos ship both): doubling the download for
+# nothing the engine reads (``weight_files``).
+HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+HUB_IGNORE_PATTERNS = ["consolidated*"]
 
 
 @dataclass(frozen=True)
@@ -54,15 +61,45 @@ class Checkpoint:
 
     @cached_property
     def fingerprint(self) -> str:
-        """Identity of the exact weights: config plus every safetensors file's bytes.
+        """Identity of the exact weights: config plus the bytes of every weights file.
 
         Cached KV is only valid for the weights that produced it, so store keys use this; computed
-        once per ``Checkpoint`` (the engine loads the weights once) and stable across runs.
+        once per ``Checkpoint`` (the engine loads the weights once) and stable across runs. Only the
+        files the engine loads count (``weight_files``).
         """
         h = hashlib.sha256((self.path / "config.json").read_bytes())
-        for f in sorted(self.path.glob("*.safetensors")):
+        for f in weight_files(self.path):
             h.update(f"\0{f.name}\0{content_digest(f)}".encode())
         return h.hexdigest()[:16]
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files that hold the model in ``path``, as transformers picks them: the shards
+    that ``model.safetensors.index.json`` names where it exists, else ``model.safetensors``, else the
+    folder's one ``*.safetensors`` file. Hub repos may keep other copies of the same weights beside
+    them (Mistral's ``consolidated.safetensors``, in its native tensor names), which are neither
+    loaded nor hashed."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelError(f"cannot read the shard index {index}: {exc!r}") from exc
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise ModelError(
+                f"{len(missing)} of the {len(shards)} shard files {index} names are missing, e.g. {missing[0]}"
+            )
+        return [path / s for s in shards]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"no *.safetensors files in {path}")
+    if len(files) > 1:
+        raise ModelError(f"{path} holds {len(files)} *.safetensors files but neither model.safetensors nor "
+                         f"{INDEX_FILE}: cannot tell which of them hold the model")
+    return files
 
 
 def cache_root() -> Path:
@@ -138,6 +175,11 @@ def resolve(model: str) -> Checkpoint:
         if ggufs:
             return _from_gguf(ggufs[0], name=ggufs[0].stem)
         raise ModelError(f"model directory {path} has no config.json + *.safetensors and no .gguf file")
+    if path.is_file():
+        raise ModelError(
+            f"model {model} is a file, not a checkpoint: pass the folder that holds it with its config.json "
+            f"(--model {path.parent}), or a .gguf file"
+        )
     if path.suffix == ".gguf" or model.startswith((".", "/", "~")):
         raise ModelError(f"model file {model} does not exist")
     return _from_hub(model)
@@ -164,9 +206,7 @@ def _from_hub(repo_id: str) -> Checkpoint:
     try:
         from huggingface_hub import snapshot_download
 
-        local = snapshot_download(
-            repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
-        )
+        local = snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS, ignore_patterns=HUB_IGNORE_PATTERNS)
     except Exception as exc:  # offline, unknown repo, gated repo: all the same to the user
         raise ModelError(
             f"model {repo_id!r} is not available locally and could not be fetched ({exc.__class__.__name__})"
