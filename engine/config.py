@@ -47,11 +47,20 @@ class ModelConfig:
     rope: RopeConfig
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
-    sliding_window: int | None
+    attention_bias: bool  # on the q/k/v projections
+    o_proj_bias: bool
+    mlp_bias: bool
+    # each layer's attention window (None: the whole context), as transformers gives it: Mistral's window on
+    # every layer, Qwen2's on the layers its ``layer_types`` (or ``max_window_layers``) mark, Llama's on none
+    layer_windows: tuple[int | None, ...]
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of the layers that have one; None where every layer sees the whole context."""
+        return next((w for w in self.layer_windows if w is not None), None)
 
     @property
     def family(self) -> str:
@@ -63,7 +72,20 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+    def from_dict(cls, cfg: dict[str, Any], source: str = "the model config") -> ModelConfig:
+        """The engine's view of a ``config.json``; ``source`` names it in errors. A missing required
+        field or a value of the wrong kind is a ModelError naming the field, never a traceback."""
+        if not isinstance(cfg, dict):
+            raise ModelError(f"{source} is not a JSON object")
+        try:
+            return cls._from_fields(cfg, source)
+        except KeyError as exc:
+            raise ModelError(f"{source} lacks the required field {exc.args[0]!r}") from exc
+        except (TypeError, ValueError) as exc:
+            raise ModelError(f"{source} has a field of the wrong kind: {exc}") from exc
+
+    @classmethod
+    def _from_fields(cls, cfg: dict[str, Any], source: str) -> ModelConfig:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -80,15 +102,19 @@ class ModelConfig:
             raise ModelError(f"unsupported activation {cfg.get('hidden_act')!r} (only SwiGLU/silu)")
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        layers = int(cfg["num_hidden_layers"])
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        # the biases transformers' classes build: Llama's follow its two flags (attention_bias also on
+        # o_proj), Qwen2 always has q/k/v biases and no other, Mistral none
+        llama = arch == "LlamaForCausalLM"
+        qkv_bias = bool(cfg.get("attention_bias", False)) if llama else arch == "Qwen2ForCausalLM"
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
@@ -96,8 +122,10 @@ class ModelConfig:
             rope=_rope_from_dict(cfg),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            sliding_window=int(window) if window else None,
+            attention_bias=qkv_bias,
+            o_proj_bias=llama and qkv_bias,
+            mlp_bias=llama and bool(cfg.get("mlp_bias", False)),
+            layer_windows=_layer_windows(cfg, arch, layers, source),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             raw=cfg,
@@ -105,7 +133,38 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
-        return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
+        """The config of the checkpoint in ``path``; an unreadable or malformed ``config.json`` is a
+        ModelError naming it."""
+        file = Path(path) / "config.json"
+        try:
+            cfg = json.loads(file.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ModelError(f"cannot read {file}: {exc.strerror or exc}") from exc
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise ModelError(f"{file} is not valid JSON: {exc}") from exc
+        return cls.from_dict(cfg, source=str(file))
+
+
+def _layer_windows(cfg: dict[str, Any], arch: str, layers: int, source: str) -> tuple[int | None, ...]:
+    """Each layer's attention window as transformers builds the architecture: Mistral's
+    ``sliding_window`` on every layer; Qwen2's only with ``use_sliding_window``, on the layers that
+    ``layer_types`` marks "sliding_attention" (by default those from ``max_window_layers`` on); Llama
+    has none."""
+    window = int(cfg["sliding_window"]) if cfg.get("sliding_window") else None
+    if arch == "MistralForCausalLM":
+        return (window,) * layers
+    if arch != "Qwen2ForCausalLM" or window is None or not cfg.get("use_sliding_window", False):
+        return (None,) * layers
+    types = cfg.get("layer_types")
+    if types is None:
+        first = int(cfg.get("max_window_layers", 28))  # transformers' Qwen2Config default
+        return tuple(window if i >= first else None for i in range(layers))
+    kinds = ("full_attention", "sliding_attention")
+    if not isinstance(types, list) or len(types) != layers or any(t not in kinds for t in types):
+        raise ModelError(
+            f"{source}: layer_types must list {layers} entries, each one of {', '.join(kinds)}: got {types!r}"
+        )
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def _rope_from_dict(cfg: dict[str, Any]) -> RopeConfig:

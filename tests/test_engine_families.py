@@ -26,6 +26,12 @@ FAMILIES = {
     )),
     "mistral-sliding-window": (HFMistral, MistralConfig(**COMMON, sliding_window=12, tie_word_embeddings=False)),
     "qwen2-qkv-bias": (HFQwen2, Qwen2Config(**COMMON, tie_word_embeddings=True)),
+    # the window on layers 1 and 2 only (from max_window_layers on): layer 0 sees the whole context
+    "qwen2-sliding-window-layers": (HFQwen2, Qwen2Config(
+        **COMMON, use_sliding_window=True, sliding_window=12, max_window_layers=1, tie_word_embeddings=False,
+    )),
+    # attention_bias puts a bias on q/k/v and o_proj, mlp_bias on gate/up/down
+    "llama-biases": (HFLlama, LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True)),
 }
 
 
@@ -34,11 +40,10 @@ def pair(request, tmp_path_factory):
     cls, cfg = FAMILIES[request.param]
     torch.manual_seed(0)
     ref = cls(cfg).eval()
-    if request.param == "qwen2-qkv-bias":  # random biases, so a loader that drops them fails
-        with torch.no_grad():
-            for layer in ref.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.5)
+    with torch.no_grad():  # random biases (transformers starts them at 0), so a loader that drops them fails
+        for name, param in ref.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0, 0.5)
     path = tmp_path_factory.mktemp(request.param)
     ref.save_pretrained(path)
     eng = LLMEngine(EngineConfig(model=str(path), device="cpu", block_size=8, kv_cache_bytes=1 << 24))
@@ -65,3 +70,15 @@ def test_family_is_detected(pair):
     name, _ref, eng = pair
     assert eng.model_config.family == name.split("-")[0]
     assert type(eng.runner.model).__name__.lower().startswith(eng.model_config.family)
+
+
+def test_each_layer_gets_its_own_window(pair):
+    """As transformers builds them: Mistral's window on every layer, Qwen2's on the layers its config
+    marks, none elsewhere; relay attention (which a window would cut across) only where no layer has one."""
+    name, ref, eng = pair
+    # Qwen2's attention holds its layer's window; Mistral's reads the config's; Llama's config has none
+    default = getattr(ref.config, "sliding_window", None)
+    theirs = [getattr(layer.self_attn, "sliding_window", default) for layer in ref.model.layers]
+    ours = [layer.self_attn.attn.sliding_window for layer in eng.runner.model.model.layers]
+    assert ours == theirs == list(eng.model_config.layer_windows), name
+    assert eng.supports_relay == all(w is None for w in ours)

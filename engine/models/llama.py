@@ -41,9 +41,9 @@ class LlamaAttentionBlock(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.rotary = rotary
-        self.attn = Attention(config.num_heads, config.num_kv_heads, config.head_dim, config.sliding_window)
+        self.attn = Attention(config.num_heads, config.num_kv_heads, config.head_dim, config.layer_windows[layer_idx])
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H, D], k [T, KVH, D] (before RoPE), v [T, KVH, D]."""
@@ -79,6 +79,9 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttentionBlock(config, layer_idx, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLUMLP(config)
+        if config.mlp_bias:  # Llama's mlp_bias: gate, up and down each with a bias (SwiGLUMLP is built without)
+            for proj in (self.mlp.gate_up_proj, self.mlp.down_proj):
+                proj.bias = nn.Parameter(proj.weight.new_empty(proj.out_features))
 
     def forward(
         self,

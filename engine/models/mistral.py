@@ -1,5 +1,5 @@
-"""Mistral: the Llama decoder with sliding-window attention, which ``ModelConfig.sliding_window``
-carries into every ``Attention``; nothing else in the architecture differs."""
+"""Mistral: the Llama decoder with sliding-window attention, which ``ModelConfig.layer_windows``
+carries into every layer's ``Attention``; nothing else in the architecture differs."""
 
 from .llama import LlamaForCausalLM
 
