@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from ragfuse.engine.errors import RequestError
+from ragfuse.engine.llm_engine import render_chat
 from ragfuse.passage import Passage
 from ragfuse.passage_finder import PassageFinder
 
@@ -23,11 +24,10 @@ PART_SEPARATOR = "\n\n"  # between the parts of one message: passages are paragr
 def chat_parts(
     tokenizer: Any, messages: list[tuple[str, list[str | Passage]]], finder: PassageFinder | None = None
 ) -> list[str | Passage]:
-    """``messages`` as (role, parts) rendered with the template and an assistant turn opened."""
+    """``messages`` as (role, parts) rendered with the template and an assistant turn opened (``render_chat``:
+    a template that refuses a system message gets its text at the start of the first user message)."""
     if not messages:
         raise RequestError("empty chat")
-    if not getattr(tokenizer, "chat_template", None):
-        raise RequestError("this model has no chat template")
     passages: list[Passage] = []
     rendered_messages = []
     for role, parts in messages:
@@ -39,7 +39,7 @@ def chat_parts(
             elif part:
                 texts.append(part)
         rendered_messages.append({"role": role, "content": PART_SEPARATOR.join(texts)})
-    text = tokenizer.apply_chat_template(rendered_messages, tokenize=False, add_generation_prompt=True)
+    text = render_chat(tokenizer, rendered_messages, tokenize=False)
     out: list[str | Passage] = []
     for i, piece in enumerate(_MARK_RE.split(text)):
         if i % 2:

@@ -4,12 +4,19 @@ The model's own chat template is rendered once around placeholders and split the
 passage's tokens sit in the prompt exactly as they were stored at ingest (each passage tokenized
 alone): that is what lets its stored KV be reused at any position. The prompt shape follows the
 CacheBlend experiments: an instruction, the passages, the question, an answer within a few words.
+
+The instruction is the template's system message; a template that refuses one gets it at the start of
+the user message instead (``render_chat``). Either way the prefix (everything before the passages) is
+the same tokens at the head of every prompt, which is all that its stored KV, chunk KV computed after
+it and relay attention over it rely on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from ragfuse.engine.llm_engine import render_chat
 
 DEFAULT_INSTRUCTION = (
     "You are given several passages and a question. Answer the question using the passages. "
@@ -32,9 +39,9 @@ class RagPromptBuilder:
         self.instruction = instruction
         user = f"{_PASSAGES}Question: {_QUESTION}"
         if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template(
-                [{"role": "system", "content": instruction}, {"role": "user", "content": user}],
-                tokenize=False, add_generation_prompt=True,
+            text = render_chat(
+                tokenizer, [{"role": "system", "content": instruction}, {"role": "user", "content": user}],
+                tokenize=False,
             )
         else:  # a base model: plain text
             text = f"{instruction}\n\n{user}\nAnswer:"

@@ -42,12 +42,16 @@ def run(args: argparse.Namespace) -> int:
 
     from ragfuse.embeddings import Embedder
     from ragfuse.engine import EngineConfig, LLMEngine
+    from ragfuse.engine.errors import ModelError
     from ragfuse.ingest import Ingestor
     from ragfuse.rag_store import RagStore
     from ragfuse.store_dir import StoreConfig, check_chunking, resolve_store_dir
 
     check_chunking(args.chunk_tokens, args.chunk_overlap)  # before a model loads (StoreConfig checks again)
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
+    if engine.tokenizer is None:  # before the store is opened: a failed ingest leaves no store behind
+        raise ModelError(f"model {args.model} has no tokenizer (tokenizer.json or tokenizer.model beside its "
+                         "config.json): ingest needs one to cut documents into the model's tokens")
     embedder = Embedder(args.embedding_model)
     root = resolve_store_dir(args.store)
     existing = StoreConfig.load(root)
