@@ -74,8 +74,8 @@ class SwiGLUMLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))

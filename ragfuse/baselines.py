@@ -28,6 +28,7 @@ from langchain_core.prompts import PromptTemplate
 from pydantic import ConfigDict, PrivateAttr
 
 from ragfuse.engine import LLM, LLMEngine, RagfuseError, RequestOutput, SamplingParams
+from ragfuse.engine.llm_engine import render_chat
 
 MAP_INSTRUCTION = (
     "You are given one passage and a question. Write down, in one or two sentences, what the passage says "
@@ -121,8 +122,8 @@ def chat_template(engine: LLMEngine, instruction: str, user: str) -> str:
     if not getattr(engine.tokenizer, "chat_template", None):  # a base model: plain text
         return f"{instruction}\n\n{user}\nAnswer:"
     marker = "\x00ragfuse-user\x00"
-    text = engine.tokenizer.apply_chat_template(
-        [{"role": "system", "content": instruction}, {"role": "user", "content": marker}],
+    text = render_chat(
+        engine.tokenizer, [{"role": "system", "content": instruction}, {"role": "user", "content": marker}],
         tokenize=False, add_generation_prompt=True,
     )
     head, tail = text.replace("{", "{{").replace("}", "}}").split(marker)

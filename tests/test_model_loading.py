@@ -233,6 +233,25 @@ def test_a_system_message_the_template_refuses_goes_into_the_first_user_message(
     assert llm.generate([rest], params)[0].token_ids == llm.generate([ids], params)[0].token_ids
 
 
+def test_the_baseline_chains_and_the_vllm_prompts_fold_a_refused_system_message(no_system_llm):
+    """The LangChain baselines' template and the vLLM connector's prompts render chats through the
+    same fold as the engine (they called the template themselves and crashed on such models)."""
+    from ragfuse.baselines import chat_template
+    from ragfuse.connectors.vllm.backend import PromptBuilder
+
+    assert chat_template(no_system_llm.engine, "Be brief.", "{question}") == \
+        "<s>[INST] Be brief.\n\n{question} [/INST]"
+    builder = PromptBuilder()
+    builder.tokenizer = no_system_llm.tokenizer
+    prompt = builder.chunked_prompt("Where?", [[5, 6, 7]], system="Be brief.")
+    (start, end), = prompt.chunks
+    assert prompt.token_ids[start:end] == [5, 6, 7]
+    text = no_system_llm.tokenizer.decode(prompt.token_ids)
+    assert text.startswith("<s>[INST] Be brief.") and text.endswith("Question: Where? [/INST]")
+    chat = builder.chat_prompt([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert no_system_llm.tokenizer.decode(chat.token_ids) == "<s>[INST] Be brief.\n\nHi [/INST]"
+
+
 def test_a_chat_the_template_refuses_otherwise_is_a_request_error(no_system_llm):
     with pytest.raises(RequestError, match="chat template refused the chat: Conversation roles must alternate"):
         no_system_llm.chat_ids([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])

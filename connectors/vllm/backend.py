@@ -19,6 +19,7 @@ from typing import Any
 
 from ragfuse.engine.checkpoint import DEFAULT_MODEL, resolve
 from ragfuse.engine.errors import RagfuseError
+from ragfuse.engine.llm_engine import render_chat
 
 from .settings import ConnectorSettings
 
@@ -100,8 +101,8 @@ class PromptBuilder:
     def _template_parts(self, system: str) -> tuple[list[int], list[int]]:
         """Token ids of the chat template before and after the user's message."""
         marker = "\u2063RAGFUSE\u2063"
-        text = self.tokenizer.apply_chat_template(
-            [{"role": "system", "content": system}, {"role": "user", "content": marker}],
+        text = render_chat(
+            self.tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": marker}],
             tokenize=False, add_generation_prompt=True,
         )
         before, after = text.split(marker)
@@ -129,7 +130,7 @@ class PromptBuilder:
         return Prompt(ids, spans, chunk_ids)
 
     def chat_prompt(self, messages: Sequence[dict[str, str]]) -> Prompt:
-        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        text = render_chat(self.tokenizer, list(messages), tokenize=False)
         return Prompt(self.encode(text))
 
 

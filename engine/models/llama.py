@@ -79,9 +79,6 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttentionBlock(config, layer_idx, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLUMLP(config)
-        if config.mlp_bias:  # Llama's mlp_bias: gate, up and down each with a bias (SwiGLUMLP is built without)
-            for proj in (self.mlp.gate_up_proj, self.mlp.down_proj):
-                proj.bias = nn.Parameter(proj.weight.new_empty(proj.out_features))
 
     def forward(
         self,
