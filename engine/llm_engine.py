@@ -19,6 +19,7 @@ import torch
 
 from . import checkpoint as ckpt
 from .block_manager import BlockManager
+from .chat_template import render_chat
 from .config import EngineConfig, ModelConfig
 from .detokenizer import IncrementalDetokenizer
 from .errors import RequestError
@@ -668,47 +669,6 @@ class LLMEngine:
                      "relay_system_tokens": seq.position_offset if seq.system is not None else 0,
                      **(turn.stats(len(seq.prompt_token_ids)) if turn is not None else {})},
         )
-
-
-SYSTEM_FOLD_SEPARATOR = "\n\n"  # between a folded system message and the user's text
-
-
-def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                **kwargs: Any) -> Any:
-    """``tokenizer.apply_chat_template(messages, ...)`` (``kwargs`` passed on), with what it refuses
-    reported as a RequestError, never a traceback.
-
-    Some templates refuse a system message (Mistral v0.1/v0.2, Gemma: "only user and assistant roles
-    are supported"); those models' own docs advise putting the system text at the start of the first
-    user message, which is what a refused chat that opens with one gets (``fold_system_message``). The
-    system text is then no longer a template prefix of its own: callers that serve it apart (relay)
-    check that its rendering is a token prefix of the chat's, as they must anyway.
-    """
-    from jinja2 import TemplateError
-
-    if not getattr(tokenizer, "chat_template", None):
-        raise RequestError("this model has no chat template: send the whole prompt as plain text (--raw)")
-    try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
-    except TemplateError as exc:
-        folded = fold_system_message(messages)
-        if folded is None:
-            raise RequestError(f"the model's chat template refused the chat: {exc}") from exc
-    try:
-        return tokenizer.apply_chat_template(folded, add_generation_prompt=add_generation_prompt, **kwargs)
-    except TemplateError as exc:
-        raise RequestError(f"the model's chat template refused the chat: {exc}") from exc
-
-
-def fold_system_message(messages: list[dict[str, str]]) -> list[dict[str, str]] | None:
-    """The chat with its leading system message put at the start of the first user message (a user
-    message of its own where none follows it); None if the chat opens with no system message."""
-    if not messages or messages[0]["role"] != "system":
-        return None
-    system, rest = messages[0]["content"], messages[1:]
-    if rest and rest[0]["role"] == "user":
-        return [{**rest[0], "content": f"{system}{SYSTEM_FOLD_SEPARATOR}{rest[0]['content']}"}, *rest[1:]]
-    return [{"role": "user", "content": system}, *rest]
 
 
 def _load_tokenizer(path: Any) -> Any:

@@ -28,7 +28,7 @@ from langchain_core.prompts import PromptTemplate
 from pydantic import ConfigDict, PrivateAttr
 
 from ragfuse.engine import LLM, LLMEngine, RagfuseError, RequestOutput, SamplingParams
-from ragfuse.engine.llm_engine import render_chat
+from ragfuse.engine.chat_template import render_chat
 
 MAP_INSTRUCTION = (
     "You are given one passage and a question. Write down, in one or two sentences, what the passage says "

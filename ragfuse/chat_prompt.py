@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ragfuse.engine.chat_template import render_chat
 from ragfuse.engine.errors import RequestError
-from ragfuse.engine.llm_engine import render_chat
 from ragfuse.passage import Passage
 from ragfuse.passage_finder import PassageFinder
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ragfuse.engine.llm_engine import render_chat
+from ragfuse.engine.chat_template import render_chat
 
 DEFAULT_INSTRUCTION = (
     "You are given several passages and a question. Answer the question using the passages. "

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ragfuse.engine.chat_template import render_chat
 from ragfuse.engine.checkpoint import DEFAULT_MODEL, resolve
 from ragfuse.engine.errors import RagfuseError
-from ragfuse.engine.llm_engine import render_chat
 
 from .settings import ConnectorSettings
 
