@@ -112,19 +112,26 @@ def test_evicted_session_is_recomputed_and_says_so(llm, sessions) -> None:
     assert again.token_ids == llm.chat(messages, SP).token_ids
 
 
-def test_corrupt_session_is_recomputed_and_says_so(llm, sessions) -> None:
+@pytest.mark.parametrize("damage", ["layer", "truncated"])
+def test_corrupt_session_is_recomputed_and_says_so(llm, sessions, damage: str) -> None:
+    """A flipped byte inside a layer fails its checksum as the turn loads it; a file cut short (a
+    half-written copy) does not even open, which used to fail the request instead of recomputing."""
     store = sessions(cpu_bytes=0)  # disk only
     messages = [{"role": "user", "content": "Write one word about the sea."}]
     out = llm.chat(messages, SP, session_id="bad")
     store.flush()
     path = store.disk.path_of(store._records["bad"].key)
     data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # one flipped byte inside some layer
+    if damage == "layer":
+        data[len(data) // 2] ^= 0xFF  # one flipped byte inside some layer
+    else:
+        del data[100:]
     path.write_bytes(bytes(data))
     messages += [{"role": "assistant", "content": out.text}, {"role": "user", "content": "And about the sky?"}]
     again = llm.chat(messages, SP, session_id="bad")
     assert again.metrics["session_tokens_reused"] == 0
-    assert any("checksum" in n and "recomputed" in n for n in again.metrics["session_notes"])
+    why = "checksum" if damage == "layer" else "not readable on disk"
+    assert any(why in n and "recomputed" in n for n in again.metrics["session_notes"])
     assert again.token_ids == llm.chat(messages, SP).token_ids
     store.flush()
     assert store.tier_of("bad") is not None  # the recomputed turn saved a fresh, valid session
@@ -175,6 +182,37 @@ def test_closing_step_saves_the_whole_turn_and_a_turn_before_it_saves_all_but_th
     store.flush()
     assert store.tier_of("aborted") == "cpu"
     assert not eng.has_unfinished()
+
+
+def test_a_session_deleted_while_its_turn_runs_stays_deleted(llm, sessions) -> None:
+    """DELETE while a turn of the session is decoding, or finished and waiting for its closing step:
+    the turn ends as usual, but its save is dropped, so the deleted conversation (its KV, its tokens)
+    does not come back; the id's next turn starts afresh and is kept. It used to be saved again."""
+    store = sessions()
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    for closing in (False, True):
+        sid = f"deleted-{closing}"
+        messages = [{"role": "user", "content": "My PIN is 4721."}]
+        out = llm.chat(messages, sp, session_id=sid)
+        messages += [{"role": "assistant", "content": out.text}, {"role": "user", "content": "Say it back."}]
+        rid = eng.add_session_request(sid, llm.chat_ids(messages), sp)
+        if closing:  # run to its end: finished, the closing step (and so its save) still to come
+            while not any(o.request_id == rid and o.finished for o in eng.step()):
+                pass
+        else:  # prefilled, decoding
+            eng.step()
+            eng.step()
+        assert store.delete(sid)
+        while eng.has_unfinished():
+            eng.step()
+        eng.close_turns()
+        store.flush()
+        assert store.tier_of(sid) is None and store.conversation(sid) == [], closing
+        fresh = llm.chat([{"role": "user", "content": "Hello."}], sp, session_id=sid)
+        assert fresh.metrics["session_tokens_reused"] == 0 and fresh.metrics["session_notes"] == []
+        store.flush()
+        assert store.tier_of(sid) == "cpu" and "4721" not in llm.tokenizer.decode(store.conversation(sid))
 
 
 def test_forward_with_work_between_layers_matches_forward(engine) -> None:

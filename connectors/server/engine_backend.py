@@ -160,11 +160,9 @@ class EngineBackend:
                 for s in listed]
 
     async def delete_session(self, session_id: str) -> bool:
-        def delete(engine: LLMEngine) -> bool:
-            engine.settle_session(session_id)  # a turn saved after the deletion would bring it back
-            return self.sessions.delete(session_id)
-
-        return await self.loop.call(delete)
+        # a turn of it still streaming (or waiting for its closing step) is not saved when it ends: the
+        # store drops its save, so the session does not come back
+        return await self.loop.call(lambda _: self.sessions.delete(session_id))
 
     def relay_prompts(self) -> int:
         return len(self.pipeline.engine.systems)  # chats', the pipeline's and any registered by hand

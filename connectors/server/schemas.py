@@ -8,9 +8,11 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError, PydanticKnownError
 
+from ragfuse.engine.sessions import SESSION_ID_PATTERN
+
 SEED_MAX = 2**63 - 1
 StopStr = Annotated[str, Field(min_length=1, max_length=256)]
-SessionId = Annotated[str, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")]
+SessionId = Annotated[str, Field(pattern=SESSION_ID_PATTERN)]  # the session store's own rule
 
 
 class _Body(BaseModel):

@@ -17,12 +17,12 @@ from .placement import (
 )
 from .snapshot import Snapshot, take_snapshot
 from .source import SessionCorruptError, SessionSource
-from .store import SessionRecord, SessionStore, SessionSummary, check_session_id
+from .store import SESSION_ID_PATTERN, SessionRecord, SessionStore, SessionSummary, TurnTicket, check_session_id
 from .turn import SessionTurn, begin_turn
 
 __all__ = [
-    "POLICIES", "EvictionPolicy", "FIFOPolicy", "LRUPolicy", "Move", "PlacementStats", "SchedulerAwarePolicy",
-    "SessionCorruptError", "SessionInfo", "SessionPlacement", "SessionRecord", "SessionSource", "SessionStore",
-    "SessionSummary", "SessionTurn", "Snapshot", "TurnPlan", "begin_turn", "check_session_id", "make_policy",
-    "plan_turn", "take_snapshot",
+    "POLICIES", "SESSION_ID_PATTERN", "EvictionPolicy", "FIFOPolicy", "LRUPolicy", "Move", "PlacementStats",
+    "SchedulerAwarePolicy", "SessionCorruptError", "SessionInfo", "SessionPlacement", "SessionRecord",
+    "SessionSource", "SessionStore", "SessionSummary", "SessionTurn", "Snapshot", "TurnPlan", "TurnTicket",
+    "begin_turn", "check_session_id", "make_policy", "plan_turn", "take_snapshot",
 ]

@@ -11,18 +11,25 @@ prefetch) is ``SessionPlacement``'s decision; this class carries the moves out:
   only for the memory copy, never for the disk;
 - prefetch: ``hint(queue)`` (the engine's waiting sessions, head first) reads the sessions of the
   look-ahead window from disk into memory on the I/O thread, before their jobs start;
-- a lookup never serves a session whose bytes fail their checksum: the entry is forgotten and the
-  caller recomputes (and says so).
+- a lookup never serves a session whose bytes fail their checksum, or whose record on disk does not
+  hold together (``record_problem``): the session is forgotten and the caller recomputes (and says so);
+- a turn is registered when it begins (``begin``): deleting its session while it runs drops its save,
+  so a deleted session does not come back when the turn finishes;
+- a session's KV file is only kept while a record refers to it: a failed record write deletes it, and
+  opening the store removes files left without a record (a process that died between the two writes).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import re
+import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -32,20 +39,32 @@ import torch
 
 from ..errors import RequestError
 from ..kvstore import DiskTier, KVStoreError, StoredKV, kv_key
-from ..kvstore.entry import EntryMeta, dtype_name, layer_checksum
-from .history import Ranges
+from ..kvstore.entry import DTYPES, EntryMeta, dtype_name, layer_checksum
+from .history import Ranges, total
 from .placement import Move, SessionInfo, SessionPlacement, make_policy
 from .snapshot import Snapshot
 from .source import SessionCorruptError, SessionSource, disk_source, memory_source
 
 log = logging.getLogger("ragfuse.sessions")
-_SESSION_ID = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
+# A session id names its record file and travels in URLs: the one rule for the store, the CLI and the
+# server's request schemas. Anchored because pydantic searches a pattern; Python code fullmatches it.
+SESSION_ID_PATTERN = r"^[A-Za-z0-9_.:@-]{1,128}$"
+_SESSION_ID = re.compile(SESSION_ID_PATTERN)
+# a KV file without a record is left alone this long: another process sharing the directory may be
+# between writing a session's KV and its record
+ORPHAN_GRACE_S = 600.0
 
 
 def check_session_id(session_id: str) -> str:
-    if not _SESSION_ID.match(session_id or ""):
+    """``session_id`` if it is a valid id (``SESSION_ID_PATTERN``, the whole string: "a\\n" is not one)."""
+    if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
         raise RequestError(f"session id {session_id!r} must be 1-128 letters, digits or _.:@-")
     return session_id
+
+
+def session_key(fingerprint: str, dtype: torch.dtype, session_id: str, tokens: list[int]) -> str:
+    """The KV store key of a session's KV over its logical ``tokens``."""
+    return kv_key(f"{fingerprint}\0session\0{session_id}", dtype, tokens)
 
 
 @dataclass
@@ -71,6 +90,52 @@ class SessionRecord:
         d = json.loads(text)
         d["ranges"] = [tuple(r) for r in d["ranges"]]
         return cls(**d)
+
+
+def record_problem(rec: SessionRecord, name: str) -> str:
+    """Why a record read from ``records/{name}.json`` cannot be served ("" when it holds together).
+
+    The KV file is checksummed, the record beside it is not: a damaged ``ranges`` would put the stored
+    rows at the wrong logical positions, damaged ``tokens`` would pair the KV with other tokens. So the
+    record must name itself, its key must be the key of its tokens, and its ranges must be sorted,
+    disjoint, within the tokens and cover exactly its ``num_rows`` (checked against the KV file itself
+    when it is opened, ``SessionStore._open_disk``)."""
+    if rec.session_id != name or not _SESSION_ID.fullmatch(rec.session_id):
+        return f"it names session {rec.session_id!r}"
+    if rec.dtype not in DTYPES or not isinstance(rec.fingerprint, str):
+        return f"unknown model fingerprint or dtype ({rec.dtype!r})"
+    if not isinstance(rec.tokens, list) or not all(type(t) is int and 0 <= t < 1 << 63 for t in rec.tokens):
+        return "its tokens are not token ids"
+    if rec.key != session_key(rec.fingerprint, DTYPES[rec.dtype], rec.session_id, rec.tokens):
+        return "its key is not the key of its tokens"
+    end = 0
+    for r in rec.ranges:
+        if len(r) != 2 or not all(type(i) is int for i in r) or not end <= r[0] < r[1] <= len(rec.tokens):
+            return f"its ranges {rec.ranges} are not sorted ranges of its {len(rec.tokens)} tokens"
+        end = r[1]
+    if not rec.ranges or total(rec.ranges) != rec.num_rows:
+        return f"its ranges {rec.ranges} do not cover its {rec.num_rows} stored rows"
+    if type(rec.nbytes) is not int or rec.nbytes <= 0 or not isinstance(rec.created, (int, float)):
+        return f"its size {rec.nbytes!r} or creation time {rec.created!r} is not one"
+    return ""
+
+
+def _rows_mismatch(rec: SessionRecord, meta: EntryMeta) -> str:
+    """Why the KV read for ``rec`` does not belong to it ("" when it does)."""
+    if meta.num_tokens != rec.num_rows:
+        return f"has {meta.num_tokens} stored rows on disk where its record says {rec.num_rows}"
+    return ""
+
+
+@dataclass(eq=False)
+class TurnTicket:
+    """A session turn from its start (``SessionStore.begin``) to its save. The turn holds it; the
+    store only refers to it weakly, so a turn that is dropped unsaved (aborted) leaves nothing behind.
+    ``conversation`` is the turn's logical tokens before its answer: its save's tokens start with them."""
+
+    session_id: str
+    conversation: list[int]
+    deleted: bool = False  # the session was deleted while the turn ran: its save is dropped
 
 
 @dataclass(frozen=True)
@@ -125,7 +190,11 @@ class SessionStore:
         self._io = ThreadPoolExecutor(1, thread_name_prefix="ragfuse-session-io")
         self._saving: dict[str, Future[None]] = {}
         self._io_pending: dict[str, Future[None]] = {}
+        # turns begun and not saved yet, by when they began (``begin``)
+        self._turns: weakref.WeakValueDictionary[int, TurnTicket] = weakref.WeakValueDictionary()
+        self._turn_ids = itertools.count()
         self._load_records()
+        self._remove_orphans()
 
     # ---- records on disk -----------------------------------------------------------------------
 
@@ -134,14 +203,21 @@ class SessionStore:
         return self.root / "records" / f"{session_id}.json"
 
     def _load_records(self) -> None:
-        """Sessions saved by earlier processes: on disk, not in memory."""
+        """Sessions saved by earlier processes: on disk, not in memory. A damaged record is dropped
+        (its KV file goes with the orphans), and the session's next turn says why it recomputes."""
         if self.root is None or self.disk is None:
             return
         for path in sorted((self.root / "records").glob("*.json")):
             try:
                 rec = SessionRecord.from_json(path.read_text())
-            except (ValueError, TypeError, KeyError):
+                why = record_problem(rec, path.stem)
+            except (ValueError, TypeError, KeyError) as exc:
+                why = f"unreadable ({exc})"
+            if why:
+                log.warning("session record %s is damaged (%s): dropped, its next turn recomputes", path, why)
                 path.unlink(missing_ok=True)
+                if _SESSION_ID.fullmatch(path.stem):
+                    self._gone[path.stem] = "had a damaged record on disk"
                 continue
             if not self.disk.contains(rec.key):
                 path.unlink(missing_ok=True)
@@ -151,18 +227,73 @@ class SessionStore:
                 rec.session_id, rec.nbytes, rec.created, path.stat().st_mtime, on_disk=True
             )
 
+    def _remove_orphans(self) -> None:
+        """Delete session KV files that no record refers to and that are older than ``ORPHAN_GRACE_S``:
+        left by a process that died between writing a session's KV and its record, or whose disk
+        refused both the record and the KV's deletion. Nothing else would ever remove them."""
+        if self.disk is None:
+            return
+        live = {rec.key for rec in self._records.values()}
+        cutoff = time.time() - ORPHAN_GRACE_S  # file times are wall-clock times, whatever ``clock`` is
+        for key in self.disk.entry_keys():
+            path = self.disk.path_of(key)
+            if key in live or path is None:
+                continue
+            try:
+                old = path.stat().st_mtime < cutoff
+            except FileNotFoundError:  # deleted meanwhile by another process
+                continue
+            if old:
+                log.info("session KV file %s has no record: removed", path.name)
+                self.disk.delete(key)
+
+    # ---- turns ---------------------------------------------------------------------------------
+
+    def begin(self, session_id: str, conversation: list[int]) -> TurnTicket:
+        """Register a turn of ``session_id`` over ``conversation`` (its logical tokens before the
+        answer); the turn keeps the ticket until it is saved (``save`` finds it by those tokens)."""
+        ticket = TurnTicket(check_session_id(session_id), conversation)
+        with self._lock:
+            self._turns[next(self._turn_ids)] = ticket
+        return ticket
+
+    def _claim(self, session_id: str, tokens: list[int]) -> TurnTicket | None:
+        """The running turn that a save of ``tokens`` finishes (removed from the running ones): of the
+        session's turns whose conversation starts ``tokens``, the longest, the earliest begun among
+        equals (two turns over the same conversation save the same tokens but for the answer). None
+        for a save that no registered turn made (the store used on its own). Called under the lock."""
+        best: tuple[int, TurnTicket] | None = None
+        for n, t in list(self._turns.items()):
+            m = len(t.conversation)
+            if t.session_id != session_id or m > len(tokens) or (best is not None and m <= len(best[1].conversation)):
+                continue
+            if tokens[:m] == t.conversation:
+                best = (n, t)
+        if best is None:
+            return None
+        self._turns.pop(best[0], None)
+        return best[1]
+
     # ---- saving --------------------------------------------------------------------------------
 
     def save(self, session_id: str, tokens: list[int], ranges: Ranges, snapshot: Snapshot,
              queue: Sequence[str] = ()) -> Future[None]:
         """Save a turn's KV (``snapshot``, rows for ``ranges`` of the logical ``tokens``) in the
-        background; returns when the work is queued."""
+        background; returns when the work is queued. The save of a turn that began before its session
+        was deleted is dropped (the returned future is done): the deleted conversation stays deleted."""
         check_session_id(session_id)
+        with self._lock:
+            ticket = self._claim(session_id, tokens)
+        if ticket is not None and ticket.deleted:
+            log.info("session %s was deleted while a turn of it ran: that turn is not saved", session_id)
+            dropped: Future[None] = Future()
+            dropped.set_result(None)
+            return dropped
         created = self._records[session_id].created if session_id in self._records else self.clock()
 
         def work() -> None:
             layers = snapshot.wait()
-            key = kv_key(f"{self.fingerprint}\0session\0{session_id}", self.dtype, tokens)
+            key = session_key(self.fingerprint, self.dtype, session_id, tokens)
             meta = EntryMeta(key=key, num_layers=layers.shape[0], num_tokens=layers.shape[2],
                              num_kv_heads=layers.shape[3], head_dim=layers.shape[4], dtype=layers.dtype,
                              layer_checksums=tuple(layer_checksum(t) for t in layers))
@@ -218,13 +349,21 @@ class SessionStore:
         lookup and at close, and the session could never be used or replaced."""
         assert self.disk is not None and self.root is not None
         tmp = self._record_path(rec.session_id).with_suffix(".tmp")
+        kv_written = False
         try:
             self.disk.put(entry, keep_evicted=False)
+            kv_written = True
             tmp.write_text(rec.to_json())
             os.replace(tmp, self._record_path(rec.session_id))
         except (KVStoreError, OSError) as exc:
             tmp.unlink(missing_ok=True)
             log.warning("session %s could not be written to disk: %s", rec.session_id, exc)
+            if kv_written:  # no record refers to the KV file: nothing would ever delete it
+                try:
+                    self.disk.delete(entry.key)
+                except (OSError, sqlite3.Error) as del_exc:  # the next opening of the store removes it
+                    log.warning("session %s: its KV file without a record stays until restart: %s",
+                                rec.session_id, del_exc)
             with self._lock:
                 if self._records.get(rec.session_id) is not rec:
                     return  # superseded by a later turn, whose own write decides
@@ -248,6 +387,8 @@ class SessionStore:
             info = self.placement.sessions.get(rec.session_id)
             if entry is None:
                 self._forget(rec.session_id, "failed its checksum on disk")
+            elif why := _rows_mismatch(rec, entry.meta):
+                self._forget(rec.session_id, why)
             elif info is not None and info.in_cpu and self._records.get(rec.session_id) is rec:
                 self._memory[rec.session_id] = entry.to("cpu", pin=torch.cuda.is_available())
 
@@ -289,11 +430,16 @@ class SessionStore:
         return Lookup(rec, "disk", "", lambda n, rows: self._open_disk(rec, n, rows))
 
     def _open_disk(self, rec: SessionRecord, num_tokens: int, rows: list[int] | None) -> SessionSource:
+        """The session's KV file as a layer source; ``SessionCorruptError`` when it is missing, does not
+        read (truncated, damaged header) or holds other rows than its record says (the caller drops
+        the session and recomputes, ``begin_turn``)."""
         assert self.disk is not None
         reader = self.disk.open(rec.key)
         if reader is None:
-            self.drop(rec.session_id, "was not readable on disk")
             raise SessionCorruptError(rec.session_id, "was not readable on disk")
+        if why := _rows_mismatch(rec, reader.meta):
+            reader.close()
+            raise SessionCorruptError(rec.session_id, why)
         return disk_source(reader, num_tokens, rows, rec.session_id)
 
     def conversation(self, session_id: str) -> list[int]:
@@ -331,13 +477,16 @@ class SessionStore:
         return sorted(out, key=lambda s: s.last_access, reverse=True)
 
     def delete(self, session_id: str) -> bool:
-        """Drop a session's KV from every tier (its files too); False if there was none. A later
-        turn of the same id starts a new conversation (a turn still running when this is called
-        saves its KV as usual when it finishes)."""
+        """Drop a session's KV from every tier (its files too); False if there was none and no turn
+        of it runs. A turn of it still running (or waiting for its closing step) is not saved when it
+        finishes, and a later turn of the same id starts a new conversation."""
         self._settle_save(session_id)
         with self._lock:
+            running = [t for t in self._turns.values() if t.session_id == session_id and not t.deleted]
+            for t in running:
+                t.deleted = True
             if session_id not in self._records:
-                return False
+                return bool(running)
             self._forget(session_id, "was deleted")
             self._gone.pop(session_id)  # deleted on purpose: nothing to explain to its next turn
         return True

@@ -7,8 +7,8 @@ from typing import Any
 
 from ..fusion import FusionStats, Segment
 from .history import TurnPlan, plan_turn
-from .source import SessionSource
-from .store import SessionStore
+from .source import SessionCorruptError, SessionSource
+from .store import SessionStore, TurnTicket
 
 
 @dataclass
@@ -19,6 +19,7 @@ class SessionTurn:
     tier: str | None  # where the reused KV came from ("cpu", "disk"), None: recomputed
     new_tokens: int
     keep_first: int
+    ticket: TurnTicket  # the store's hold on the running turn (a deletion meanwhile drops its save)
     notes: list[str] = field(default_factory=list)
     fusion: FusionStats | None = None
 
@@ -61,8 +62,8 @@ def begin_turn(
     store: SessionStore, session_id: str, conversation: list[int], max_len: int, reserve: int, new_tokens: int,
     keep_first: int, use_stored: bool = True,
 ) -> SessionTurn:
-    """Look the session up and plan the turn; a session that cannot be used is recomputed, with a
-    note saying why."""
+    """Look the session up and plan the turn; a session that cannot be used (lost, or its file on
+    disk unreadable: truncated, damaged header) is dropped and recomputed, with a note saying why."""
     notes: list[str] = []
     look = store.lookup(session_id) if use_stored else None
     rec = look.record if look is not None else None
@@ -72,9 +73,14 @@ def begin_turn(
                      new_tokens, keep_first)
     source = None
     if look is not None and look.open_source is not None and plan.reused:
-        source = look.open_source(plan.reused, plan.rows)
+        try:
+            source = look.open_source(plan.reused, plan.rows)
+        except SessionCorruptError as exc:
+            store.drop(session_id, exc.why)
+            notes.append(f"{exc}: history recomputed")
+            plan = plan_turn(conversation, None, None, max_len, reserve, new_tokens, keep_first)
     if plan.rows is not None:
         how = "stored KV cut directly (positions re-applied)" if source is not None else "tokens cut, recomputed"
         notes.append(f"context overflow: {plan.truncated} oldest tokens cut ({how})")
     return SessionTurn(session_id, plan, source, look.tier if source is not None and look else None,
-                       new_tokens, keep_first, notes)
+                       new_tokens, keep_first, store.begin(session_id, conversation), notes)
