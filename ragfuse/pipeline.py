@@ -424,6 +424,9 @@ class RagPipeline:
         if self.engine.sessions is None:
             raise RagfuseError("sessions are not enabled on this engine")
         prompt = [t for seg in prep.segments for t in seg.token_ids]
+        # the previous turn, finished but not yet through its closing step, is saved first: its history
+        # read without it would be matched against the saved turn, and the prompt fed twice
+        self.engine.settle_session(session_id)
         turn = self.engine.begin_session_turn(
             session_id, self.engine.sessions.conversation(session_id) + prompt, params.max_tokens,
             new_tokens=len(prompt), keep_first=len(self.builder.prefix),
