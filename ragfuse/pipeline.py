@@ -32,6 +32,7 @@ from ragfuse.engine.fusion import FusionMode, FusionStats, Segment, SelectionPol
 from ragfuse.engine.kvstore import (
     CorruptEntryError,
     EntrySource,
+    KVShape,
     KVStoreError,
     LayerwiseSource,
     StoredKV,
@@ -142,6 +143,8 @@ class RagPipeline:
         self.chunk_kv = (ChunkKV.for_context(engine, store.config.chunk_kv_context, self.builder)
                          if store is not None else None)
         self.relay = relay
+        mc = engine.model_config  # what stored KV must hold to be this model's: other shapes are damage
+        self.kv_shape = KVShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, engine.dtype)
         # callers on several threads (a framework's batch) and open streams share the engine through it
         self.router = StepRouter.of(engine)
 
@@ -241,9 +244,7 @@ class RagPipeline:
             toks = list(chunk.token_ids)
             return Segment(toks, self._chunk_source(toks, notes) if use_kv else None, f"chunk {chunk.id}")
         toks = self.builder.passage_tokens(passage.text)
-        src = open_source(self.store.kv, self.chunk_kv.key(toks)) if use_kv else None  # type: ignore[union-attr]
-        if src is not None and src.num_tokens != len(toks):
-            src = None
+        src = self._lookup(self.chunk_kv.key(toks), len(toks), notes) if use_kv else None  # type: ignore[union-attr]
         return Segment(toks, src, "stored passage" if src is not None else "passage")
 
     def _check(self, mode: str, ratio: float | None) -> None:
@@ -282,13 +283,8 @@ class RagPipeline:
     ) -> EntrySource | LayerwiseSource:
         """The stored KV under ``key``, else the KV of ``token_ids`` after ``context``, computed and stored."""
         assert self.store is not None
-        try:
-            src = open_source(self.store.kv, key)
-        except KVStoreError as exc:  # a failing tier (I/O error, Redis gone): recompute, still answer
-            log.warning("KV entry %s could not be looked up: %s", key, exc)
-            notes.append(f"KV entry {key[:12]} could not be read ({exc}): recomputed")
-            src = None
-        if src is not None and src.num_tokens == len(token_ids):
+        src = self._lookup(key, len(token_ids), notes)
+        if src is not None:
             return src
         (k, v), = self.engine.compute_kv([token_ids], context)
         entry = StoredKV.from_kv(key, k, v)
@@ -299,6 +295,19 @@ class RagPipeline:
             log.warning("KV entry %s was computed but not stored: %s", key, exc)
             notes.append(f"KV of {len(token_ids)} tokens was not stored: computed, but storing it failed ({exc})")
         return EntrySource(entry, "computed")
+
+    def _lookup(self, key: str, num_tokens: int, notes: list[str]) -> EntrySource | LayerwiseSource | None:
+        """The stored KV under ``key``, if it is this model's KV of ``num_tokens`` tokens; else None,
+        and an entry of another shape (damaged) is dropped, so what the caller computes instead can
+        be stored. A tier that fails (an I/O error, Redis gone) is a miss with a note: the answer
+        still comes."""
+        assert self.store is not None
+        try:
+            return open_source(self.store.kv, key, self.kv_shape, num_tokens)
+        except KVStoreError as exc:
+            log.warning("KV entry %s could not be looked up: %s", key, exc)
+            notes.append(f"KV entry {key[:12]} could not be read ({exc}): recomputed")
+            return None
 
     def _ratio(self, mode: str, ratio: float | None, sources: list) -> tuple[float, dict[str, Any] | None]:
         if mode != FusionMode.FUSE.value:

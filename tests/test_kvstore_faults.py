@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -13,9 +14,19 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from ragfuse.engine.kvstore import DiskFullError, DiskTier, TieredKVStore
-from tests.kvstore_helpers import make_entry, same
+from ragfuse.engine.kvstore import (
+    CorruptEntryError,
+    DiskFullError,
+    DiskTier,
+    EntryMeta,
+    KVShape,
+    MemoryTier,
+    TieredKVStore,
+    open_source,
+)
+from tests.kvstore_helpers import DIM, HEADS, LAYERS, make_entry, same
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,3 +167,87 @@ def test_free_space_check_refuses_before_writing(tmp_path):
     with pytest.raises(DiskFullError, match="no room on disk"):
         disk.put(make_entry(3))
     assert disk.entry_keys() == [] and not list(tmp_path.glob("data/*/*"))
+
+
+def _flip_header_digit(path: Path, field: str, mask: int) -> None:
+    """Flip bits ``mask`` of the last digit of ``field`` in an entry file's header (its JSON metadata)."""
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    i = raw.index(f'{field}\\": '.encode(), 8, 8 + n) + len(f'{field}\\": ')
+    while chr(raw[i + 1]).isdigit():
+        i += 1
+    raw[i] ^= mask
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize(("field", "mask"), [("num_layers", 0x06), ("num_tokens", 1), ("num_kv_heads", 1),
+                                             ("head_dim", 1)])
+def test_a_damaged_shape_field_in_the_header_is_corrupt_not_served(tmp_path, field, mask):
+    """A shape field damaged (4 layers read as 2, one token or head more): the entry's checksum
+    covers its whole metadata, so the entry is dropped as corrupt, by the whole-entry read and by
+    the fusor's layer-by-layer source alike (the checksum covered only the layers': a short entry
+    was served, or a layer read IndexError'd)."""
+    disk = DiskTier(tmp_path, 1 << 30)
+    store = TieredKVStore([disk])
+    a, b = make_entry(1), make_entry(2)
+    for e in (a, b):
+        disk.put(e)
+        _flip_header_digit(disk.path_of(e.key), field, mask)
+    assert disk.get(a.key) is None
+    assert open_source(store, b.key) is None
+    assert disk.stats().corrupt == 2 and disk.entry_keys() == []
+    assert not list(tmp_path.glob("data/*/*.safetensors"))
+
+
+def test_metadata_needs_one_checksum_per_layer():
+    meta = make_entry(1).meta.to_json()
+    with pytest.raises(CorruptEntryError, match="4 layers but 3 layer checksums"):
+        EntryMeta.from_json({**meta, "layer_checksums": meta["layer_checksums"][:3]})
+    with pytest.raises(CorruptEntryError, match="fails its checksum"):
+        EntryMeta.from_json({**meta, "num_tokens": 31})
+
+
+def test_an_entry_of_another_shape_than_the_model_is_dropped_by_its_reader(tmp_path):
+    """An intact entry whose metadata is not the reading model's KV of the text's tokens (what a
+    key collision or a writer's bug would leave) is dropped from every tier that holds it, counted
+    corrupt, and the lookup is a miss, so the caller's recomputed KV can take its place."""
+    cpu, disk = MemoryTier("cpu", "cpu", 1 << 20), DiskTier(tmp_path, 1 << 30)
+    store = TieredKVStore([cpu, disk])
+    e = make_entry(1, tokens=32)
+    store.put(e)
+    shape = KVShape(LAYERS, HEADS, DIM, torch.float32)
+    assert open_source(store, e.key, shape, 32) is not None
+    assert open_source(store, e.key, shape, 33) is None
+    assert (cpu.stats().corrupt, disk.stats().corrupt) == (1, 1) and store.locate(e.key) is None
+    store.put(e)
+    assert open_source(store, e.key, KVShape(LAYERS + 1, HEADS, DIM, torch.float32)) is None
+    assert store.locate(e.key) is None
+    store.put(e)
+    assert disk.contains(e.key)
+
+
+def test_an_entry_file_removed_behind_the_manifest_is_stored_again(tmp_path):
+    """A listed entry whose file went (a cleaner, a user): the miss unlists it, so the recomputed KV
+    is stored again and served after, and the ghost stops counting toward the capacity (the row
+    stayed: every later lookup recomputed, and the put found the key listed and stored nothing)."""
+    disk = DiskTier(tmp_path, 1 << 30)
+    store = TieredKVStore([disk])
+    calls = []
+
+    def compute(token_lists):
+        calls.append(len(token_lists))
+        e = make_entry(7)
+        return [e.kv() for _ in token_lists]
+
+    (first,) = store.get_or_compute("m", torch.float32, [[1, 2, 3]], compute)
+    disk.path_of(first.key).unlink()
+    for _ in range(3):
+        (again,) = store.get_or_compute("m", torch.float32, [[1, 2, 3]], compute)
+        assert same(again, first)
+    assert calls == [1, 1] and disk.path_of(first.key).exists()
+    assert disk.stats().bytes == disk.path_of(first.key).stat().st_size
+    # a put finding the ghost row (no read went first) replaces it too
+    other = make_entry(8)
+    disk.put(other)
+    disk.path_of(other.key).unlink()
+    assert disk.put(other) == [] and same(disk.get(other.key), other)

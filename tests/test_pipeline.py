@@ -198,6 +198,82 @@ def test_chunk_kv_is_found_as_ingest_stored_it_and_a_missing_entry_computed_the_
     assert torch.allclose(entry.kv()[0], k, atol=1e-5) and torch.allclose(entry.kv()[1], v, atol=1e-5)
 
 
+def test_stored_kv_of_another_length_is_dropped_and_replaced(pipeline):
+    """An intact entry under a chunk's key that does not hold the chunk's tokens (here one short) is
+    dropped from every tier as corrupt and replaced by the recomputed KV, which the next question
+    loads (it was recomputed but left in place: the put found the key stored, every ask recomputed)."""
+    from ragfuse.engine import SamplingParams
+    from ragfuse.engine.kvstore import StoredKV
+
+    params = SamplingParams(max_tokens=8)
+    first = pipeline.ask(QUESTION, mode="reuse", top_k=1, params=params)
+    key = _first_chunk_key(pipeline, first)
+    good = pipeline.store.kv.get(key)
+    for tier in pipeline.store.kv.tiers:
+        tier.delete(key)
+    k, v = good.kv()
+    pipeline.store.kv.put(StoredKV.from_kv(key, k[:, :-1], v[:, :-1]))
+    disk = next(t for t in pipeline.store.kv.tiers if isinstance(t, DiskTier))
+    corrupt = disk.stats().corrupt
+    again = pipeline.ask(QUESTION, mode="reuse", top_k=1, params=params)
+    assert again.token_ids == first.token_ids
+    assert disk.stats().corrupt == corrupt + 1
+    assert pipeline.store.kv.get(key).meta.num_tokens == good.meta.num_tokens
+    third = pipeline.ask(QUESTION, mode="reuse", top_k=1, params=params)
+    assert not any("not stored" in n for n in third.notes) and third.token_ids == first.token_ids
+
+
+def test_kv_files_removed_behind_the_store_are_stored_again(pipeline):
+    """Chunk KV files removed while a pipeline runs (a cleaner, a user): the question recomputes
+    them and stores them again, so the next one loads them (the manifest kept listing the gone
+    files, and nothing recomputed ever reached the disk)."""
+    from ragfuse.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=8)
+    first = pipeline.ask(QUESTION, mode="reuse", top_k=2, params=params)
+    disk = next(t for t in pipeline.store.kv.tiers if isinstance(t, DiskTier))
+    keys = [pipeline.store.docs.chunks([h["id"]])[h["id"]].kv_key for h in first.sources]
+    for key in keys:
+        for tier in pipeline.store.kv.tiers:
+            if not tier.persistent:
+                tier.delete(key)
+        disk.path_of(key).unlink()
+    again = pipeline.ask(QUESTION, mode="reuse", top_k=2, params=params)
+    assert again.token_ids == first.token_ids
+    assert all(disk.path_of(key).exists() for key in keys)
+    for key in keys:
+        for tier in pipeline.store.kv.tiers:
+            if not tier.persistent:
+                tier.delete(key)
+    third = pipeline.ask(QUESTION, mode="reuse", top_k=2, params=params)
+    assert not any("not stored" in n for n in third.notes) and "disk" in third.tiers
+
+
+def test_given_passages_are_prefilled_with_a_note_when_redis_is_gone(store, engine):
+    """Answering over the caller's passages with the Redis tier gone: the KV lookup fails, the
+    passage is prefilled and the notes say why (the KVStoreError failed the request, though
+    retrieved chunks were recomputed in the same case)."""
+    from ragfuse.app import open_pipeline
+    from ragfuse.engine import SamplingParams
+    from ragfuse.passage import Passage
+    from ragfuse.pipeline import final
+    from tests.test_kvstore_redis import _start_redis
+
+    proc, url = _start_redis()
+    pipe = open_pipeline(str(store), engine=engine, gate=False, redis_url=url)
+    proc.terminate()
+    proc.wait(timeout=10)
+    text = "The Hollowpoint lighthouse was electrified in 1952 after years of oil lamps."
+    try:
+        result = final(pipe.stream_passages(QUESTION, [Passage(text=text)], mode="fuse", ratio=0.15,
+                                            params=SamplingParams(max_tokens=8)))
+    finally:
+        pipe.store.close()
+    assert result.answer.startswith("The Hollowpoint lighthouse was electrified")
+    assert result.sources[0]["stored"] is False
+    assert any("could not be read" in n and "Redis" in n for n in result.notes)
+
+
 def test_cli_ask_json_compares_fuse_with_full(store, tmp_path, monkeypatch, capsys):
     from ragfuse.cli import main  # the command's entry point in this process (test_cli runs the executable)
     from ragfuse.engine.checkpoint import cache_root

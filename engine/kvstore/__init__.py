@@ -6,7 +6,7 @@ the ``LoadingController`` how much to recompute given where the entry was found.
 
 from .controller import LoadingController, LoadingDecision, TierEstimate
 from .disk import DiskEntryReader, DiskFullError, DiskTier
-from .entry import CorruptEntryError, EntryMeta, KVStoreError, StoredKV, UnreadableEntryError, kv_key
+from .entry import CorruptEntryError, EntryMeta, KVShape, KVStoreError, StoredKV, UnreadableEntryError, kv_key
 from .memory import MemoryTier
 from .profile import DelayProfile, measure_prefill, measure_read_bandwidth, profile_path
 from .redis_tier import RedisTier
@@ -16,7 +16,7 @@ from .tier import Tier, TierStats
 
 __all__ = [
     "CorruptEntryError", "DelayProfile", "EntrySource", "LayerwiseSource", "open_source",
-    "DiskEntryReader", "DiskFullError", "DiskTier", "EntryMeta", "KVStoreError",
+    "DiskEntryReader", "DiskFullError", "DiskTier", "EntryMeta", "KVShape", "KVStoreError",
     "LoadingController", "LoadingDecision", "MemoryTier", "RedisTier", "StoredKV", "Tier", "TierEstimate", "TierStats",
     "TieredKVStore", "UnreadableEntryError", "kv_key", "measure_prefill", "measure_read_bandwidth", "profile_path",
 ]

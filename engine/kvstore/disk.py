@@ -264,8 +264,9 @@ class DiskTier(Tier):
             return None
         try:
             reader = DiskEntryReader(self.root / rows[0][0], rows[0][1])
-        except FileNotFoundError:  # evicted by another process between the lookup and the open
+        except FileNotFoundError:  # evicted by another process since the lookup, or removed behind our back
             self._stats.misses += 1
+            self._listed(key)
             return None
         except CorruptEntryError:
             self.drop(key)
@@ -315,16 +316,10 @@ class DiskTier(Tier):
             torch.cuda.current_stream(device).synchronize()
         return list(out.unbind(0))
 
-    def drop(self, key: str) -> None:
-        """Forget a corrupt entry: counted, removed, and reported to the caller as a miss."""
-        self._stats.corrupt += 1
-        self._stats.misses += 1
-        self.delete(key)
-
     # ---- writes ------------------------------------------------------------------------------
 
     def put(self, entry: StoredKV, keep_evicted: bool = True) -> list[StoredKV]:
-        if self.contains(entry.key):
+        if self._listed(entry.key):
             return []
         tensors = {layer_name(i): t.to("cpu").contiguous() for i, t in enumerate(entry.layers)}
         blob = safetensors_save(tensors, metadata={META_FIELD: json.dumps(entry.meta.to_json())})
@@ -348,7 +343,7 @@ class DiskTier(Tier):
             raise KVStoreError(f"cannot write a KV entry to {self.root}: {exc.strerror}") from exc
         evicted_keys: list[tuple[str, str]] = []
         with self._lock:
-            if self.contains(entry.key):  # another process stored it meanwhile
+            if self._listed(entry.key):  # another process stored it meanwhile
                 tmp.unlink(missing_ok=True)
                 return []
             used = self._sql("SELECT COALESCE(SUM(nbytes), 0) FROM entries")[0][0]
@@ -383,6 +378,21 @@ class DiskTier(Tier):
 
     def contains(self, key: str) -> bool:
         return bool(self._sql("SELECT 1 FROM entries WHERE key=?", (key,)))
+
+    def _listed(self, key: str) -> bool:
+        """Whether ``key`` is listed with its file in place. A row whose file is gone (removed
+        behind the manifest's back) is deleted, under the lock, where a put lists a file only once
+        it is in place: left, it would keep the entry from ever being stored again and count toward
+        the capacity."""
+        if not self.contains(key):
+            return False
+        with self._lock:
+            rows = self._sql("SELECT file FROM entries WHERE key=?", (key,))
+            if rows and not (self.root / rows[0][0]).exists():
+                self._sql("DELETE FROM entries WHERE key=?", (key,))
+                log.warning("KV entry %s was listed but its file %s is gone: unlisted", key, rows[0][0])
+                return False
+            return bool(rows)
 
     def delete(self, key: str) -> bool:
         with self._lock:

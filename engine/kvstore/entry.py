@@ -8,7 +8,9 @@ second rotation on every read for nothing.
 
 Layout: one tensor per layer, ``[2, tokens, kv_heads, head_dim]`` (K then V), so a reader can fetch
 layer ``i`` alone and overlap that with the compute of layer ``i - 1``. Every layer carries its own
-xxh3 checksum, and the entry's checksum is the hash of those, so a reader can verify layer by layer.
+xxh3 checksum, so a reader can verify layer by layer; the entry's checksum hashes all of its metadata
+(key, shape, dtype and the layers' checksums) and travels inside it, so a damaged shape field is
+caught before any layer is read instead of steering the reads (too few layers, wrong offsets).
 """
 
 from __future__ import annotations
@@ -80,10 +82,6 @@ def layer_checksum(layer: torch.Tensor) -> str:
     return xxhash.xxh3_64_hexdigest(tensor_bytes(layer))
 
 
-def entry_checksum(layer_checksums: Sequence[str]) -> str:
-    return xxhash.xxh3_64_hexdigest(",".join(layer_checksums).encode())
-
-
 @dataclass(frozen=True)
 class EntryMeta:
     """What a tier needs to know about an entry without reading its tensors."""
@@ -98,7 +96,11 @@ class EntryMeta:
 
     @property
     def checksum(self) -> str:
-        return entry_checksum(self.layer_checksums)
+        """The hash of every field: one damaged digit of a shape field fails it, as a damaged layer
+        fails its own checksum."""
+        fields = (self.key, self.num_layers, self.num_tokens, self.num_kv_heads, self.head_dim,
+                  dtype_name(self.dtype), *self.layer_checksums)
+        return xxhash.xxh3_64_hexdigest("\0".join(map(str, fields)).encode())
 
     @property
     def layer_shape(self) -> tuple[int, int, int, int]:
@@ -117,19 +119,29 @@ class EntryMeta:
         return {
             "key": self.key, "num_layers": self.num_layers, "num_tokens": self.num_tokens,
             "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "dtype": dtype_name(self.dtype),
-            "layer_checksums": list(self.layer_checksums),
+            "layer_checksums": list(self.layer_checksums), "checksum": self.checksum,
         }
 
     @classmethod
     def from_json(cls, d: dict) -> EntryMeta:
+        """The metadata ``to_json`` wrote, verified: a field that does not read, a layer count that
+        is not the number of layer checksums, or a checksum that is not the fields' (damage, or an
+        entry written before the checksum covered the metadata) is ``CorruptEntryError``."""
         try:
-            return cls(
+            meta = cls(
                 key=d["key"], num_layers=int(d["num_layers"]), num_tokens=int(d["num_tokens"]),
                 num_kv_heads=int(d["num_kv_heads"]), head_dim=int(d["head_dim"]), dtype=DTYPES[d["dtype"]],
                 layer_checksums=tuple(d["layer_checksums"]),
             )
+            checksum = d["checksum"]
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptEntryError(f"entry metadata unreadable: {exc}") from exc
+        if len(meta.layer_checksums) != meta.num_layers:
+            raise CorruptEntryError(f"entry {meta.key}: {meta.num_layers} layers but "
+                                    f"{len(meta.layer_checksums)} layer checksums")
+        if checksum != meta.checksum:
+            raise CorruptEntryError(f"entry {meta.key}: metadata fails its checksum")
+        return meta
 
     def verify_layer(self, i: int, layer: torch.Tensor) -> None:
         """Raise ``CorruptEntryError`` unless ``layer`` (on CPU) matches layer ``i``'s checksum."""
@@ -139,6 +151,28 @@ class EntryMeta:
             )
         if layer_checksum(layer) != self.layer_checksums[i]:
             raise CorruptEntryError(f"entry {self.key}: layer {i} fails its checksum")
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What a reader's model holds per token: layers, KV heads, head size, dtype."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def mismatch(self, meta: EntryMeta, num_tokens: int | None = None) -> str | None:
+        """Why ``meta`` is not this model's KV of ``num_tokens`` tokens (None: it is). A key names
+        the model, dtype and tokens, so an entry under it of another shape is damaged, and reading
+        it would index past its layers or misplace its rows."""
+        want = (self.num_layers, self.num_kv_heads, self.head_dim, dtype_name(self.dtype))
+        got = (meta.num_layers, meta.num_kv_heads, meta.head_dim, dtype_name(meta.dtype))
+        if got != want:
+            return f"has layers, KV heads, head size, dtype {got}; the model's are {want}"
+        if num_tokens is not None and meta.num_tokens != num_tokens:
+            return f"holds {meta.num_tokens} tokens for a text of {num_tokens}"
+        return None
 
 
 class StoredKV:

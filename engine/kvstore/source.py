@@ -8,14 +8,17 @@ store's top tier, as a ``TieredKVStore.get`` hit would be.
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import torch
 
 from .disk import DiskEntryReader, DiskTier
-from .entry import CorruptEntryError, KVStoreError, StoredKV, UnreadableEntryError
+from .entry import CorruptEntryError, KVShape, KVStoreError, StoredKV, UnreadableEntryError
 from .redis_tier import RedisTier
 from .store import TieredKVStore
+
+log = logging.getLogger("ragfuse.kvstore")
 
 
 class EntrySource:
@@ -26,6 +29,7 @@ class EntrySource:
     def __init__(self, entry: StoredKV, tier: str) -> None:
         self.entry = entry
         self.tier = tier
+        self.meta = entry.meta
         self.num_tokens = entry.meta.num_tokens
 
     def load_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,26 +99,40 @@ class LayerwiseSource:
             self.store.put_top(StoredKV(self.meta, [t for t in self._layers if t is not None]))
 
     def drop(self) -> None:
-        """The entry failed a checksum: remove it from its tier."""
+        """The entry is corrupt: close its reader, remove it from its tier (counted there)."""
         if self._reader is not None:
             self._reader.close()
-        if isinstance(self._tier, DiskTier):
-            self._tier.drop(self.key)
-        else:
-            self._tier.delete(self.key)
+        self._tier.drop(self.key)
 
 
-def open_source(store: TieredKVStore, key: str) -> EntrySource | LayerwiseSource | None:
-    """A layer source for ``key`` from the fastest tier that holds it, or None on a miss."""
+def open_source(
+    store: TieredKVStore, key: str, shape: KVShape | None = None, num_tokens: int | None = None
+) -> EntrySource | LayerwiseSource | None:
+    """A layer source for ``key`` from the fastest tier that holds it, or None on a miss.
+
+    With ``shape`` (the reading model's) and ``num_tokens`` (its text's), an entry whose metadata
+    says otherwise is corrupt: it is dropped from its tier (counted, its reader closed) and the
+    next tier is tried, so the caller's recomputed KV can be stored in its place."""
     for tier in store.tiers:
         if not tier.contains(key):
             continue
+        src: EntrySource | LayerwiseSource
         if isinstance(tier, DiskTier | RedisTier):
             try:
-                return LayerwiseSource(store, tier, key)
-            except KeyError:  # gone (evicted, or corrupt and dropped) since ``contains``
+                src = LayerwiseSource(store, tier, key)
+            except (KeyError, CorruptEntryError):  # gone since ``contains`` (evicted), or corrupt and dropped
                 continue
-        entry = tier.get(key)
-        if entry is not None:
-            return EntrySource(entry, tier.name)
+        else:
+            entry = tier.get(key)
+            if entry is None:
+                continue
+            src = EntrySource(entry, tier.name)
+        why = shape.mismatch(src.meta, num_tokens) if shape is not None else None
+        if why is None:
+            return src
+        log.warning("KV entry %s in tier %s %s: dropped", key, tier.name, why)
+        if isinstance(src, LayerwiseSource):
+            src.drop()
+        else:
+            tier.drop(key)
     return None

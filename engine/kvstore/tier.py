@@ -37,6 +37,7 @@ class Tier(ABC):
     name: str
     persistent: bool
     capacity_bytes: int
+    _stats: TierStats
 
     @abstractmethod
     def get(self, key: str, device: torch.device | None = None) -> StoredKV | None:
@@ -56,6 +57,12 @@ class Tier(ABC):
 
     @abstractmethod
     def stats(self) -> TierStats: ...
+
+    def drop(self, key: str) -> None:
+        """Forget a corrupt entry: counted, removed, and reported to the caller as a miss."""
+        self._stats.corrupt += 1
+        self._stats.misses += 1
+        self.delete(key)
 
     def drop_cache(self, key: str) -> None:  # noqa: B027 - only tiers behind an OS page cache need it
         """Make the next read of ``key`` pay the tier's real cost (the disk tier drops page cache)."""
