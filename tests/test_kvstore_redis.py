@@ -15,6 +15,7 @@ import pytest
 
 from ragfuse.bench.serve_process import free_port
 from ragfuse.engine.kvstore import (
+    CorruptEntryError,
     DiskTier,
     KVStoreError,
     LayerwiseSource,
@@ -22,19 +23,22 @@ from ragfuse.engine.kvstore import (
     RedisTier,
     TieredKVStore,
     UnreadableEntryError,
+    open_source,
 )
 from tests.kvstore_helpers import make_entry, same
 
 
-def _start_redis() -> tuple[subprocess.Popen, str]:
-    """A private ``redis-server`` on a free loopback port, and its URL, once it accepts connections."""
+def _start_redis(*options: str) -> tuple[subprocess.Popen, str]:
+    """A private ``redis-server`` (with ``options``) on a free loopback port, and its URL, once it
+    accepts connections."""
     exe = shutil.which("redis-server")
     if exe is None:
         if os.environ.get("CI"):
             pytest.fail("redis-server is not installed (scripts/setup.sh installs it in CI)")
         pytest.skip("redis-server is not installed")
     port = free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             *options],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 10
     while time.time() < deadline:
@@ -193,6 +197,97 @@ def test_byte_counter_survives_two_processes_racing(redis_url, race):
             a.put(entries[i])
         with _after_command(a, n, lambda b=b: b_does(b, entries)) as fired:
             a_does(a, entries)
+        _assert_counts_match_held(a)
+        a.close()
+        b.close()
+        if not fired:
+            break
+
+
+@pytest.mark.parametrize("damage", ["byte", "layers"])
+def test_damaged_metadata_is_corrupt_dropped_and_a_miss(tier, damage):
+    """A flipped byte in an entry's metadata (not JSON any more) or a layer count that no longer
+    matches it: ``meta`` raises ``CorruptEntryError`` and drops the entry, the fusor's source
+    lookup is a miss (a JSONDecodeError escaped to the caller, ``ask`` crashed on it)."""
+    store = TieredKVStore([tier])
+    a, b = make_entry(1), make_entry(2)
+    for e in (a, b):
+        tier.put(e)
+        raw = bytearray(tier._r.hget(tier._hkey(e.key), "meta"))
+        if damage == "byte":
+            raw[0] ^= 0x01  # '{' -> 'z'
+        else:
+            raw = raw.replace(b'"num_layers": 4', b'"num_layers": 2')
+        tier._r.hset(tier._hkey(e.key), "meta", bytes(raw))
+    with pytest.raises(CorruptEntryError):
+        tier.meta(a.key)
+    assert open_source(store, b.key) is None
+    assert not tier.contains(a.key) and not tier.contains(b.key)
+    assert (tier.stats().corrupt, tier.stats().bytes, tier.stats().entries) == (2, 0, 0)
+
+
+@pytest.fixture(scope="module")
+def small_bulk_redis_url():
+    """A server taking values of at most 1 MiB (the least proto-max-bulk-len; the default is 512 MiB)."""
+    proc, url = _start_redis("--proto-max-bulk-len", "1mb")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_a_value_the_server_refuses_is_a_clear_error_before_anything_is_evicted(small_bulk_redis_url):
+    """An entry whose layers are over the server's proto-max-bulk-len: the put says so, and the
+    entries it would have evicted stay (it evicted them, then the upload failed with a broken pipe)."""
+    small = [make_entry(i, tokens=256) for i in range(2)]  # 32 KiB layers
+    big = make_entry(9, tokens=8192)  # 2 MiB layers
+    tier = RedisTier(small_bulk_redis_url, capacity_bytes=big.nbytes + small[0].nbytes, prefix="test:bulk")
+    for e in small:
+        tier.put(e)
+    with pytest.raises(KVStoreError, match="proto-max-bulk-len 1.0 MiB"):
+        tier.put(big)
+    assert all(tier.contains(e.key) for e in small) and not tier.contains(big.key)
+    assert tier.stats().evictions == 0 and tier.stats().bytes == 2 * small[0].nbytes
+
+
+def test_an_entry_a_lower_tier_refuses_goes_on_down_or_is_lost_loudly(small_bulk_redis_url, tmp_path, caplog):
+    """Demotion the tier below refuses: the caller's put, stored above, succeeds; the pushed-out entry
+    goes on to the next tier, and out of the last one it is lost with a warning (the caller's put
+    failed although its entry was on disk, and the pushed-out entries vanished silently)."""
+    olds = [make_entry(20 + i, tokens=8192) for i in range(2)]  # too large for this Redis
+    disk = DiskTier(tmp_path / "a", capacity_bytes=2 * olds[0].nbytes + 4096, reserve_bytes=0)
+    store = TieredKVStore([disk, RedisTier(small_bulk_redis_url, 1 << 30, prefix="test:demote")])
+    for e in olds:
+        store.put(e)
+    new = make_entry(30, tokens=8192)
+    with caplog.at_level("WARNING", logger="ragfuse.kvstore"):
+        store.put(new)
+    assert store.locate(new.key) == "disk" and store.locate(olds[0].key) is None
+    assert f"KV entry {olds[0].key}, pushed out of the tiers above, is lost: tier redis refused it" in caplog.text
+
+    # a full disk between memory and Redis: what memory pushes out skips it and lands in Redis
+    fits = [make_entry(40 + i) for i in range(2)]
+    full = DiskTier(tmp_path / "b", 1 << 30, reserve_bytes=1 << 62)
+    store = TieredKVStore([MemoryTier("cpu", "cpu", fits[0].nbytes), full,
+                           RedisTier(small_bulk_redis_url, 1 << 30, prefix="test:skip")])
+    for e in fits:
+        store.put_top(e)
+    assert store.locate(fits[0].key) == "redis" and same(store.get(fits[0].key), fits[0])
+    last = make_entry(50)
+    store.put(last)  # its write-through, refused by the disk, persists it in Redis
+    assert store.tier("redis").contains(last.key) and not full.contains(last.key)
+
+
+def test_two_writers_never_take_the_same_room(redis_url):
+    """Room check, eviction and creation are one script: B's put forced in after each of A's commands
+    in turn never leaves the tier over capacity (it did when B came between A's check and create)."""
+    entries = [make_entry(i) for i in range(3)]
+    for n in itertools.count(1):
+        prefix = f"test:room:{n}"
+        a, b = (RedisTier(redis_url, entries[0].nbytes, prefix=prefix) for _ in range(2))
+        a.put(entries[0])
+        with _after_command(a, n, lambda b=b: b.put(entries[2])) as fired:
+            a.put(entries[1])
+        assert a.stats().bytes <= a.capacity_bytes and a.stats().entries == 1
         _assert_counts_match_held(a)
         a.close()
         b.close()

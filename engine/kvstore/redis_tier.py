@@ -3,15 +3,21 @@
 Each entry is one Redis hash: field ``meta`` (the entry's JSON metadata, checksums included) and one
 field per layer, so a reader can fetch a single layer with HGET. A sorted set orders entries by last
 access (the LRU); a counter holds the bytes stored. Several processes share one server, so the counter
-moves only inside Lua scripts that Redis runs atomically: a put counts an entry's bytes only if it
-created the hash, a removal gives them back only if it deleted it. Two processes putting, deleting or
-evicting the same entry at once thus count it once, and the counter stays the sum of the entries held.
+moves only inside Lua scripts that Redis runs atomically: a put checks the room, evicts and creates the
+entry in one script (counting its bytes only if it created the hash), a removal gives them back only if
+it deleted it. Two processes putting, deleting or evicting at once thus count each entry once, the
+counter stays the sum of the entries held, and two puts cannot both take the last room.
+
+An evicted entry the tier below should get is renamed aside inside the put's script (O(1), the server
+is not held while it is copied), read back by the putting process, then deleted; one left aside by a
+process that died expires by itself.
 """
 
 from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -20,13 +26,33 @@ import torch
 from .entry import CorruptEntryError, EntryMeta, KVStoreError, StoredKV, tensor_bytes
 from .tier import Tier, TierStats
 
-# KEYS: entry hash, LRU, byte counter. ARGV: entry key, access time, nbytes, then field, value, ...
-_CREATE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+# KEYS: entry hash, LRU, byte counter. ARGV: entry key, access time, nbytes, capacity, entry hash prefix,
+# prefix evicted entries are renamed to ('': delete them), its expiry in seconds, then field, value, ...
+# Returns {created (0 or 1), evicted key, ...}.
+_PUT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return {0} end
+local size = tonumber(ARGV[3])
+local out = {1}
+while tonumber(redis.call('GET', KEYS[3]) or '0') + size > tonumber(ARGV[4]) do
+  local popped = redis.call('ZPOPMIN', KEYS[2])
+  if #popped == 0 then break end
+  local old = ARGV[5] .. popped[1]
+  local nbytes = redis.call('HGET', old, 'nbytes')
+  if nbytes then
+    redis.call('DECRBY', KEYS[3], nbytes)
+    if ARGV[6] == '' then
+      redis.call('DEL', old)
+    else
+      redis.call('RENAME', old, ARGV[6] .. popped[1])
+      redis.call('EXPIRE', ARGV[6] .. popped[1], ARGV[7])
+    end
+  end
+  out[#out + 1] = popped[1]
+end
+for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
 redis.call('INCRBY', KEYS[3], ARGV[3])
-return 1
+return out
 """
 
 # KEYS: entry hash, LRU, byte counter. ARGV: entry key.
@@ -37,6 +63,9 @@ if redis.call('DEL', KEYS[1]) == 0 then return 0 end
 if nbytes then redis.call('DECRBY', KEYS[3], nbytes) end
 return 1
 """
+
+ASIDE_TTL_S = 600  # an evicted entry set aside for demotion, should its reader die before deleting it
+DEFAULT_MAX_BULK = 512 << 20  # Redis's proto-max-bulk-len when the server will not say (CONFIG disabled)
 
 
 class RedisTier(Tier):
@@ -52,14 +81,16 @@ class RedisTier(Tier):
         self.capacity_bytes = int(capacity_bytes)
         self.prefix = prefix
         self._redis_errors = (redis.RedisError, OSError)
+        self._refused = redis.ResponseError
         self._r = redis.Redis.from_url(url, socket_timeout=30)
         try:
             self._r.ping()
         except self._redis_errors as exc:
             raise KVStoreError(f"Redis at {url} is not reachable: {exc}") from exc
-        self._create_script = self._r.register_script(_CREATE)
+        self._put_script = self._r.register_script(_PUT)
         self._remove_script = self._r.register_script(_REMOVE)
         self._stats = TierStats(capacity=self.capacity_bytes)
+        self._max_bulk: int | None = None  # the server's proto-max-bulk-len, asked on the first put
 
     @contextmanager
     def _talking(self) -> Iterator[None]:
@@ -81,12 +112,17 @@ class RedisTier(Tier):
         return f"{self.prefix}:bytes"
 
     def meta(self, key: str) -> EntryMeta | None:
-        """The entry's metadata (shape, checksums) without its layers; pair with ``read_layer``."""
+        """The entry's metadata (shape, checksums) without its layers; pair with ``read_layer``.
+        Metadata that does not read or verify is ``CorruptEntryError``, and the entry is dropped."""
         with self._talking():
             raw = self._r.hget(self._hkey(key), "meta")
         if raw is None:
             return None
-        return EntryMeta.from_json(json.loads(raw))
+        try:
+            return _parse_meta(key, raw)
+        except CorruptEntryError:
+            self.drop(key)
+            raise
 
     def read_layer(self, key: str, meta: EntryMeta, i: int) -> torch.Tensor:
         """Layer ``i`` of ``key`` on CPU, verified (the per-layer access the fusor uses)."""
@@ -103,44 +139,64 @@ class RedisTier(Tier):
             self._stats.misses += 1
             return None
         try:
-            meta = EntryMeta.from_json(json.loads(fields[b"meta"]))
-            layers = [_verified_layer(meta, i, fields.get(f"L{i:04d}".encode())) for i in range(meta.num_layers)]
-        except (CorruptEntryError, KeyError, ValueError):
-            self._stats.corrupt += 1
-            self._stats.misses += 1
-            self.delete(key)
+            entry = _parse_entry(key, fields)
+        except CorruptEntryError:
+            self.drop(key)
             return None
         self._stats.hits += 1
         with self._talking():
             self._r.zadd(self._lru, {key: time.time()}, xx=True)  # xx: never revive one removed meanwhile
-        entry = StoredKV(meta, layers)
         return entry if device is None or torch.device(device).type == "cpu" else entry.to(device)
 
     def put(self, entry: StoredKV, keep_evicted: bool = True) -> list[StoredKV]:
+        """Room check, eviction and creation run as one script (``_PUT``). An entry with a value the
+        server would refuse is a ``KVStoreError`` before anything is evicted."""
         size = entry.nbytes
         if size > self.capacity_bytes:
             return [entry]
+        meta = json.dumps(entry.meta.to_json())
         with self._talking():
-            if self._r.exists(self._hkey(entry.key)):  # saves the upload; _CREATE decides, atomically
+            biggest, limit = max(entry.meta.layer_nbytes, len(meta)), self._bulk_limit()
+            if biggest > limit:
+                raise KVStoreError(
+                    f"KV entry {entry.key} has a value of {biggest / 2**20:.1f} MiB, more than the Redis server "
+                    f"at {self.url} takes (proto-max-bulk-len {limit / 2**20:.1f} MiB): raise it there or keep "
+                    "such entries on disk"
+                )
+            if self._r.exists(self._hkey(entry.key)):  # saves the upload; _PUT decides, atomically
                 return []
-            evicted: list[StoredKV] = []
-            while int(self._r.get(self._bytes) or 0) + size > self.capacity_bytes:
-                popped = self._r.zpopmin(self._lru)
-                if not popped:
-                    break
-                old_key = popped[0][0].decode()
-                old = self.get(old_key) if keep_evicted else None
-                self._stats.hits -= old is not None  # reading for demotion is not a hit
-                self._remove(old_key)
-                self._stats.evictions += 1
-                if old is not None:
-                    evicted.append(old)
-            fields: list[str | bytes] = ["meta", json.dumps(entry.meta.to_json()), "nbytes", str(size)]
+            fields: list[str | bytes] = ["meta", meta, "nbytes", str(size)]
             for i, t in enumerate(entry.layers):
                 fields += [f"L{i:04d}", bytes(tensor_bytes(t.to("cpu")))]
-            self._create_script(keys=[self._hkey(entry.key), self._lru, self._bytes],
-                                args=[entry.key, time.time(), size, *fields])
+            aside = f"{self.prefix}:aside:{uuid.uuid4().hex}:" if keep_evicted else ""
+            _created, *gone = self._put_script(
+                keys=[self._hkey(entry.key), self._lru, self._bytes],
+                args=[entry.key, time.time(), size, self.capacity_bytes, self._hkey(""), aside, ASIDE_TTL_S, *fields],
+            )
+            self._stats.evictions += len(gone)
+            evicted = [e for k in gone if aside and (e := self._take_aside(aside, k.decode())) is not None]
         return evicted
+
+    def _bulk_limit(self) -> int:
+        """The largest value the server takes (``proto-max-bulk-len``), asked once: a larger one
+        fails the command mid-upload and drops the connection."""
+        if self._max_bulk is None:
+            try:
+                self._max_bulk = int(self._r.config_get("proto-max-bulk-len")["proto-max-bulk-len"])
+            except (self._refused, KeyError, ValueError):  # CONFIG renamed or disabled (managed servers)
+                self._max_bulk = DEFAULT_MAX_BULK
+        return self._max_bulk
+
+    def _take_aside(self, aside: str, key: str) -> StoredKV | None:
+        """An entry the put's script evicted and set aside: read, deleted, and returned for the tier
+        below (None where it does not verify, counted as corrupt)."""
+        with self._r.pipeline() as pipe:
+            fields, _ = pipe.hgetall(aside + key).delete(aside + key).execute()
+        try:
+            return _parse_entry(key, fields) if fields else None
+        except CorruptEntryError:
+            self._stats.corrupt += 1
+            return None
 
     def _remove(self, key: str) -> bool:
         """Delete the entry and give back its bytes, only if this call deleted it (two processes may race here)."""
@@ -162,6 +218,25 @@ class RedisTier(Tier):
 
     def close(self) -> None:
         self._r.close()
+
+
+def _parse_meta(key: str, raw: bytes) -> EntryMeta:
+    """An entry's ``meta`` field, verified (``EntryMeta.from_json``) and checked to be ``key``'s."""
+    try:
+        meta = EntryMeta.from_json(json.loads(raw))
+    except ValueError as exc:  # not JSON, or not UTF-8 (a flipped byte)
+        raise CorruptEntryError(f"entry {key}: metadata unreadable ({exc})") from exc
+    if meta.key != key:
+        raise CorruptEntryError(f"entry {key}: metadata names entry {meta.key}")
+    return meta
+
+
+def _parse_entry(key: str, fields: dict[bytes, bytes]) -> StoredKV:
+    """An entry from its hash's fields, every layer verified."""
+    if b"meta" not in fields:
+        raise CorruptEntryError(f"entry {key}: no metadata")
+    meta = _parse_meta(key, fields[b"meta"])
+    return StoredKV(meta, [_verified_layer(meta, i, fields.get(f"L{i:04d}".encode())) for i in range(meta.num_layers)])
 
 
 def _verified_layer(meta: EntryMeta, i: int, raw: bytes | None) -> torch.Tensor:

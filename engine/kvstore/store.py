@@ -4,19 +4,24 @@ Policy:
 - ``get`` looks in each tier from the top; a hit below the top is promoted to the top tier (memory
   tiers hand the entry over, persistent tiers keep their copy, since keeping it costs nothing and
   saves rewriting it when it is demoted again);
-- what a tier pushes out (LRU) goes to the next tier down; out of the last tier it is gone;
+- what a tier pushes out (LRU) goes to the next tier down; out of the last tier it is gone. An entry
+  a tier refuses (a full disk, a value Redis will not take) goes on down too; refused by the last
+  tier, a pushed-out entry is gone with a warning, and only the caller's own entry fails its ``put``;
 - ``put`` places new entries in the top tier and writes them through to the first persistent tier
   (if any), so a precomputed entry survives the process.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
 
-from .entry import StoredKV, kv_key
+from .entry import KVStoreError, StoredKV, kv_key
 from .tier import Tier, TierStats
+
+log = logging.getLogger("ragfuse.kvstore")
 
 
 class TieredKVStore:
@@ -60,14 +65,31 @@ class TieredKVStore:
         self._insert(0, entry)
 
     def _insert(self, level: int, entry: StoredKV) -> None:
-        """Put ``entry`` in tier ``level``; cascade what falls out down the tiers."""
+        """Put ``entry`` in tier ``level``; cascade what falls out down the tiers. An entry a tier
+        refuses goes on down as well; raises (once the rest is placed) when ``entry`` itself was
+        refused down to the last tier: the first refusal, where it was meant to go."""
         pending = [(level, entry)]
+        failed: KVStoreError | OSError | None = None
         while pending:
             lvl, e = pending.pop()
             last = lvl == len(self.tiers) - 1
-            for out in self.tiers[lvl].put(e, keep_evicted=not last):
+            try:
+                out = self.tiers[lvl].put(e, keep_evicted=not last)
+            except (KVStoreError, OSError) as exc:
+                if e is entry:
+                    failed = failed or exc
                 if not last:
-                    pending.append((lvl + 1, out))
+                    pending.append((lvl + 1, e))
+                elif e is not entry:
+                    log.warning("KV entry %s, pushed out of the tiers above, is lost: tier %s refused it (%s)",
+                                e.key, self.tiers[lvl].name, exc)
+                continue
+            if e is entry:
+                failed = None
+            if not last:
+                pending.extend((lvl + 1, x) for x in out)
+        if failed is not None:
+            raise failed
 
     def get_or_compute(
         self, fingerprint: str, dtype: torch.dtype, token_lists: Sequence[Sequence[int]],
