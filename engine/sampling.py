@@ -11,6 +11,11 @@ from .errors import RequestError
 # below this temperature sampling is greedy: dividing logits by a tinier one overflows to inf and the
 # softmax to NaN (found by fuzzing the server with temperature 3.7e-160)
 GREEDY_BELOW = 1e-5
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -25,8 +30,19 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        """Reject values of the wrong type or range here: past this point they would fail inside the
+        engine's step, which fails every request of the batch."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+            raise RequestError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(_is_int(t) for t in self.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        for name in ("max_tokens", "top_k"):
+            if not _is_int(getattr(self, name)):
+                raise RequestError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED):
+            raise RequestError(f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}")
         if self.max_tokens < 1:
             raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 100.0:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from ragfuse.engine.errors import RequestError
 from ragfuse.engine.sampling import SamplingParams, sample
 
 
@@ -20,3 +22,13 @@ def test_a_top_p_below_float32_range_keeps_the_most_likely_token():
     logits = torch.tensor([[1.0, 3.0, 2.0]])
     params = [SamplingParams(temperature=0.5, top_p=5e-324, seed=2)]
     assert sample(logits, params, [torch.Generator().manual_seed(2)]) == [1]
+
+
+@pytest.mark.parametrize("bad", [
+    {"seed": 2**64}, {"seed": -1}, {"seed": "1"}, {"stop_token_ids": 2}, {"stop_token_ids": ["2"]},
+    {"stop": 5}, {"stop": ["a", 3]}, {"top_k": 1.5}, {"top_k": "3"}, {"max_tokens": 2.0},
+])
+def test_values_of_the_wrong_type_or_range_are_a_request_error(bad):
+    with pytest.raises(RequestError):
+        SamplingParams(**bad)
+    SamplingParams(seed=2**64 - 1, stop_token_ids=[2], stop="x", top_k=3)  # the edges are fine
