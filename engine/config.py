@@ -209,6 +209,14 @@ class EngineConfig:
     overlap_decode: bool = True
 
     def __post_init__(self) -> None:
+        """Reject limits the engine cannot run with: max_num_seqs 0 schedules nothing (generate waits
+        forever), block_size 0 or a negative max_model_len fail deep inside with raw errors."""
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ModelError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ModelError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
 

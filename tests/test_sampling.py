@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragfuse.engine.errors import RequestError
+from ragfuse.engine.config import EngineConfig
+from ragfuse.engine.errors import ModelError, RequestError
 from ragfuse.engine.sampling import SamplingParams, sample
 
 
@@ -32,3 +33,10 @@ def test_values_of_the_wrong_type_or_range_are_a_request_error(bad):
     with pytest.raises(RequestError):
         SamplingParams(**bad)
     SamplingParams(seed=2**64 - 1, stop_token_ids=[2], stop="x", top_k=3)  # the edges are fine
+
+
+@pytest.mark.parametrize("bad", [{"max_num_seqs": 0}, {"block_size": 0}, {"max_model_len": -5},
+                                 {"max_num_batched_tokens": 0}, {"block_size": 1.5}])
+def test_engine_limits_the_engine_cannot_run_with_are_a_model_error(bad):
+    with pytest.raises(ModelError, match=next(iter(bad))):
+        EngineConfig(device="cpu", **bad)
