@@ -162,11 +162,11 @@ class LLMEngine:
         full blocks; a partial last block is recomputed into the request's own page)."""
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
-        offset, shared, head = 0, [], []
+        offset, shared, head, reserved = 0, [], [], 0
         if system is not None:
             sp = self.systems.get(system)
             if relay and self.supports_relay:
-                offset = sp.num_tokens
+                offset, reserved = sp.num_tokens, len(sp.block_table)
             else:
                 full = sp.num_tokens // self.blocks.block_size
                 shared = self.blocks.share(sp.block_table[:full])
@@ -180,7 +180,7 @@ class LLMEngine:
         seq = Sequence(rid, head + ids, params, block_table=shared, system=system, position_offset=offset,
                        num_computed_tokens=len(shared) * self.blocks.block_size)
         try:
-            self.scheduler.add(seq)
+            self.scheduler.add(seq, reserved)
         except RequestError:
             self.blocks.release(seq.block_table)
             raise
@@ -554,6 +554,7 @@ class LLMEngine:
             self._inflight.tokens()  # only stopped sequences' rows: wait for its copy, drop it
             self._inflight = None
         batch = self.scheduler.schedule()
+        outputs += [self._emit_starved(seq) for seq in self.scheduler.take_starved()]
         if batch is None:
             return outputs
         plan = None
@@ -625,6 +626,13 @@ class LLMEngine:
         if len(seq.output_token_ids) >= p.max_tokens:
             return "length"
         return None
+
+    def _emit_starved(self, seq: Sequence) -> RequestOutput:
+        """Report a request the scheduler finished because the cache can never hold it (``length``,
+        with the tokens it has). A session turn among them is not saved, as if aborted: its KV is
+        gone with its blocks, and the session keeps its previous turn."""
+        self._session_turns.pop(seq.request_id, None)
+        return self._emit(seq, [], seq.finish_reason)
 
     def _emit(self, seq: Sequence, new: list[int], reason: str | None) -> RequestOutput:
         detok = self._detok.get(seq.request_id)

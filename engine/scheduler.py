@@ -4,7 +4,9 @@ Each step is either a prefill step (prompts, in chunks of at most ``max_num_batc
 in all, so a long prompt does not need one huge activation) or a decode step (one token for every
 running sequence). New requests join as soon as blocks are free; finished ones leave at once. When
 the cache runs out during decode, the newest sequence is preempted: its blocks are freed and it
-goes back to the front of the queue, to be recomputed later.
+goes back to the front of the queue, to be recomputed later. A sequence that finds no room while
+nothing else runs (it outgrew the whole cache, or what registered system prompts leave of it) can
+never get any: it is finished with reason ``"length"`` instead (``starved``), else it would wait forever.
 
 With a prefix tree, a request about to start takes the cached blocks of its longest known prefix
 and prefills only the rest, and every block a step fills joins the tree as it is scheduled.
@@ -46,10 +48,17 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # finished for want of room that nothing running could ever free; the engine reports them
+        self.starved: list[Sequence] = []
 
-    def add(self, seq: Sequence) -> None:
-        if -(-seq.num_tokens // self.blocks.block_size) > self.blocks.num_blocks:
-            raise RequestError(f"prompt of {seq.num_tokens} tokens does not fit in the KV cache")
+    def add(self, seq: Sequence, reserved: int = 0) -> None:
+        """Queue ``seq``; refused if its prompt cannot fit in the cache beside the ``reserved`` blocks
+        that stay taken while it runs (the relay system prompt it follows)."""
+        need = -(-seq.num_tokens // self.blocks.block_size)
+        if need + reserved > self.blocks.num_blocks:
+            beside = f" beside its system prompt's {reserved} blocks" if reserved else ""
+            raise RequestError(f"prompt of {seq.num_tokens} tokens ({need} blocks) does not fit in the KV cache "
+                               f"of {self.blocks.num_blocks} blocks{beside}")
         self.waiting.append(seq)
 
     @property
@@ -57,12 +66,17 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
-        batch = self._schedule_prefill() or self._schedule_decode()
-        if batch is None and self.running:
-            # every running sequence is stuck mid-prefill without blocks: free the newest one
-            self._preempt(self.running[-1])
+        while True:
+            ran_alone = not self.running
             batch = self._schedule_prefill() or self._schedule_decode()
-        return batch
+            if batch is not None or not self.has_work:
+                return batch
+            if ran_alone:  # the next request cannot start in a cache that nothing running holds
+                self._starve(self.waiting[0])
+            elif len(self.running) == 1:  # stuck mid-prefill alone: nothing else would free blocks for it
+                self._starve(self.running[0])
+            elif self.running:  # every running sequence is stuck mid-prefill without blocks: free the newest
+                self._preempt(self.running[-1])
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         budget = self.max_num_batched_tokens
@@ -106,6 +120,9 @@ class Scheduler:
                 continue  # preempted to make room, or still in a chunked prefill
             while not self._room(seq, seq.num_tokens):
                 victim = self.running[-1]
+                if victim is seq and len(self.running) == 1:  # alone and still no room: it never will have
+                    self._starve(seq)
+                    break
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -151,8 +168,20 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def _starve(self, seq: Sequence) -> None:
+        """Finish a sequence the cache can never hold (its tokens so far are its output)."""
+        self.finish(seq, "length")
+        self.starved.append(seq)
+
+    def take_starved(self) -> list[Sequence]:
+        """The sequences finished by ``_starve`` since the last call, for the engine to report."""
+        starved, self.starved = self.starved, []
+        return starved
+
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Mark ``seq`` done and give its blocks back (also used to abort)."""
+        """Mark ``seq`` done and give its blocks back (also used to abort); a no-op once it is done."""
+        if seq.finished:
+            return
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
