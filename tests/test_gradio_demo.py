@@ -127,8 +127,10 @@ def browser():
         pytest.skip("no chromium: scripts/setup.sh installs Debian's package with apt-get")
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright comes with ragfuse[dev]")
 
+    # root in a container: no sandbox; a container's small /dev/shm can crash chromium's renderer, so it
+    # keeps shared memory in /tmp
     with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])  # root in a container
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage"])
         yield b
         b.close()
 
@@ -171,7 +173,8 @@ def demo_url(tmp_path_factory):
         log.close()
 
 
-def test_demo_page_in_chromium(browser, demo_url, tmp_path, capsys):
+def test_demo_page_in_chromium(demo_url, browser, tmp_path, capsys):
+    # (demo_url first: chromium starts once the demo answers, not minutes before on a slow machine)
     from playwright.sync_api import expect
 
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
