@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import queue
 import threading
@@ -60,7 +59,6 @@ class AsyncEngine:
         self._inbox: queue.Queue[_Submit | _Call | _Abort | None] = queue.Queue()
         self._listeners: dict[str, _Submit] = {}
         self._deferred: deque[_Submit] = deque()  # starts that found the cache full, oldest first
-        self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="ragfuse-engine", daemon=True)
         self._thread.start()
 
@@ -77,9 +75,8 @@ class AsyncEngine:
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs as tokens arrive; the last has ``finished``. Bad requests raise at once."""
-        params = params or SamplingParams()
-        rid = request_id or f"async-{next(self._ids)}"
-        return self.generate_with(lambda engine: engine.add_request(prompt, params, rid))
+        params = params or SamplingParams()  # (no id: the engine numbers it, past the ids in use)
+        return self.generate_with(lambda engine: engine.add_request(prompt, params, request_id))
 
     async def generate_with(self, start: Starter) -> AsyncIterator[RequestOutput]:
         """Like ``generate`` for a request that ``start`` adds (e.g. a fused RAG prefill): adding it and

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
+from .errors import RequestError
 from .llm_engine import LLMEngine, RequestOutput
 from .sampling import SamplingParams
 from .step_router import StepRouter
@@ -48,8 +49,10 @@ class LLM:
         prompt, through relay attention unless ``relay`` is False (then the prompt's blocks are shared).
         """
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        return self._collect(lambda: [self.engine.add_request(p, sp, system=system, relay=relay)
-                                      for p, sp in zip(prompts, plist)], progress)
+        if len(plist) != len(prompts):
+            raise RequestError(f"{len(plist)} sampling params for {len(prompts)} prompts: give one, or one each")
+        return self._collect(lambda: (self.engine.add_request(p, sp, system=system, relay=relay)
+                                      for p, sp in zip(prompts, plist)), progress)
 
     @property
     def router(self) -> StepRouter:
@@ -57,11 +60,18 @@ class LLM:
         ``LLM``, an open stream) share its steps."""
         return StepRouter.of(self.engine)
 
-    def _collect(self, add: Callable[[], list[str]], progress: bool = False) -> list[RequestOutput]:
-        """Add requests (``add`` returns their ids) and step until every one has finished; results in
-        their order."""
+    def _collect(self, add: Callable[[], Iterable[str]], progress: bool = False) -> list[RequestOutput]:
+        """Add requests (``add`` yields their ids) and step until every one has finished; results in
+        their order. All or none: a request refused (a bad prompt among good ones) aborts the ones
+        added before it, which would otherwise run on untracked, holding cache blocks."""
         with self.router.lock:
-            ids = add()
+            ids: list[str] = []
+            try:
+                ids.extend(add())
+            except BaseException:
+                for rid in ids:
+                    self.engine.abort(rid)
+                raise
             for rid in ids:
                 self.router.track(rid)
         with tqdm(total=len(ids), desc="generate", disable=not progress) as bar:

@@ -198,10 +198,11 @@ class LLMEngine:
             raise RequestError(f"prompt of {prompt_tokens} tokens exceeds the context of {self.max_model_len}")
         if prompt_tokens + params.max_tokens > self.max_model_len:
             params = SamplingParams(**{**params.__dict__, "max_tokens": self.max_model_len - prompt_tokens})
-        rid = request_id or f"req-{next(self._ids)}"
-        if rid in self._seqs:
-            raise RequestError(f"request id {rid!r} is already in use")
-        return params, rid
+        if not request_id:  # numbered past the ids callers chose themselves
+            request_id = next(rid for rid in (f"req-{n}" for n in self._ids) if rid not in self._seqs)
+        elif request_id in self._seqs:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        return params, request_id
 
     # ---- system prompts (relay attention) ------------------------------------------------------
 
@@ -216,6 +217,7 @@ class LLMEngine:
         ids = self.tokenize(prompt)
         known = self.systems.find(ids)
         if known is not None:
+            self.relay_prompts.hand_over(known)  # the application's now: the on-demand registry must not release it
             return known
         if len(ids) >= self.max_model_len:
             raise RequestError(f"system prompt of {len(ids)} tokens leaves no room in the context of "

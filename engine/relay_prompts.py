@@ -7,7 +7,9 @@ OpenAI-style chat carries its system message every time) cannot know when one is
 registry does the bookkeeping: the same prompt text is registered once and reused by every request
 that carries it; when ``max_prompts`` are registered, the least recently used prompt that no
 unfinished request follows is released to make room. When every registered prompt is in use the
-request is served without relay (``acquire`` returns None): same output, only slower.
+request is served without relay (``acquire`` returns None): same output, only slower. A prompt the
+application registered itself is used when the tokens match but never released here: only what
+this registry registered is its to release (and what the application registers is handed to it).
 """
 
 from __future__ import annotations
@@ -18,41 +20,51 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine
+    from .system_prompts import SystemPrompt
 
 
 class RelayPrompts:
     def __init__(self, engine: LLMEngine, max_prompts: int) -> None:
         self.engine = engine
         self.max_prompts = min(max_prompts, engine.systems.capacity)
-        # ids this registry handed out (least recent first), with their tokens
-        self._used: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        # prompts this registry registered itself, by id, least recently used first (the record, not
+        # the tokens: an id released behind its back and registered again is someone else's)
+        self._used: OrderedDict[int, SystemPrompt] = OrderedDict()
         self.releases = 0  # prompts released to make room
         self.reuses = 0  # requests that found their prompt registered already
 
     @property
     def registered(self) -> int:
         """Prompts this registry holds registered (read-only: a metrics thread may ask)."""
-        return sum(self.engine.systems.find(list(toks)) == sid for sid, toks in list(self._used.items()))
+        return sum(self.engine.systems.find(p.token_ids) == sid for sid, p in list(self._used.items()))
 
     def _prune(self) -> None:
         """Forget ids released behind this registry's back (``release_system`` called directly)."""
-        for sid, toks in list(self._used.items()):
-            if self.engine.systems.find(list(toks)) != sid:
+        systems = self.engine.systems
+        for sid, prompt in list(self._used.items()):
+            if systems.find(prompt.token_ids) != sid or systems.get(sid) is not prompt:
                 del self._used[sid]
+
+    def hand_over(self, system_id: int) -> None:
+        """The application registered these tokens itself (``register_system``): the prompt is its
+        own from now on, never released here."""
+        self._used.pop(system_id, None)
 
     def acquire(self, token_ids: list[int]) -> int | None:
         """The id of the registered prompt with these tokens (registering it if needed), or None
         when the bound is reached and every registered prompt has unfinished requests, or when the
         cache has no room for the prompt's blocks even with every idle prompt released."""
+        self._prune()
         known = self.engine.systems.find(token_ids)
         if known is not None:
             self.reuses += 1
-        else:
-            if not self._make_room() or not self.reclaim(self.engine.blocks.blocks_needed([], len(token_ids))):
-                return None
-            known = self.engine.register_system(token_ids)
-        self._used[known] = tuple(token_ids)
-        self._used.move_to_end(known)
+            if known in self._used:
+                self._used.move_to_end(known)
+            return known
+        if not self._make_room() or not self.reclaim(self.engine.blocks.blocks_needed([], len(token_ids))):
+            return None
+        known = self.engine.register_system(token_ids)
+        self._used[known] = self.engine.systems.get(known)
         return known
 
     def reclaim(self, blocks: int, keep: int | None = None) -> bool:

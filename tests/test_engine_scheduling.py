@@ -189,6 +189,40 @@ def test_bad_requests_are_refused_clearly(engine):
         SamplingParams(top_p=0)
 
 
+def test_generate_is_all_or_none_and_numbers_requests_past_the_callers_ids():
+    """A bad prompt among good ones refuses the whole call and leaves nothing running (the good ones,
+    already queued, would otherwise hold cache blocks untracked); ids the engine numbers skip the
+    ones callers chose (a caller's own "req-1" must not make later calls without ids fail)."""
+    eng = random_engine(kv_blocks=100)
+    llm = LLM.from_engine(eng)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    with pytest.raises(RequestError, match="empty"):
+        llm.generate([[4, 5, 6], [7, 8], []], params)
+    assert not eng.has_unfinished() and eng.blocks.num_free == eng.blocks.num_blocks
+    with pytest.raises(RequestError, match="2 sampling params for 3 prompts"):
+        llm.generate([[1], [2], [3]], [params, params])
+    mine = [eng.add_request([1, 2, 3], params, request_id=f"req-{i}") for i in range(3)]
+    outs = llm.generate([[4, 5], [6, 7]], SamplingParams(max_tokens=2))
+    assert len(outs) == 2 and not {o.request_id for o in outs} & set(mine)
+    for rid in mine:
+        eng.abort(rid)
+    for rid in ("req-9", "async-3"):  # ids like the ones the engine (or the async front end) numbers
+        eng.add_request([1, 2, 3], params, request_id=rid)
+    aeng = AsyncEngine(eng)
+
+    async def main():
+        finished = []
+        for _ in range(12):
+            outs = [o async for o in aeng.generate([4, 5], SamplingParams(max_tokens=2))]
+            finished.append(outs[-1].finished)
+        return finished
+
+    try:
+        assert all(asyncio.run(main()))
+    finally:
+        aeng.shutdown()
+
+
 def test_async_engine_serves_concurrent_callers_and_cancels():
     eng = random_engine(kv_blocks=300)
     aeng = AsyncEngine(eng)

@@ -248,6 +248,27 @@ def test_idle_on_demand_system_prompts_give_their_blocks_to_waiting_requests() -
     assert engine.relay_prompts.acquire(huge) is not None
 
 
+def test_on_demand_registry_never_releases_a_prompt_the_application_registered() -> None:
+    """An id from ``register_system`` is the application's until it releases it: a relay chat whose
+    system message has the same tokens reuses it, but the registry must not release it for room
+    (the id would then name another prompt, and the application's requests would silently continue
+    that one), nor a prompt it registered first that the application then registers too."""
+    engine = small_engine()
+    reg = engine.relay_prompts
+    app = [1 + j % 200 for j in range(30)]
+    sid = engine.register_system(app)
+    assert reg.acquire(app) == sid
+    shared = [201 + j % 50 for j in range(20)]
+    assert engine.register_system(shared) == reg.acquire(shared)  # the registry's first, then the app's too
+    for k in range(engine.systems.capacity):  # other chats' prompts arrive, more than fit
+        reg.acquire([100 + k] * 12)
+    assert reg.releases > 0 and reg.release_idle() > 0
+    assert engine.systems.find(app) == sid and engine.systems.get(sid).token_ids == app
+    assert engine.systems.find(shared) is not None
+    user = [40, 41, 42]
+    assert run_all(engine, [(user, sid, True)], 6) == run_all(small_engine(), [(app + user, None, True)], 6)
+
+
 RANDOM_SHAPE = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
     "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
