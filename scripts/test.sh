@@ -19,7 +19,7 @@ fi
 # Python-bound model and server setup, which one process leaves a core idle through; whole files go
 # to one worker so their module fixtures (models, engines) are built once
 main_rc=0
-OMP_NUM_THREADS=1 python -m pytest -q -ra --timeout=900 -n "${RAGFUSE_TEST_WORKERS:-2}" --dist loadfile "$@" \
+OMP_NUM_THREADS=1 python -m pytest -q -ra --durations=25 --timeout=900 -n "${RAGFUSE_TEST_WORKERS:-2}" --dist loadfile "$@" \
   || main_rc=$?
 echo "main suite done: ${SECONDS} s" >&2
 vllm_rc=0
