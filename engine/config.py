@@ -109,6 +109,9 @@ class ModelConfig:
         # o_proj), Qwen2 always has q/k/v biases and no other, Mistral none
         llama = arch == "LlamaForCausalLM"
         qkv_bias = bool(cfg.get("attention_bias", False)) if llama else arch == "Qwen2ForCausalLM"
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // max(heads, 1))  # heads < 1: refused just below
+        _check_heads(heads, kv_heads, head_dim, source)
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -116,10 +119,10 @@ class ModelConfig:
             intermediate_size=int(cfg["intermediate_size"]),
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=_rope_from_dict(cfg),
+            rope=rope_config(cfg),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
@@ -145,12 +148,30 @@ class ModelConfig:
         return cls.from_dict(cfg, source=str(file))
 
 
+def _check_heads(heads: int, kv_heads: int, head_dim: int, source: str) -> None:
+    """Refuse head layouts no Llama-family model has, which would otherwise run and give wrong
+    logits: query heads not split evenly over the KV heads (the attention's grouping would then pair
+    query heads with the wrong K/V; transformers refuses such a config too), or an odd head_dim,
+    which rotate-half RoPE cannot pair up."""
+    if heads < 1 or kv_heads < 1 or head_dim < 1:
+        raise ModelError(f"{source}: head counts and head_dim must be positive (heads {heads}, "
+                         f"num_key_value_heads {kv_heads}, head_dim {head_dim})")
+    if heads % kv_heads:
+        raise ModelError(f"{source}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads "
+                         f"({kv_heads})")
+    if head_dim % 2:
+        raise ModelError(f"{source}: head_dim {head_dim} is odd; rotary embeddings rotate pairs of dimensions")
+
+
 def _layer_windows(cfg: dict[str, Any], arch: str, layers: int, source: str) -> tuple[int | None, ...]:
     """Each layer's attention window as transformers builds the architecture: Mistral's
     ``sliding_window`` on every layer; Qwen2's only with ``use_sliding_window``, on the layers that
     ``layer_types`` marks "sliding_attention" (by default those from ``max_window_layers`` on); Llama
     has none."""
-    window = int(cfg["sliding_window"]) if cfg.get("sliding_window") else None
+    # MistralConfig's default window is 4096: a Mistral config.json without the key has one (an
+    # explicit null has none)
+    raw = cfg.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
+    window = int(raw) if raw else None
     if arch == "MistralForCausalLM":
         return (window,) * layers
     if arch != "Qwen2ForCausalLM" or window is None or not cfg.get("use_sliding_window", False):
@@ -167,21 +188,38 @@ def _layer_windows(cfg: dict[str, Any], arch: str, layers: int, source: str) -> 
     return tuple(window if t == "sliding_attention" else None for t in types)
 
 
-def _rope_from_dict(cfg: dict[str, Any]) -> RopeConfig:
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = dict(cfg.get("rope_scaling") or {})
-    params = {**scaling, **params}
+def rope_config(cfg: dict[str, Any]) -> RopeConfig:
+    """RoPE settings read as transformers reads them, so the engine rotates exactly as the reference.
+
+    A non-empty legacy ``rope_scaling`` *replaces* ``rope_parameters`` (it does not merge into it: a
+    config that transformers 5 saved with ``rope_parameters`` and that a user then gave a
+    ``rope_scaling`` runs scaled there), and its theta falls back to the top-level ``rope_theta``,
+    never to the replaced dict's. A scaling type missing a field transformers requires is refused
+    rather than run with a guessed value; llama3's ``original_max_position_embeddings`` defaults to
+    ``max_position_embeddings`` as there."""
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise ModelError(f"rope_scaling/rope_parameters must be a JSON object, got {params!r}")
+    nested = sorted(key for key, value in params.items() if isinstance(value, dict))
+    if nested:  # transformers 5's per-layer-type form: read flat, its theta and type would be lost
+        raise ModelError(f"per-layer-type RoPE parameters ({', '.join(nested)}) are not supported: give one "
+                         "rope_parameters object for every layer")
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind not in ("default", "llama3", "linear"):
         raise ModelError(f"unsupported rope scaling {kind!r} (default, linear and llama3 are supported)")
+    required = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+    missing = [key for key in required[kind] if params.get(key) is None]
+    if missing:
+        raise ModelError(f"rope scaling {kind!r} lacks {', '.join(missing)}: cannot rotate as the model was trained")
+    default_original = int(cfg.get("max_position_embeddings", 4096))
     return RopeConfig(
         theta=theta,
         scaling_type=kind,
         factor=float(params.get("factor", 1.0)),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position=int(params.get("original_max_position_embeddings") or default_original),
     )
 
 

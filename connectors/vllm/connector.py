@@ -41,6 +41,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
+from ragfuse.engine.config import rope_config
+from ragfuse.engine.errors import ModelError
 from ragfuse.engine.kvstore import CorruptEntryError, StoredKV, open_source
 from ragfuse.kernels.rope import apply_rope_ref, cos_sin_table, inv_frequencies
 
@@ -266,20 +268,19 @@ class RagfuseKVConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ worker side
 
     def _init_rope(self, vllm_config: VllmConfig) -> None:
+        """The model's RoPE read by the engine's own reader (one reading of rope_scaling /
+        rope_parameters for both), so stored K is moved with the frequencies vLLM rotated it with."""
         cfg = vllm_config.model_config.hf_config
-        rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
-        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", None))
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if theta is None or kind not in ("default", "linear", "llama3"):
-            raise ValueError(f"ragfuse connector: unsupported RoPE ({kind!r}, theta {theta}); stored K cannot be moved")
+        try:
+            rope = rope_config(cfg.to_dict())
+        except ModelError as e:
+            raise ValueError(f"ragfuse connector: {e}; stored K cannot be moved") from e
         if float(getattr(cfg, "partial_rotary_factor", 1.0)) != 1.0:
             raise ValueError("ragfuse connector: partial rotary embeddings are not supported")
         head_dim = vllm_config.model_config.get_head_size()
         inv = inv_frequencies(
-            head_dim, float(theta), scaling_type=kind, factor=float(rope.get("factor", 1.0)),
-            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
+            head_dim, rope.theta, rope.scaling_type, rope.factor, rope.low_freq_factor, rope.high_freq_factor,
+            rope.original_max_position,
         )
         self._cos, self._sin = cos_sin_table(inv, vllm_config.model_config.max_model_len + 1)
         self._num_kv_heads = vllm_config.model_config.get_num_kv_heads(vllm_config.parallel_config)

@@ -194,14 +194,19 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name} has no place in {type(self).__name__}")
             param = params[target]
-            if shard is None:
-                param.copy_(tensor)
-                filled.add(target)
-            else:
+            if shard is not None:
                 sizes = self.shard_sizes(target.split(".")[-2])
-                start = sum(sizes[:shard])
-                param.narrow(0, start, sizes[shard]).copy_(tensor)
-                filled.add(f"{target}#{shard}")
+                param = param.narrow(0, sum(sizes[:shard]), sizes[shard])
+            # exact shapes only: ``copy_`` would broadcast a smaller tensor silently, and a mismatch
+            # (a config whose head counts, head_dim or vocab disagree with the weights) would surface
+            # as a bare size error that names neither the tensor nor the config field
+            if tensor.shape != param.shape:
+                raise KeyError(
+                    f"checkpoint tensor {name} has shape {tuple(tensor.shape)} but the config makes it "
+                    f"{tuple(param.shape)}"
+                )
+            param.copy_(tensor)
+            filled.add(target if shard is None else f"{target}#{shard}")
         expected = set()
         for pname in params:
             module = pname.split(".")[-2]
