@@ -80,6 +80,9 @@ class LLMEngine:
         self.runner = ModelRunner(
             mc, self.checkpoint, self.device, self.dtype, self.max_model_len, self.config.attention_backend
         )
+        # EngineConfig.seed: the same engine seed and the same requests in the same order draw the same
+        # tokens for requests that give no seed (a request's own seed never depends on it)
+        self.runner.rng = torch.Generator(device=self.device).manual_seed(self.config.seed)
         num_blocks = KVCache.blocks_for_budget(mc, self.config.block_size, self.dtype, self._kv_budget())
         self.runner.allocate_cache(num_blocks, self.config.block_size)
         self.blocks = BlockManager(num_blocks, self.config.block_size)
@@ -105,6 +108,8 @@ class LLMEngine:
         self._load_stream: torch.cuda.Stream | None = None
         self._write_stream: torch.cuda.Stream | None = None  # a turn's history written into its pages
         self.eos_token_ids = set(mc.eos_token_ids)
+        if self.checkpoint is not None:
+            self.eos_token_ids |= _generation_eos_ids(self.checkpoint.path)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
 
@@ -385,7 +390,7 @@ class LLMEngine:
             self.blocks.release(seq.block_table)
             raise
         seq.num_computed_tokens = len(ids)
-        seq.output_token_ids.append(sample(logits[None], [params], [seq.generator])[0])
+        seq.output_token_ids.append(sample(logits[None], [params], [seq.generator], default=self.runner.rng)[0])
         seq.first_token_time = time.perf_counter()
         seq.status = Status.RUNNING
         self.scheduler.running.append(seq)
@@ -679,6 +684,25 @@ class LLMEngine:
                      "relay_system_tokens": seq.position_offset if seq.system is not None else 0,
                      **(turn.stats(len(seq.prompt_token_ids)) if turn is not None else {})},
         )
+
+
+def _generation_eos_ids(path: Any) -> set[int]:
+    """The end-of-sequence ids of the checkpoint's ``generation_config.json`` (none if it has none).
+
+    Chat models often list more ends there than ``config.json`` does: Llama 3 Instruct's config.json
+    names only ``<|end_of_text|>`` while a turn ends with ``<|eot_id|>``, which only
+    generation_config.json lists. transformers' ``generate`` stops at every id of that list; without
+    it an answer runs past its end of turn until ``max_tokens``."""
+    import json
+    from pathlib import Path
+
+    file = Path(path) / "generation_config.json"
+    try:
+        eos = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):  # missing, unreadable or not a JSON object: nothing to add
+        return set()
+    ids = eos if isinstance(eos, list) else [eos]
+    return {t for t in ids if isinstance(t, int) and not isinstance(t, bool) and t >= 0}
 
 
 def _load_tokenizer(path: Any) -> Any:

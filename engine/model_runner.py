@@ -68,6 +68,8 @@ class ModelRunner:
         # launch_decode's token buffers: device, pinned host, "copied" events; two of each
         self._token_bufs: tuple[torch.Tensor, torch.Tensor, list[torch.cuda.Event]] | None = None
         self.steps_ahead = 0  # decode steps launched before the previous one's tokens were read (tests, metrics)
+        # draws of sampled requests without a seed of their own (set by the engine from EngineConfig.seed)
+        self.rng: torch.Generator | None = None
 
     def allocate_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate the paged cache after the weights, so its size can use the memory left."""
@@ -148,7 +150,7 @@ class ModelRunner:
         if systems is not None:
             seqs = batch.seqs
             logits, greedy = self._host_step(seqs, systems)
-            return list(sample(logits, [s.params for s in seqs], [s.generator for s in seqs], greedy))
+            return list(sample(logits, [s.params for s in seqs], [s.generator for s in seqs], greedy, self.rng))
         ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -193,7 +195,8 @@ class ModelRunner:
             last = torch.tensor([sum(query_lens[: i + 1]) - 1 for i in wants], device=self.device)
             logits, greedy_rows = self.model.compute_logits(hidden.index_select(0, last)), None
         picked = sample(
-            logits, [batch.seqs[i].params for i in wants], [batch.seqs[i].generator for i in wants], greedy_rows
+            logits, [batch.seqs[i].params for i in wants], [batch.seqs[i].generator for i in wants], greedy_rows,
+            self.rng,
         )
         for i, tok in zip(wants, picked):
             tokens[i] = tok

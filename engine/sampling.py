@@ -59,17 +59,41 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
+def _scaled(row: torch.Tensor, temperature: float) -> torch.Tensor | None:
+    """``row / temperature`` as logits that a softmax turns into finite probabilities, or None where
+    no token can be drawn (every logit NaN or -inf).
+
+    A 16-bit output head overflows to +inf (fp16 saturates at 65504), and a finite logit divided by a
+    small temperature overflows float32 too; the softmax of a row holding +inf is NaN everywhere and
+    ``torch.multinomial`` then raises, failing every request of the step. So: a NaN logit is never
+    drawn; +inf logits are the limit where they take all the mass, shared evenly (as greedy decoding
+    picks one of them); and the row is shifted to a maximum of 0 before the division, which cannot
+    overflow then (what underflows to -inf had a probability below float32's range anyway)."""
+    row = torch.where(torch.isnan(row), float("-inf"), row)
+    top = row.max()
+    if top == float("inf"):
+        return torch.where(row == top, 0.0, float("-inf"))
+    if top == float("-inf"):
+        return None
+    return (row - top) / temperature
+
+
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-    greedy: torch.Tensor | None = None,
+    greedy: torch.Tensor | None = None, default: torch.Generator | None = None,
 ) -> list[int]:
     """One token per row of ``logits`` [num_seqs, vocab] (float32). ``greedy``: the rows' argmax when
-    the caller has it already (a decode graph computes it on the device, beside the logits)."""
+    the caller has it already (a decode graph computes it on the device, beside the logits).
+    ``default``: the generator of rows whose request gave no seed (the engine's, seeded from
+    ``EngineConfig.seed``), so that their draws do not hang on torch's process-wide generator, which
+    anything in the process may advance or reseed."""
     out = (logits.argmax(dim=-1) if greedy is None else greedy).tolist()
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        row = logits[i] / p.temperature
+        row = _scaled(logits[i], p.temperature)
+        if row is None:  # no token has a finite or +inf logit: the argmax is all there is
+            continue
         if p.top_k:
             kth = torch.topk(row, min(p.top_k, row.shape[-1])).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
@@ -81,6 +105,8 @@ def sample(
             drop[0] = False  # also when top_p is below float32's range (5e-324 compares as 0)
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-        gen = generators[i]
-        out[i] = int(torch.multinomial(probs.cpu() if gen is not None else probs, 1, generator=gen).item())
+        gen = generators[i] if generators[i] is not None else default
+        if gen is not None and gen.device != probs.device:
+            probs = probs.to(gen.device)
+        out[i] = int(torch.multinomial(probs, 1, generator=gen).item())
     return out
