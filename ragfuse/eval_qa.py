@@ -38,6 +38,9 @@ BASELINE_MODES = ("mapreduce", "maprerank")
 # what results.json keeps of each case's run of each mode: enough to inspect answers and re-slice the figures
 CASE_FIELDS = ("answer", "kl_first", "kl_tf", "ttft_s", "recompute_ratio")
 SWEEP = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+# a reuse kl_tf below this is float32 rounding, not a gap (an exact reuse measures ~1e-9 to 1e-8 on CPU; the
+# bf16 noise floor is ~1.5e-5, real reuse gaps ~0.1): gap_closed there would be a ratio of two noises
+NO_GAP_KL = 1e-6
 
 
 @dataclass
@@ -49,23 +52,90 @@ class Example:
 
 def load_dataset(path: str | Path, limit: int | None, max_passages: int | None) -> list[Example]:
     """CacheBlend's format: ``[{ctxs: [{title, text}], question, answers}]``; ``answers`` is a list
-    of strings or a list of lists of strings (aliases of one answer)."""
+    of strings or a list of lists of strings (aliases of one answer). JSON Lines (one example a line)
+    is read too. Every example used is checked here, before any model loads: a malformed one found
+    only when its turn comes would cost the run made so far."""
     try:
-        raw = json.loads(Path(path).read_text())
+        text = Path(path).read_text(encoding="utf-8")
     except (OSError, ValueError) as exc:
         raise RagfuseError(f"cannot read dataset {path}: {exc}") from exc
+    if not text.strip():
+        raise RagfuseError(f"dataset {path} is empty")
+    raw = _parse_examples(path, text)
     if not isinstance(raw, list) or not raw:
         raise RagfuseError(f"{path}: expected a non-empty JSON list of examples")
     out = []
     for i, ex in enumerate(raw[:limit] if limit else raw):
         try:
-            ctxs = ex["ctxs"][:max_passages] if max_passages else ex["ctxs"]
-            passages = [f"{c.get('title', '')}\n{c['text']}".strip() for c in ctxs]
-            answers = [a for group in ex["answers"] for a in (group if isinstance(group, list) else [group])]
-            out.append(Example(passages, str(ex["question"]), [str(a) for a in answers]))
-        except (KeyError, TypeError) as exc:
-            raise RagfuseError(f"{path}: example {i} lacks ctxs/question/answers ({exc})") from exc
+            out.append(_example(ex, max_passages))
+        except ValueError as exc:
+            raise RagfuseError(f"{path}: example {i}: {exc}") from exc
     return out
+
+
+def _parse_examples(path: str | Path, text: str) -> Any:
+    """The file's JSON value; for JSON Lines, the list of its lines' values (a one-line file parses as
+    a single object, which is taken as a list of one)."""
+    try:
+        raw = json.loads(text)
+    except ValueError as whole:
+        lines = [(n, ln) for n, ln in enumerate(text.splitlines(), 1) if ln.strip()]
+        try:
+            first_is_object = isinstance(json.loads(lines[0][1]), dict)
+        except ValueError:
+            first_is_object = False
+        if not first_is_object:
+            raise RagfuseError(f"cannot read dataset {path}: not JSON ({whole})") from whole
+        raw = []
+        for n, line in lines:
+            try:
+                raw.append(json.loads(line))
+            except ValueError as exc:
+                raise RagfuseError(f"cannot read dataset {path}: line {n} is not JSON ({exc})") from exc
+        return raw
+    return [raw] if isinstance(raw, dict) and "question" in raw else raw
+
+
+def _example(ex: Any, max_passages: int | None) -> Example:
+    """One dataset entry as an ``Example``; ValueError says what is wrong with it."""
+    if not isinstance(ex, dict):
+        raise ValueError(f"expected an object with ctxs/question/answers, got {type(ex).__name__}")
+    missing = [k for k in ("ctxs", "question", "answers") if k not in ex]
+    if missing:
+        raise ValueError(f"lacks {'/'.join(missing)} (each example needs ctxs/question/answers)")
+    ctxs = ex["ctxs"]
+    if not isinstance(ctxs, list) or not ctxs:
+        raise ValueError("ctxs must be a non-empty list of {title, text} passages")
+    passages = []
+    for j, c in enumerate(ctxs[:max_passages] if max_passages else ctxs):
+        if not isinstance(c, dict) or not isinstance(c.get("text"), str) \
+                or not isinstance(c.get("title") or "", str):
+            raise ValueError(f"ctxs[{j}] must be an object with a string text (and an optional string title)")
+        passages.append(f"{c.get('title') or ''}\n{c['text']}".strip())
+    question = ex["question"]
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("question must be a non-empty string")
+    answers = _answers(ex["answers"])
+    if not any(a.strip() for a in answers):
+        raise ValueError("answers holds no answer (F1 against the gold answers would be undefined)")
+    return Example(passages, question, answers)
+
+
+def _answers(value: Any) -> list[str]:
+    """Gold answers flattened: a string, or a list of answers each a string (a number is read as its
+    text) or a list of such aliases. A bare string is one answer, never its characters."""
+    def one(a: Any) -> str:
+        if isinstance(a, str):
+            return a
+        if isinstance(a, int | float) and not isinstance(a, bool):
+            return str(a)
+        raise ValueError(f"answers must be strings, numbers or lists of them, got {json.dumps(a)}")
+
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list):
+        raise ValueError(f"answers must be a list, got {type(value).__name__}")
+    return [one(a) for group in value for a in (group if isinstance(group, list) else [group])]
 
 
 def normalize(text: str) -> str:
@@ -169,13 +239,18 @@ def run_baseline(chains: Any, example: Example, mode: str) -> dict[str, Any]:
 
 
 def summarize(per_case: list[dict[str, Any]], reuse_kl: float | None) -> dict[str, float | None]:
+    """One mode's figures over its cases. ``gap_closed`` (the share of reuse's ``kl_tf`` this mode
+    removes) is None where it is undefined: no reuse row to measure the gap by, or a reuse already
+    exact (``kl_tf`` 0 up to rounding, below ``NO_GAP_KL``, as for a one-passage prompt whose passage
+    KV was stored after the prefix). It was NaN there (invalid JSON) or, with reuse's rounding noise
+    as the divisor, any number at all (-1.7 for a fuse as exact as reuse)."""
     n = len(per_case)
     f1_full = [token_f1(r["answer"], r["full_answer"]) for r in per_case]
     kl_tf = None if per_case[0]["kl_tf"] is None else sum(r["kl_tf"] for r in per_case) / n
     return {
         "kl_first": None if kl_tf is None else sum(r["kl_first"] for r in per_case) / n,
         "kl_tf": kl_tf,
-        "gap_closed": None if kl_tf is None else (1.0 - kl_tf / reuse_kl) if reuse_kl else float("nan"),
+        "gap_closed": None if kl_tf is None or reuse_kl is None or reuse_kl < NO_GAP_KL else 1.0 - kl_tf / reuse_kl,
         "agreement": sum(normalize(r["answer"]) == normalize(r["full_answer"]) for r in per_case) / n,
         "f1_full": sum(f1_full) / n,
         # per-case f1_full is nearly two-valued (same answer or a different one), so 20 cases leave its mean
@@ -186,6 +261,35 @@ def summarize(per_case: list[dict[str, Any]], reuse_kl: float | None) -> dict[st
         "recompute_ratio": sum(r["recompute_ratio"] for r in per_case) / n,
         "n": n,
     }
+
+
+def parse_modes(text: str, allowed: Iterable[str]) -> list[str]:
+    """Comma-separated mode names in their given order, each once (a repeated name would run the
+    mode twice and count each case twice in its row). RagfuseError names the unknown ones, so a
+    command line can be checked before a model loads."""
+    allowed = tuple(allowed)
+    modes = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    bad = [m for m in modes if m not in allowed]
+    if bad:
+        raise RagfuseError(f"unknown eval mode(s) {', '.join(bad)} (known: {', '.join(allowed)})")
+    return modes
+
+
+def check_examples(engine: LLMEngine, builder: RagPromptBuilder, examples: list[Example], max_tokens: int) -> None:
+    """Refuse, before the first case runs, examples the run would fail on part way: no gold answer
+    (F1 undefined) or a prompt that with its answer does not fit the model's context. RagfuseError
+    names them and says what to change."""
+    limit = engine.max_model_len
+    fixed = len(builder.prefix)
+    for i, ex in enumerate(examples):
+        if not ex.answers:
+            raise RagfuseError(f"example {i} has no gold answer")
+        n = fixed + sum(len(builder.passage_tokens(p)) for p in ex.passages)
+        n += len(builder.separator) * max(len(ex.passages) - 1, 0) + len(builder.tail(ex.question))
+        if n + max_tokens > limit:
+            raise RagfuseError(
+                f"example {i}: its prompt of {n} tokens and {max_tokens} answer tokens exceed the model's "
+                f"context of {limit} tokens (use fewer passages, --max-passages, or drop the example)")
 
 
 def evaluate(
@@ -202,9 +306,9 @@ def evaluate(
 ) -> dict[str, Any]:
     """Run every mode (and the ratio sweep) on every example; return per-mode summaries. Passages'
     KV is stored as a store with chunk KV context ``kv_context`` holds it (``chunk_kv.py``)."""
-    modes = list(modes)
-    sweep = list(sweep)
-    sweep_modes = list(sweep_modes) if sweep else []
+    modes = list(dict.fromkeys(modes))  # once each: a repeat would count every case twice in the row
+    sweep = list(dict.fromkeys(sweep))
+    sweep_modes = list(dict.fromkeys(sweep_modes)) if sweep else []
     known = (*FUSION_MODES, NOISE_MODE, *BASELINE_MODES)
     bad = [m for m in modes if m not in known]
     bad += [m for m in sweep_modes if m not in FUSION_MODES]
@@ -213,6 +317,7 @@ def evaluate(
     if not modes and not sweep_modes:
         raise RagfuseError(f"no eval mode given ({', '.join(known)})")
     builder = RagPromptBuilder(engine.tokenizer)
+    check_examples(engine, builder, examples, max_tokens)
     chains = baseline_chains(engine, max_tokens) if set(modes) & set(BASELINE_MODES) else None
     # (row key, eval mode, ratio): the main modes at ``ratio``, then the sweep's points
     jobs = [(m, m, ratio) for m in modes] + [(f"{m}@{r:g}", m, r) for m in sweep_modes for r in sweep]

@@ -18,10 +18,13 @@ from ragfuse.prompt import RagPromptBuilder
 
 def kl_rows(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """KL(ref || other) per row, natural log; never below 0 (a KL is not: where two rows agree to
-    rounding, the sum's rounding can dip below, and would read as better than exact)."""
+    rounding, the sum's rounding can dip below, and would read as better than exact). A token the
+    reference rules out (logit -inf: a masked or padded vocabulary entry) adds nothing, as 0 log 0 = 0
+    in the definition; computed as written it is 0 * (-inf - q) = NaN, which made the whole row NaN."""
     p = ref_logits.float().log_softmax(-1)
     q = logits.float().log_softmax(-1)
-    return (p.exp() * (p - q)).sum(-1).clamp_min(0.0)
+    terms = (p.exp() * (p - q)).masked_fill(p == float("-inf"), 0.0)
+    return terms.sum(-1).clamp_min(0.0)
 
 
 @dataclass

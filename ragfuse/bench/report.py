@@ -6,7 +6,10 @@ Every benchmark reports through here so their outputs look alike and carry the m
 from __future__ import annotations
 
 import json
+import math
+import os
 import platform
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +44,55 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def prepare_out_dir(out: str | Path) -> Path:
+    """Create the output folder and make sure files can be written in it, or RagfuseError says why.
+    Commands call this before their run: finding an --out that is a file or read-only only when the
+    results are ready would throw the run away."""
+    from ragfuse.engine.errors import RagfuseError
+
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-check-"):
+            pass
+    except FileExistsError as exc:
+        raise RagfuseError(f"--out {out}: a file is in the way ({exc.filename} is not a folder)") from exc
+    except OSError as exc:
+        raise RagfuseError(f"--out {out}: cannot write there ({exc.strerror or exc})") from exc
+    return out
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with NaN and infinite floats as None: JSON has no NaN, and ``json.dumps`` would write a
+    bare ``NaN`` that strict parsers (jq, JavaScript) reject."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def _atomic_write(path: Path, data: bytes | str, write: Callable[[Any], None] | None = None) -> None:
+    """Write ``path`` through a temporary file in its folder renamed over it: a reader, or a run cut
+    short (an error, Ctrl-C, a full disk), sees the previous file or the new one whole, never half."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if write is not None:
+                write(f)
+            else:
+                f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the results from the other users of the machine
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def write_report(
     out: str | Path,
     title: str,
@@ -51,22 +103,32 @@ def write_report(
 ) -> Path:
     """Write results.json, results.md (title, notes, table) and, with ``plot``, results.png.
 
-    ``plot`` receives a matplotlib Figure to draw on (the Agg backend: no display needed).
+    ``plot`` receives a matplotlib Figure to draw on (the Agg backend: no display needed). Each file
+    is replaced whole (``_atomic_write``); NaN figures are written as null (``json_safe``). A folder
+    that cannot be written is a RagfuseError, not a traceback.
     """
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({**results, "rows": rows}, indent=2, default=str))
-    md = f"# {title}\n\n{notes.strip()}\n\n{markdown_table(rows)}" if notes else f"# {title}\n\n{markdown_table(rows)}"
-    (out / "results.md").write_text(md)
-    if plot is not None:
-        import matplotlib
+    from ragfuse.engine.errors import RagfuseError
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    out = prepare_out_dir(out)
+    try:
+        _atomic_write(out / "results.json",
+                      json.dumps(json_safe({**results, "rows": rows}), indent=2, default=str, allow_nan=False))
+        head = f"# {title}\n\n{notes.strip()}\n\n" if notes else f"# {title}\n\n"
+        md = head + markdown_table(rows)
+        _atomic_write(out / "results.md", md)
+        if plot is not None:
+            import matplotlib
 
-        fig = plt.figure(figsize=(10, 4.5))
-        plot(fig)
-        fig.tight_layout()
-        fig.savefig(out / "results.png", dpi=110)
-        plt.close(fig)
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            fig = plt.figure(figsize=(10, 4.5))
+            try:
+                plot(fig)
+                fig.tight_layout()
+                _atomic_write(out / "results.png", b"", lambda f: fig.savefig(f, format="png", dpi=110))
+            finally:
+                plt.close(fig)
+    except OSError as exc:
+        raise RagfuseError(f"cannot write the results in {out}: {exc.strerror or exc}") from exc
     return out

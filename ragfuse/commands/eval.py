@@ -14,7 +14,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="quality evaluations")
     esub = p.add_subparsers(dest="eval", required=True, parser_class=type(p))
     q = esub.add_parser("qa", help="fusion modes vs full prefill on CacheBlend-format QA data")
-    q.add_argument("--dataset", required=True, help="JSON list of {ctxs, question, answers}")
+    q.add_argument("--dataset", required=True, help="JSON list (or JSON Lines) of {ctxs, question, answers}")
     q.add_argument("--limit", type=positive_int, default=None, help="first N examples")
     q.add_argument("--max-passages", type=positive_int, default=6, help="passages per example (default 6)")
     q.add_argument("--modes", default="full,prefix,reuse,fuse,fuse-paper",
@@ -58,8 +58,14 @@ POLICY_ARGS = ("metric", "check_layers", "first_factor", "sink_tokens", "attenti
                "stale_shift", "stale_shift_k")
 
 
-def policy_from_args(args: argparse.Namespace, ratio: float) -> Any:
-    """The shipped policy at ``ratio`` with the knobs given on the command line."""
+def policy_from_args(args: argparse.Namespace, ratio: float, num_layers: int | None = None) -> Any:
+    """The shipped policy at ``ratio`` with the knobs given on the command line. Knobs that the
+    selection would take without complaint yet turn into another ratio than asked are refused: a
+    negative ``--sink-tokens`` (a negative slice recomputes nearly everything), a ``--first-factor``
+    below 1 (the funnel would end below r), a negative or NaN ``--attention-weight``, and, given the
+    model's ``num_layers``, a check layer it does not have (the funnel never reaches its last
+    check, so 3r is recomputed instead of r)."""
+    import math
     from dataclasses import replace
 
     from ragfuse.engine import RagfuseError
@@ -69,7 +75,17 @@ def policy_from_args(args: argparse.Namespace, ratio: float) -> Any:
     try:
         if "check_layers" in given:
             given["check_layers"] = tuple(int(x) for x in given["check_layers"].split(",") if x.strip())
-        return replace(SelectionPolicy.default(), ratio=ratio, **given)
+        policy = replace(SelectionPolicy.default(), ratio=ratio, **given)
+        if policy.sink_tokens < 0:
+            raise ValueError(f"--sink-tokens must be at least 0, got {policy.sink_tokens}")
+        if not policy.first_factor >= 1.0 or math.isinf(policy.first_factor):
+            raise ValueError(f"--first-factor must be a finite number of at least 1, got {policy.first_factor}")
+        if not policy.attention_weight >= 0.0 or math.isinf(policy.attention_weight):
+            raise ValueError(f"--attention-weight must be a finite number of at least 0, got {policy.attention_weight}")
+        if num_layers is not None and max(policy.check_layers) >= num_layers:
+            raise ValueError(f"check layers must be below the model's {num_layers} layers, got "
+                             f"{','.join(map(str, policy.check_layers))}")
+        return policy
     except ValueError as exc:
         raise RagfuseError(f"bad selection policy: {exc}") from exc
 
@@ -79,14 +95,22 @@ def run_qa(args: argparse.Namespace) -> int:
 
     from tqdm.auto import tqdm
 
-    from ragfuse.engine import EngineConfig, LLMEngine
-    from ragfuse.eval_qa import SWEEP, evaluate, load_dataset
+    from ragfuse.bench.report import json_safe, prepare_out_dir
+    from ragfuse.engine import EngineConfig, LLMEngine, RagfuseError
+    from ragfuse.eval_qa import BASELINE_MODES, FUSION_MODES, NOISE_MODE, SWEEP, evaluate, load_dataset, parse_modes
 
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    sweep_modes = [m.strip() for m in args.sweep_modes.split(",") if m.strip()]
+    # everything a user typed is checked before the model loads and the cases run: a bad mode, a
+    # dataset or an --out that cannot be written found afterwards would cost the whole run
+    modes = parse_modes(args.modes, (*FUSION_MODES, NOISE_MODE, *BASELINE_MODES))
+    sweep_modes = parse_modes(args.sweep_modes, FUSION_MODES) if args.sweep else []
+    if not modes and not sweep_modes:
+        raise RagfuseError("--modes names no mode")
     examples = load_dataset(args.dataset, args.limit, args.max_passages)
-    policy = policy_from_args(args, args.recompute_ratio)
+    policy_from_args(args, args.recompute_ratio)
+    if args.out:
+        prepare_out_dir(args.out)
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
+    policy = policy_from_args(args, args.recompute_ratio, engine.model_config.num_layers)
     # the sweep on the same examples runs in the same pass: each case's full prefill is made once
     # and the sweep's point at the main ratio is the main fuse rows' run
     one_pass = args.sweep and (args.sweep_limit or len(examples)) >= len(examples)
@@ -114,16 +138,18 @@ def run_qa(args: argparse.Namespace) -> int:
                           kv_context=args.chunk_kv_context)
         report["sweep"] = sw["modes"]
         report["settings"]["sweep_examples"] = len(sweep_examples)
-    if args.out:
-        _write(args.out, report)
+    # printed before the files are written: should the write fail after all (a disk that filled up
+    # meanwhile), the run's figures are still on the screen
     if args.json:
-        print(json.dumps(report))
+        print(json.dumps(json_safe(report), allow_nan=False), flush=True)
     else:
         from ragfuse.bench.report import markdown_table
 
         print(markdown_table([{"mode": k, **v} for k, v in report["modes"].items()]))
         if "sweep" in report:
-            print(markdown_table([{"point": k, **v} for k, v in report["sweep"].items()]))
+            print(markdown_table([{"point": k, **v} for k, v in report["sweep"].items()]), flush=True)
+    if args.out:
+        _write(args.out, report)
     return 0
 
 
