@@ -161,12 +161,34 @@ class Scheduler:
             self.tree.forget(seq)
 
     def _preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and queue it first for recompute, keeping the leading blocks it shares
+        outside the prefix tree: those are a registered system prompt's (a request behind it without
+        relay), which the registry holds anyway, so giving them back frees nothing. Dropping them made
+        the recompute prefill the system prompt again into blocks of its own: more blocks than the
+        request needed while it ran, so under pressure it could be starved (finished "length" early)
+        where the same request unpreempted completes. Tree blocks are released: a match finds them again."""
         self.running.remove(seq)
+        kept = self._shared_prefix(seq)
+        table = seq.block_table
+        seq.block_table = table[len(kept):]
         self._release(seq)
-        seq.num_computed_tokens = 0
+        seq.block_table = kept
+        seq.num_computed_tokens = len(kept) * self.blocks.block_size
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def _shared_prefix(self, seq: Sequence) -> list[int]:
+        """The leading computed full blocks of ``seq`` that someone besides it holds and the prefix tree
+        does not cache (its system prompt's shared blocks): their K/V are exact for its first tokens."""
+        blocks = self.blocks
+        full = seq.num_computed_tokens // blocks.block_size
+        kept: list[int] = []
+        for b in seq.block_table[:full]:
+            if blocks.cached[b] or blocks.ref_counts[b] < 2:
+                break
+            kept.append(b)
+        return kept
 
     def _starve(self, seq: Sequence) -> None:
         """Finish a sequence the cache can never hold (its tokens so far are its output)."""
