@@ -34,7 +34,8 @@ from ragfuse.pipeline import MODES, AskResult, Passage, RagPipeline
 from ..async_iter import iterate_in_thread
 from .documents import document_passage
 
-_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "tool"}
+_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "tool",
+          "developer": "system"}  # OpenAI's newer name for system; templates render role names verbatim
 _CALL_OPTIONS = ("temperature", "max_tokens", "top_p", "seed", "mode", "recompute_ratio")
 
 
@@ -60,7 +61,13 @@ class ChatRagfuse(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self.model, "store": self.store, "mode": self.mode, "recompute_ratio": self.recompute_ratio}
+        """Everything that changes the answer. LangChain's LLM cache keys entries by these (with the
+        call's own options): a field left out here lets two differently configured models (say
+        ``max_tokens=8`` and ``max_tokens=256``) share cache entries and hand each other's answers back."""
+        return {"model": self.model, "store": self.store, "device": self.device, "mode": self.mode,
+                "recompute_ratio": self.recompute_ratio, "temperature": self.temperature,
+                "max_tokens": self.max_tokens, "top_p": self.top_p, "seed": self.seed, "stop": self.stop,
+                "find_stored_chunks": self.find_stored_chunks}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> Any:
         params = super()._get_ls_params(stop=stop or self.stop, **kwargs)
@@ -148,8 +155,8 @@ class ChatRagfuse(BaseChatModel):
 
 
 def _role(message: BaseMessage) -> str:
-    if isinstance(message, ChatMessage):
-        return message.role
+    if isinstance(message, ChatMessage):  # a free-form role: the OpenAI names chat templates do not know mapped
+        return _ROLES.get(message.role, message.role)
     if message.type not in _ROLES:
         raise ValueError(f"ChatRagfuse cannot take a {message.type!r} message")
     return _ROLES[message.type]

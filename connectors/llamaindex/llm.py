@@ -21,6 +21,7 @@ from llama_index.core.base.llms.types import (
     CompletionResponseAsyncGen,
     CompletionResponseGen,
     LLMMetadata,
+    MessageRole,
 )
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
@@ -96,7 +97,7 @@ class RagfuseLLM(CustomLLM):
             yield _completion(text, delta, result)
 
     def _chats(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
-        turns: list[tuple[str, list[str | Passage]]] = [(m.role.value, [m.content or ""]) for m in messages]
+        turns: list[tuple[str, list[str | Passage]]] = [(_role(m), [m.content or ""]) for m in messages]
         text = ""
         for delta, result in self._stream(turns, None, kwargs):
             text += delta
@@ -138,6 +139,16 @@ class RagfuseLLM(CustomLLM):
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         return iterate_in_thread(lambda: self._chats(messages, kwargs))
+
+
+# LlamaIndex's roles as chat templates know them: templates render a role's name verbatim (SmolLM's
+# writes "<|im_start|>developer"), so a role the model was never trained on would reach it as text
+_ROLES = {MessageRole.DEVELOPER: "system", MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant",
+          MessageRole.FUNCTION: "tool"}
+
+
+def _role(message: ChatMessage) -> str:
+    return _ROLES.get(message.role, message.role.value)
 
 
 def _deltas(items: Iterator[RequestOutput | AskResult]) -> Iterator[tuple[str, AskResult | None]]:

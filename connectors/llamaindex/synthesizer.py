@@ -18,7 +18,7 @@ from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.response_synthesizers import BaseSynthesizer
 from llama_index.core.schema import NodeWithScore
 
-from ragfuse.passage import Passage
+from ragfuse.passage import CHUNK_ID, Passage
 from ragfuse.pipeline import AskResult
 
 from ..async_iter import iterate_in_thread
@@ -48,8 +48,26 @@ class RagfuseSynthesizer(BaseSynthesizer):
         if prompts:
             raise ValueError("RagfuseSynthesizer uses ragfuse's RAG prompt; it has no prompts to update")
 
+    def synthesize(self, query: Any, nodes: list[NodeWithScore],
+                   additional_source_nodes: Sequence[NodeWithScore] | None = None, **response_kwargs: Any) -> Any:
+        """As LlamaIndex's, with the nodes themselves handed on to ``get_response`` (which gets their text
+        only): a node's chunk id and source then reach the answer's ``metadata["ragfuse"]["sources"]``."""
+        return super().synthesize(query, nodes, additional_source_nodes, ragfuse_nodes=list(nodes),
+                                  **response_kwargs)
+
+    async def asynthesize(self, query: Any, nodes: list[NodeWithScore],
+                          additional_source_nodes: Sequence[NodeWithScore] | None = None,
+                          **response_kwargs: Any) -> Any:
+        return await super().asynthesize(query, nodes, additional_source_nodes, ragfuse_nodes=list(nodes),
+                                         **response_kwargs)
+
     def _answers(self, query_str: str, text_chunks: Sequence[str], kwargs: dict[str, Any]):
-        return self._ragfuse.answer_passages(query_str, [Passage(t) for t in text_chunks], **kwargs)
+        nodes: list[NodeWithScore] | None = kwargs.pop("ragfuse_nodes", None)
+        if nodes is not None and len(nodes) == len(text_chunks):
+            passages = [_node_passage(t, n) for t, n in zip(text_chunks, nodes)]
+        else:  # get_response called directly, with text only
+            passages = [Passage(t) for t in text_chunks]
+        return self._ragfuse.answer_passages(query_str, passages, **kwargs)
 
     def get_response(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any) -> Any:
         if self._streaming:
@@ -78,6 +96,15 @@ class RagfuseSynthesizer(BaseSynthesizer):
         if stats is not None:
             response.metadata = {**(response.metadata or {}), "ragfuse": stats}
         return response
+
+
+def _node_passage(text: str, node: NodeWithScore) -> Passage:
+    """The node's text as the LLM sees it, naming the stored chunk it is (``RagfuseRetriever``'s
+    nodes carry the chunk id) and its source document."""
+    meta = node.node.metadata or {}
+    cid = meta.get(CHUNK_ID)
+    chunk_id = int(cid) if isinstance(cid, int | str) and str(cid).isdigit() else None
+    return Passage(text, chunk_id, str(meta.get("source") or meta.get("file_path") or meta.get("file_name") or ""))
 
 
 def _answer(text: str, result: AskResult | None) -> _Answer:
