@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 
 from ragfuse.engine import LLMEngine
 from ragfuse.engine.checkpoint import cache_root
+from ragfuse.engine.errors import RequestError
 from ragfuse.engine.fusion import SelectionPolicy
 from ragfuse.eval_qa import load_dataset
 from ragfuse.probes import PROBES
@@ -34,6 +35,10 @@ log = logging.getLogger("ragfuse.gate")
 RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7)
 DEFAULT_TARGET = 0.6
 CALIBRATION_DATASETS = ("musique_dev.json", "wikimqa_dev.json")
+# mean teacher-forced KL per prompt below which full reuse already matches full prefill up to float
+# rounding (a model whose sliding window keeps the answer from ever reading the passages' KV): its
+# KL is noise, and so is every ratio's share of it, so fusion has no gap left to close
+NOISE_KL = 1e-5
 PER_DATASET = 4  # 8 prompts of ~3.7K tokens: about 4 minutes on a 2-core CPU, once per model and policy
 
 
@@ -72,6 +77,7 @@ def calibrate(
     policy = policy or SelectionPolicy.default()
     builder = RagPromptBuilder(engine.tokenizer)
     name, chosen = prompts or calibration_prompts()
+    chosen = [_fitted(engine, builder, p, answer_tokens) for p in chosen]
     cases = [build_case(engine, builder, p["passages"], p["question"], answer_tokens, kv_context)  # type: ignore[arg-type]
              for p in chosen]
     reuse = sum(mode_kl(engine, c, "reuse", policy)[1] for c in cases)
@@ -79,7 +85,7 @@ def calibrate(
     r_star = 1.0
     for r in RATIOS:
         kl = sum(mode_kl(engine, c, "fuse", policy.with_ratio(r))[1] for c in cases)
-        gaps[f"{r:g}"] = 1.0 - kl / reuse if reuse > 0 else 1.0
+        gaps[f"{r:g}"] = 1.0 - kl / reuse if reuse > NOISE_KL * len(cases) else 1.0
         if gaps[f"{r:g}"] >= target:
             r_star = r
             break
@@ -89,6 +95,22 @@ def calibrate(
                     target, engine.model_name)
     return Calibration(engine.model_name, name, asdict(policy), target, r_star, gaps, reuse / len(cases), fallback,
                        kv_context)
+
+
+def _fitted(engine: LLMEngine, builder: RagPromptBuilder, prompt: dict[str, object], answer_tokens: int
+            ) -> dict[str, object]:
+    """``prompt`` with its last passages dropped until it and its answer fit the model's context.
+    The shared dev prompts run ~3.7K tokens: a model of 2K context (TinyLlama's) failed inside
+    RoPE on its first fusion, where it should calibrate on what it can read."""
+    passages = list(prompt["passages"])  # type: ignore[call-overload]
+    question = str(prompt["question"])
+    while True:
+        n = len(builder.token_ids([builder.passage_tokens(p) for p in passages], question))
+        if n + answer_tokens <= engine.max_model_len:
+            return {**prompt, "passages": passages}
+        if len(passages) <= 1:
+            raise RequestError(f"calibration prompt of {n} tokens does not fit the context of {engine.max_model_len}")
+        passages.pop()
 
 
 def calibrated_r_star(

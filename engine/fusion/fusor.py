@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import numpy as np
@@ -38,6 +38,7 @@ from ragfuse.kernels.paged_attention import consecutive_slots
 
 from .. import ops
 from ..attention import RelayMetadata
+from ..errors import RequestError
 from ..models import LlamaForCausalLM
 from . import layer_step
 from .graphs import CheckShape, FirstShape, FusionGraphs
@@ -168,12 +169,20 @@ def fuse_prefill(
     the check layers when they follow one another (gradual filtering's 1-5) and all fit."""
     t_start = time.perf_counter()
     mode = FusionMode(mode)
+    policy = _within_depth(policy, model.config.num_layers, mode)
     # at ratio 0 with no token forced in, fusion recomputes no stored token: that is full reuse, run
     # as such (no check layer computing every token only to select none of them)
     run = FusionMode.REUSE if mode is FusionMode.FUSE and policy.ratio == 0 and not policy.sink_tokens else mode
     device = model.lm_head.weight.device
     ids = np.concatenate([np.asarray(s.token_ids, dtype=np.int64) for s in segments])
     n = len(ids)
+    # the rotary tables end at the model's context: past it, RoPE indexing failed (CPU) or read past
+    # the table (a GPU kernel) instead of refusing the prompt; callers that borrow pages (the gate's
+    # calibration, evals) skip the engine's own length check
+    limit = model.model.rotary.max_positions
+    if n + (system.num_tokens if system is not None else 0) > limit:
+        raise RequestError(f"fused prompt of {n} tokens (after a system prompt of "
+                           f"{system.num_tokens if system is not None else 0}) exceeds the context of {limit}")
     used = _stored_segments(segments, run, policy, system is not None)
     lay = _Layout.build(segments, used, run, policy, system is not None)
     num_stored, num_fusable, num_active = len(lay.stored), lay.num_fusable, len(lay.active)
@@ -380,6 +389,24 @@ def fuse_prefill(
         recomputed_positions=pos.index_select(0, true_indices(fusable.index_select(0, pos), recomputed)),
     )
     return logits, stats
+
+
+def _within_depth(policy: SelectionPolicy, num_layers: int, mode: FusionMode) -> SelectionPolicy:
+    """``policy`` with only the check layers the model has. The shipped policy checks layers 1-5 and
+    narrows to its ratio at the last one; on a shallower model (a small or pruned checkpoint) the
+    checks past its last layer never ran, so selection stopped at an earlier check's wider share
+    (4 layers at ratio 0.3 recomputed 60% of the stored tokens). Its checks then narrow to the ratio
+    at the model's last check layer instead. A one-layer model has no layer to check (layer 0 never
+    deviates): selective recompute there is refused, not silently run at another ratio."""
+    layers = tuple(li for li in policy.check_layers if li < num_layers)
+    if layers == policy.check_layers:
+        return policy
+    if layers:
+        return replace(policy, check_layers=layers)
+    if mode is FusionMode.FUSE and (0.0 < policy.ratio < 1.0 or policy.sink_tokens):
+        raise RequestError(f"fuse mode selects tokens at check layers {policy.check_layers}, but the model has "
+                           f"{num_layers} layer(s): use ratio 0 or 1, or the reuse or full mode")
+    return policy
 
 
 def _recomputes_all(mode: FusionMode, policy: SelectionPolicy) -> bool:
