@@ -280,12 +280,10 @@ def check_examples(engine: LLMEngine, builder: RagPromptBuilder, examples: list[
     (F1 undefined) or a prompt that with its answer does not fit the model's context. RagfuseError
     names them and says what to change."""
     limit = engine.max_model_len
-    fixed = len(builder.prefix)
     for i, ex in enumerate(examples):
         if not ex.answers:
             raise RagfuseError(f"example {i} has no gold answer")
-        n = fixed + sum(len(builder.passage_tokens(p)) for p in ex.passages)
-        n += len(builder.separator) * max(len(ex.passages) - 1, 0) + len(builder.tail(ex.question))
+        n = len(builder.token_ids([builder.passage_tokens(p) for p in ex.passages], ex.question))
         if n + max_tokens > limit:
             raise RagfuseError(
                 f"example {i}: its prompt of {n} tokens and {max_tokens} answer tokens exceed the model's "
