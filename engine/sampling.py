@@ -59,23 +59,24 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
-def _scaled(row: torch.Tensor, temperature: float) -> torch.Tensor | None:
-    """``row / temperature`` as logits that a softmax turns into finite probabilities, or None where
-    no token can be drawn (every logit NaN or -inf).
+def _scaled(row: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``row / temperature`` as logits that a softmax turns into finite probabilities.
 
     A 16-bit output head overflows to +inf (fp16 saturates at 65504), and a finite logit divided by a
     small temperature overflows float32 too; the softmax of a row holding +inf is NaN everywhere and
     ``torch.multinomial`` then raises, failing every request of the step. So: a NaN logit is never
     drawn; +inf logits are the limit where they take all the mass, shared evenly (as greedy decoding
-    picks one of them); and the row is shifted to a maximum of 0 before the division, which cannot
-    overflow then (what underflows to -inf had a probability below float32's range anyway)."""
-    row = torch.where(torch.isnan(row), float("-inf"), row)
-    top = row.max()
-    if top == float("inf"):
-        return torch.where(row == top, 0.0, float("-inf"))
-    if top == float("-inf"):
-        return None
-    return (row - top) / temperature
+    picks one of them); the row is shifted to a maximum of 0 before the division, which cannot
+    overflow then (what underflows to -inf had a probability below float32's range anyway); and a row
+    with nothing drawable (every logit NaN or -inf) keeps only its argmax, as greedy decoding would.
+    Each case is chosen on the device (``torch.where``): deciding on the host cost two read-backs of
+    the GPU per sampled row and step."""
+    clean = torch.where(torch.isnan(row), float("-inf"), row)
+    top = clean.max()
+    shifted = (clean - top) / temperature  # NaN where top is +-inf: those rows take another branch
+    tie_at_inf = torch.where(clean == top, 0.0, float("-inf"))
+    argmax_only = torch.where(torch.arange(row.shape[-1], device=row.device) == row.argmax(), 0.0, float("-inf"))
+    return torch.where(top == float("inf"), tie_at_inf, torch.where(top == float("-inf"), argmax_only, shifted))
 
 
 def sample(
@@ -92,8 +93,6 @@ def sample(
         if p.greedy:
             continue
         row = _scaled(logits[i], p.temperature)
-        if row is None:  # no token has a finite or +inf logit: the argmax is all there is
-            continue
         if p.top_k:
             kth = torch.topk(row, min(p.top_k, row.shape[-1])).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))

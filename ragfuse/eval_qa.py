@@ -322,37 +322,54 @@ def evaluate(
     rows: dict[str, list[dict[str, Any]]] = {}
     full_answers: list[str] = []
     t0 = time.perf_counter()
-    for ex in examples:
-        case = build_case(engine, builder, ex.passages, ex.question, max_tokens, kv_context)
-        full_answer = engine.tokenizer.decode(case.answer_ids, skip_special_tokens=True).strip()
-        full_answers.append(full_answer)
-        done: dict[tuple[str, float], dict[str, Any]] = {}
-        for key, name, r in jobs:
-            if (name, r) not in done:
-                if name in BASELINE_MODES:
-                    out = run_baseline(chains, ex, name)
-                elif name == "full" and case.full_stats is not None:
-                    out = full_row(engine, case)
-                elif name == NOISE_MODE:
-                    out = run_mode(engine, rounded_full_case(engine, case), "reuse", policy, max_tokens)
-                else:
-                    mode, pol = policy_for(name, r, policy)
-                    out = run_mode(engine, case, mode, pol, max_tokens)
-                done[(name, r)] = {**out, "full_answer": full_answer, "gold": ex.answers}
-            rows.setdefault(key, []).append(done[(name, r)])
-        if progress is not None:  # running F1 and TTFT per mode: a long run shows its figures as it goes
-            running = {k: summarize(v, None) for k, v in rows.items() if "@" not in k}
-            progress.set_postfix_str("; ".join(f"{k} f1 {m['f1']:.3f} ttft {m['ttft_s']:.2f}s"
-                                               for k, m in running.items()), refresh=False)
-            progress.update(1)
+    interrupted = False
+    try:
+        for ex in examples:
+            case = build_case(engine, builder, ex.passages, ex.question, max_tokens, kv_context)
+            full_answer = engine.tokenizer.decode(case.answer_ids, skip_special_tokens=True).strip()
+            done: dict[tuple[str, float], dict[str, Any]] = {}
+            for _key, name, r in jobs:
+                if (name, r) not in done:
+                    out = _run_job(engine, case, ex, name, r, policy, chains, max_tokens)
+                    done[(name, r)] = {**out, "full_answer": full_answer, "gold": ex.answers}
+            # a case's rows join only once all its jobs ran, so an interrupted run holds whole cases
+            for key, name, r in jobs:
+                rows.setdefault(key, []).append(done[(name, r)])
+            full_answers.append(full_answer)
+            if progress is not None:  # running F1 and TTFT per mode: a long run shows its figures as it goes
+                running = {k: summarize(v, None) for k, v in rows.items() if "@" not in k}
+                progress.set_postfix_str("; ".join(f"{k} f1 {m['f1']:.3f} ttft {m['ttft_s']:.2f}s"
+                                                   for k, m in running.items()), refresh=False)
+                progress.update(1)
+    except KeyboardInterrupt:
+        # Ctrl-C in a run of an hour or more: the cases finished so far are summed up and reported
+        if not full_answers:
+            raise
+        interrupted = True
     reuse_kl = _reuse_kl(rows)
     return {
         "modes": {k: summarize(v, reuse_kl) for k, v in rows.items()},
         "cases": [{"question": ex.question, "gold": ex.answers, "full_answer": full_answers[i],
                    "modes": {k: {f: v[i][f] for f in CASE_FIELDS} for k, v in rows.items()}}
-                  for i, ex in enumerate(examples)],
+                  for i, ex in enumerate(examples[: len(full_answers)])],
         "elapsed_s": time.perf_counter() - t0,
+        "interrupted": interrupted,
     }
+
+
+def _run_job(
+    engine: LLMEngine, case: Case, ex: Example, name: str, ratio: float, policy: SelectionPolicy,
+    chains: Any, max_tokens: int,
+) -> dict[str, Any]:
+    """One eval mode (``name`` at ``ratio``) on one prepared case: its answer and measures."""
+    if name in BASELINE_MODES:
+        return run_baseline(chains, ex, name)
+    if name == "full" and case.full_stats is not None:
+        return full_row(engine, case)
+    if name == NOISE_MODE:
+        return run_mode(engine, rounded_full_case(engine, case), "reuse", policy, max_tokens)
+    mode, pol = policy_for(name, ratio, policy)
+    return run_mode(engine, case, mode, pol, max_tokens)
 
 
 def _reuse_kl(rows: dict[str, list[dict[str, Any]]]) -> float | None:

@@ -95,6 +95,8 @@ def test_kl_of_a_masked_vocabulary_entry_is_not_nan():
     (["--modes", "full,bogus"], "unknown eval mode(s) bogus"),
     (["--modes", " , "], "--modes names no mode"),
     (["--sweep", "--sweep-modes", "fuse,mapreduce"], "unknown eval mode(s) mapreduce"),
+    (["--sweep-modes", "fuse"], "--sweep-modes needs --sweep"),  # was ignored: no sweep ran
+    (["--sweep-limit", "3"], "--sweep-limit needs --sweep"),
     (["--sink-tokens", "-2"], "--sink-tokens must be at least 0"),  # recomputed everything, silently
     (["--first-factor", "0.5"], "--first-factor must be a finite number of at least 1"),
     (["--attention-weight", "nan"], "--attention-weight must be a finite number"),

@@ -105,3 +105,30 @@ def test_noise_floor_mode_is_full_prefill_but_for_the_rounding(engine):
     reuse = run_mode(engine, case, "reuse", pol, 6)
     assert exact["kl_tf"] < 1e-6 and exact["answer_ids"] == case.answer_ids
     assert 0.0 < rounded["kl_tf"] < reuse["kl_tf"]
+
+
+def test_an_interrupted_evaluation_reports_the_cases_it_finished(engine, tmp_path):
+    """Ctrl-C during a long eval (77 minutes for MuSiQue on a 2-core box) used to lose every case.
+    A real KeyboardInterrupt is delivered to the main thread while the second case runs: the first
+    case's rows come back whole, marked interrupted, and the engine's pages are all free again."""
+    import _thread
+    import threading
+
+    path = tmp_path / "d.json"
+    ex = {"ctxs": [{"title": "Marrow Canal", "text": "The Marrow Canal was designed by Agnes Voll in 1822."}],
+          "question": "Who designed the Marrow Canal?", "answers": ["Agnes Voll"]}
+    path.write_text(json.dumps([ex] * 3))
+    free = engine.blocks.num_free
+
+    class Bar:  # the progress hook tqdm gets: after the first case, Ctrl-C arrives 20 ms into the next
+        def set_postfix_str(self, *_args, **_kwargs) -> None:
+            pass
+
+        def update(self, _n: int) -> None:
+            threading.Timer(0.02, _thread.interrupt_main).start()
+
+    res = evaluate(engine, load_dataset(path, None, None), ["full", "reuse", "fuse"], 0.5, SelectionPolicy.default(),
+                   max_tokens=8, progress=Bar())
+    assert res["interrupted"] is True and len(res["cases"]) == 1
+    assert {m: v["n"] for m, v in res["modes"].items()} == {"full": 1, "reuse": 1, "fuse": 1}
+    assert engine.blocks.num_free == free

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from ragfuse.commands.generate import add_model_args, positive_int, unit_ratio
@@ -24,8 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "maprerank (each passage alone, then combined / best-scored answer)")
     q.add_argument("--recompute-ratio", type=unit_ratio, default=0.15)
     q.add_argument("--sweep", action="store_true", help="also sweep ratios 0-100%% for fuse and fuse-paper")
-    q.add_argument("--sweep-modes", default="fuse,fuse-paper", help="selections swept (comma-separated)")
-    q.add_argument("--sweep-limit", type=positive_int, default=None, help="examples in the sweep (default: all)")
+    q.add_argument("--sweep-modes", default=None,
+                   help="selections swept (comma-separated; default fuse,fuse-paper; needs --sweep)")
+    q.add_argument("--sweep-limit", type=positive_int, default=None,
+                   help="examples in the sweep (default: all; needs --sweep)")
     q.add_argument("--max-tokens", type=positive_int, default=16, help="greedy answer length")
     q.add_argument("--chunk-kv-context", choices=CHUNK_KV_CONTEXTS, default="instruction",
                    help="passages' stored KV computed after the instruction prefix (as ingest stores it by "
@@ -102,7 +105,10 @@ def run_qa(args: argparse.Namespace) -> int:
     # everything a user typed is checked before the model loads and the cases run: a bad mode, a
     # dataset or an --out that cannot be written found afterwards would cost the whole run
     modes = parse_modes(args.modes, (*FUSION_MODES, NOISE_MODE, *BASELINE_MODES))
-    sweep_modes = parse_modes(args.sweep_modes, FUSION_MODES) if args.sweep else []
+    for name in ("sweep_modes", "sweep_limit"):  # a sweep's setting without the sweep would be ignored
+        if getattr(args, name) is not None and not args.sweep:
+            raise RagfuseError(f"--{name.replace('_', '-')} needs --sweep")
+    sweep_modes = parse_modes(args.sweep_modes or "fuse,fuse-paper", FUSION_MODES) if args.sweep else []
     if not modes and not sweep_modes:
         raise RagfuseError("--modes names no mode")
     examples = load_dataset(args.dataset, args.limit, args.max_passages)
@@ -127,10 +133,14 @@ def run_qa(args: argparse.Namespace) -> int:
         "elapsed_s": main["elapsed_s"],
         "cases": main["cases"],
     }
+    if main["interrupted"]:  # Ctrl-C: report the cases that finished, marked as such, and stop there
+        report["settings"]["examples"] = len(main["cases"])
+        report["interrupted"] = f"stopped by the user after {len(main['cases'])} of {len(examples)} examples"
+        print(f"ragfuse: {report['interrupted']}; their figures follow", file=sys.stderr, flush=True)
     if one_pass:
         report["sweep"] = {k: v for k, v in main["modes"].items() if "@" in k or k == "reuse"}
-        report["settings"]["sweep_examples"] = len(examples)
-    elif args.sweep:
+        report["settings"]["sweep_examples"] = len(main["cases"])
+    elif args.sweep and not main["interrupted"]:
         sweep_examples = examples[: args.sweep_limit] if args.sweep_limit else examples
         with tqdm(total=len(sweep_examples), desc="eval qa sweep") as bar:
             sw = evaluate(engine, sweep_examples, ["reuse"], args.recompute_ratio, policy, sweep=SWEEP,
@@ -150,7 +160,7 @@ def run_qa(args: argparse.Namespace) -> int:
             print(markdown_table([{"point": k, **v} for k, v in report["sweep"].items()]), flush=True)
     if args.out:
         _write(args.out, report)
-    return 0
+    return 130 if main["interrupted"] else 0
 
 
 def _write(out: str, report: dict[str, Any]) -> None:
