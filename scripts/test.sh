@@ -10,6 +10,13 @@ ruff check .
 # two workers (one per core of the CI machine), each with one torch thread: the suite is mostly
 # Python-bound model and server setup, which one process leaves a core idle through; whole files go
 # to one worker so their module fixtures (models, engines) are built once
+# the vLLM venv is built beside the main suite (downloads and unpacking, little memory or CPU), so
+# only its tests wait for the main suite
+vllm_setup=
+if [ "${RAGFUSE_SKIP_VLLM:-0}" != 1 ]; then
+  bash scripts/test_vllm.sh --setup-only > .venv-vllm-setup.log 2>&1 &
+  vllm_setup=$!
+fi
 main_rc=0
 OMP_NUM_THREADS=1 python -m pytest -q -ra --durations=25 --timeout=900 -n "${RAGFUSE_TEST_WORKERS:-2}" --dist loadfile "$@" \
   || main_rc=$?
@@ -17,9 +24,11 @@ echo "main suite done: ${SECONDS} s" >&2
 # the vLLM connector needs vLLM's own pins: its tests run in a second venv (scripts/test_vllm.sh), after
 # the main suite (beside it, vLLM's engine and two workers came close to the CI box's 24 GiB)
 vllm_rc=0
-if [ "${RAGFUSE_SKIP_VLLM:-0}" != 1 ]; then
+if [ -n "$vllm_setup" ]; then
   echo "== vLLM connector suite (scripts/test_vllm.sh)"
-  bash scripts/test_vllm.sh || vllm_rc=$?
+  wait "$vllm_setup" || { cat .venv-vllm-setup.log; vllm_rc=1; }
+  echo "vLLM venv ready: ${SECONDS} s" >&2
+  [ "$vllm_rc" != 0 ] || bash scripts/test_vllm.sh || vllm_rc=$?
   echo "vLLM connector suite done: ${SECONDS} s" >&2
 fi
 [ "$main_rc" = 0 ] && [ "$vllm_rc" = 0 ]
