@@ -120,7 +120,10 @@ class LLM:
         chat API; only what is new since the stored KV is prefilled. ``metrics`` says how much was
         reused, from where, and how much of the loading was hidden. With ``relay`` a leading system
         prompt is served by relay attention (see ``add_chat_request``)."""
-        return self._collect(lambda: [self.add_chat_request(messages, params, system, session_id, relay)])[0]
+        # a session turn reusing stored KV takes its cache blocks at once: with the cache full it waits
+        # for room as the requests running beside it (other callers' streams, turns) finish
+        return self._collect(lambda: [self.engine.when_room(
+            lambda: self.add_chat_request(messages, params, system, session_id, relay))])[0]
 
     def add_chat_request(
         self, messages: list[dict[str, str]], params: SamplingParams | None = None, system: str | None = None,

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -22,7 +22,7 @@ from .block_manager import BlockManager
 from .chat_template import render_chat
 from .config import EngineConfig, ModelConfig
 from .detokenizer import IncrementalDetokenizer
-from .errors import RequestError
+from .errors import CacheFullError, RequestError
 from .fusion import FusionMode, FusionStats, Segment, SelectionPolicy
 from .kv_cache import KVCache
 from .model_runner import DecodeInFlight, ModelRunner
@@ -39,6 +39,7 @@ from .system_prompts import SystemPrompts
 
 log = logging.getLogger("ragfuse.engine")
 MAX_SYSTEM_PROMPTS = 16  # registered at once (applications hosted side by side)
+T = TypeVar("T")
 
 
 @dataclass
@@ -96,6 +97,7 @@ class LLMEngine:
         )
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[Sequence] = []  # fused requests whose first token is not reported yet
+        self._held: list[RequestOutput] = []  # outputs of steps run while a start waited for room (when_room)
         self._inflight: DecodeInFlight | None = None  # a decode step launched, its tokens not read (step)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -263,7 +265,23 @@ class LLMEngine:
             self.scheduler.finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._held)
+
+    def when_room(self, start: Callable[[], T]) -> T:
+        """``start()`` (which adds a request), waiting for room in the KV cache as a scheduled request
+        does. A start that takes its blocks at once (a fused prefill, a session turn reusing stored
+        KV: ``_add_prefilled``) raises ``CacheFullError`` when the cache is full; here it is retried
+        after each step while running requests will free blocks, so several turns submitted together
+        all run instead of the later ones failing. It fails only when nothing is left to free any.
+        For callers that step the engine themselves (``LLM``): the outputs of the steps run meanwhile
+        come with the next ``step``. The async front end defers such starts instead of blocking."""
+        while True:
+            try:
+                return start()
+            except CacheFullError:
+                if not self.scheduler.has_work:
+                    raise
+                self._held = self.step()
 
     def compute_kv(
         self, token_lists: list[list[int]], context: Iterable[int] = ()
@@ -552,8 +570,9 @@ class LLMEngine:
         only then are the first one's tokens read and reported, so the host's work for each step
         runs while the GPU computes the next. A sequence that stops at a step had its row in the
         step after it computed in vain; that row is dropped."""
-        outputs = [self._emit(seq, [seq.output_token_ids[-1]], self._finish_reason(seq, seq.output_token_ids[-1]))
-                   for seq in self._pending if not seq.finished]
+        outputs, self._held = self._held, []
+        outputs += [self._emit(seq, [seq.output_token_ids[-1]], self._finish_reason(seq, seq.output_token_ids[-1]))
+                    for seq in self._pending if not seq.finished]
         self._pending.clear()
         if self._inflight is not None:
             if any(not s.finished for s in self._inflight.seqs):

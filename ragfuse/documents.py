@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ HTML_SUFFIXES = {".html", ".htm"}
 RECORD_SUFFIXES = {".json", ".jsonl"}
 SUFFIXES = TEXT_SUFFIXES | HTML_SUFFIXES | RECORD_SUFFIXES | {".pdf"}
 DEFAULT_MAX_BYTES = 50 << 20
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # in a str, surrogates are always lone (pairs are joined)
 
 
 @dataclass(frozen=True)
@@ -94,10 +96,16 @@ def load_file(path: Path, max_bytes: int = DEFAULT_MAX_BYTES, text_field: str = 
         return SkippedFile(str(path), f"unreadable: {exc.strerror}")
     except _Unreadable as exc:
         return SkippedFile(str(path), str(exc))
-    docs = [d for d in docs if d.text.strip()]
+    # a lone surrogate (JSON's escape of half an emoji, cut off in scraped text) is taken by neither the
+    # tokenizer nor SQLite: one such character used to end the whole ingest with a TypeError
+    docs = [Document(_LONE_SURROGATE.sub("\ufffd", d.text), d.source) for d in docs if d.text.strip()]
     if not docs:
         return SkippedFile(str(path), "no text in it")
-    return LoadedFile(str(path), hashlib.sha256(data).hexdigest(), docs)
+    digest = hashlib.sha256(data)
+    if suffix in RECORD_SUFFIXES:  # which fields were read is part of what was ingested: a re-ingest
+        # asking for other fields must read the file again, not find it unchanged
+        digest.update(b"\0" + json.dumps([text_field, title_field]).encode())
+    return LoadedFile(str(path), digest.hexdigest(), docs)
 
 
 def _display_path(path: str | Path) -> str:
@@ -147,12 +155,12 @@ def _record_documents(text: str, suffix: str, source: str, text_field: str,
     """
     try:
         if suffix == ".jsonl":
-            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+            # records end at "\n" only: str.splitlines also cuts at characters JSON strings hold
+            # unescaped (U+2028, U+0085, ...), which would break a record in two
+            records = [_json(record, n) for n, record in enumerate(text.split("\n"), 1) if record.strip()]
         else:
-            loaded = json.loads(text)
+            loaded = _json(text)
             records = loaded if isinstance(loaded, list) else [loaded]
-    except json.JSONDecodeError as exc:
-        raise _Unreadable(f"invalid JSON ({exc.msg} at line {exc.lineno})") from exc
     except RecursionError as exc:  # the decoder recurses once per level of nesting
         raise _Unreadable("JSON nested too deeply to read") from exc
     found = False
@@ -165,6 +173,24 @@ def _record_documents(text: str, suffix: str, source: str, text_field: str,
             yield Document(f"{title}\n{value}" if isinstance(title, str) and title else value, source + where)
     if not found:
         raise _Unreadable(f"no record has a string field {text_field!r} (choose one with --text-field)")
+
+
+def _json(doc: str, first_line: int = 1) -> Any:
+    """``doc`` parsed; invalid JSON is unreadable, named by the file's line (``doc`` starts at ``first_line``)."""
+    try:
+        return json.loads(doc, parse_int=_parse_int)
+    except json.JSONDecodeError as exc:
+        raise _Unreadable(f"invalid JSON ({exc.msg} at line {first_line + exc.lineno - 1})") from exc
+
+
+def _parse_int(digits: str) -> int | float:
+    """A JSON integer; one too long for ``int`` (Python refuses more than 4300 digits) as a float
+    (inf), as JSON reads a number too large for a float: only the text and title fields are read,
+    and a huge number elsewhere in a record must not cost the file, or stop the ingest."""
+    try:
+        return int(digits)
+    except ValueError:
+        return float(digits)
 
 
 def _walk(obj: Any, parts: list[str], where: str) -> Iterator[tuple[str, Any, Any]]:

@@ -105,6 +105,15 @@ class RagStore:
         generation, ids, vecs = self.docs.all_embeddings(self.config.embedding_dim)
         return VectorIndex.build(self.config.embedding_dim, self.config.index_kind, ids, vecs, generation)
 
+    def current_index(self) -> VectorIndex:
+        """The index, brought up to the docstore first where another process committed since it was
+        loaded: a process that keeps the store open (``ragfuse serve``, the demo, a framework's
+        retriever) would otherwise never find what a ``ragfuse ingest`` beside it added, and would
+        lose the chunks it replaced. This process's own commits are ``apply_changes``' to bring in."""
+        if not self.docs.changed_only_here(self.index.generation, self.docs.generation):
+            self.index = self._load_index()
+        return self.index
+
     def apply_changes(self, removed: list[int], added: list[int], added_vectors: np.ndarray) -> None:
         """Bring the index in line with the docstore after this store's commits since the last call
         (chunk ids ``removed``, ``added`` with their vectors), and save it.
@@ -117,7 +126,9 @@ class RagStore:
         with self._index_lock:
             current = self.docs.generation
             if self.config.index_kind == "flat" and self.docs.changed_only_here(self.index.generation, current):
-                self.index.remove(np.asarray(removed, dtype=np.int64))
+                # the added ids go first too: a reader's refresh (``current_index``) may have taken some
+                # of these commits in already, and faiss would hold such a chunk twice
+                self.index.remove(np.asarray(removed + added, dtype=np.int64))
                 self.index.add(np.asarray(added, dtype=np.int64), added_vectors)
                 self.index.generation = current
             else:

@@ -35,9 +35,10 @@ class Retriever:
             raise RagfuseError("the query is empty")
         if top_k < 1:
             raise RagfuseError(f"--top-k must be at least 1, got {top_k}")
-        if len(self.store.index) == 0:
+        index = self.store.current_index()
+        if len(index) == 0:
             return []
-        scores, ids = self.store.index.search(self.embedder.encode([query])[0], min(top_k, len(self.store.index)))
+        scores, ids = index.search(self.embedder.encode([query])[0], min(top_k, len(index)))
         found = self.store.docs.chunks([int(i) for i in ids if i >= 0])
         return [
             SearchResult(int(i), found[int(i)].text, found[int(i)].source, float(s), found[int(i)].kv_key)

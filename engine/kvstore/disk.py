@@ -377,14 +377,18 @@ class DiskTier(Tier):
             return None
 
     def contains(self, key: str) -> bool:
-        return bool(self._sql("SELECT 1 FROM entries WHERE key=?", (key,)))
+        """Whether ``key`` is listed with its file in place: an entry whose file was removed behind the
+        manifest's back is no entry (a re-ingest computes it again, instead of finding it stored);
+        its row goes at the next ``put`` of the key (``_listed``) or the next opener's sweep."""
+        rows = self._sql("SELECT file FROM entries WHERE key=?", (key,))
+        return bool(rows) and (self.root / rows[0][0]).exists()
 
     def _listed(self, key: str) -> bool:
         """Whether ``key`` is listed with its file in place. A row whose file is gone (removed
         behind the manifest's back) is deleted, under the lock, where a put lists a file only once
         it is in place: left, it would keep the entry from ever being stored again and count toward
         the capacity."""
-        if not self.contains(key):
+        if not self._sql("SELECT 1 FROM entries WHERE key=?", (key,)):
             return False
         with self._lock:
             rows = self._sql("SELECT file FROM entries WHERE key=?", (key,))

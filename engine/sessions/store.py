@@ -312,12 +312,12 @@ class SessionStore:
     def _apply(self, moves: list[Move], new: tuple[SessionRecord, StoredKV] | None = None) -> None:
         """Carry out placement moves (under the lock; disk work goes to the I/O thread, in order).
         ``new``: a session just admitted, whose record and memory copy are not registered yet."""
+        superseded: SessionRecord | None = None  # the session's previous turn, replaced by ``new``
         if new is not None:
             rec, entry = new
-            old = self._records.get(rec.session_id)
-            if old is not None:  # superseded by the new turn's KV
+            superseded = self._records.get(rec.session_id)
+            if superseded is not None:
                 self._memory.pop(rec.session_id, None)
-                self._io_submit(rec.session_id, lambda r=old: self._delete_files(r))
             self._records[rec.session_id] = rec
             self._memory[rec.session_id] = entry
             self._gone.pop(rec.session_id, None)
@@ -331,9 +331,15 @@ class SessionStore:
             elif move.action == "unpersist" and rec is not None:
                 self._io_submit(sid, lambda r=rec: self._delete_files(r))
             elif move.action == "persist" and rec is not None and sid in self._memory:
-                self._io_submit(sid, lambda r=rec, e=self._memory[sid]: self._write_files(r, e))
+                # the previous turn's files go once the new ones are written: they are the fallback
+                old = superseded if new is not None and sid == new[0].session_id else None
+                if old is not None:
+                    superseded = None
+                self._io_submit(sid, lambda r=rec, e=self._memory[sid], o=old: self._write_files(r, e, o))
             elif move.action == "fetch" and rec is not None:
                 self._io_submit(sid, lambda r=rec: self._fetch(r))
+        if superseded is not None:  # the new turn is not written to disk: nothing to fall back on
+            self._io_submit(superseded.session_id, lambda r=superseded: self._delete_files(r))
         if new is not None:
             info = self.placement.sessions.get(new[0].session_id)
             if info is not None and not info.in_cpu:
@@ -342,11 +348,13 @@ class SessionStore:
     def _io_submit(self, session_id: str, fn: Callable[[], None]) -> None:
         self._io_pending[session_id] = self._io.submit(fn)
 
-    def _write_files(self, rec: SessionRecord, entry: StoredKV) -> None:
-        """Persist a session (on the I/O thread). A disk that cannot take it (full, failing) costs
-        the durable copy only, while memory holds the session, else the session itself, as an
-        eviction would, with the reason; raised here, the error would resurface at every later
-        lookup and at close, and the session could never be used or replaced."""
+    def _write_files(self, rec: SessionRecord, entry: StoredKV, old: SessionRecord | None = None) -> None:
+        """Persist a session (on the I/O thread), then delete the files of the turn it supersedes
+        (``old``). A disk that cannot take it (full, failing) costs the durable copy only, while
+        memory holds the session; else the session falls back to ``old``, still whole on disk (its
+        next turn reuses that shorter history), or, without one, is lost as an eviction would lose
+        it, with the reason. Raised here, the error would resurface at every later lookup and at
+        close, and the session could never be used or replaced."""
         assert self.disk is not None and self.root is not None
         tmp = self._record_path(rec.session_id).with_suffix(".tmp")
         kv_written = False
@@ -355,6 +363,8 @@ class SessionStore:
             kv_written = True
             tmp.write_text(rec.to_json())
             os.replace(tmp, self._record_path(rec.session_id))
+            if old is not None and old.key != rec.key:
+                self._delete_files(old)
         except (KVStoreError, OSError) as exc:
             tmp.unlink(missing_ok=True)
             log.warning("session %s could not be written to disk: %s", rec.session_id, exc)
@@ -365,10 +375,28 @@ class SessionStore:
                     log.warning("session %s: its KV file without a record stays until restart: %s",
                                 rec.session_id, del_exc)
             with self._lock:
-                if self._records.get(rec.session_id) is not rec:
-                    return  # superseded by a later turn, whose own write decides
-                if not (rec.session_id in self._memory and self.placement.disk_write_failed(rec.session_id)):
+                current = self._records.get(rec.session_id) is rec
+                if current and not (rec.session_id in self._memory
+                                    and self.placement.disk_write_failed(rec.session_id)):
+                    if old is not None and self._fall_back(old):
+                        log.warning("session %s keeps its previous turn (%d tokens) from disk",
+                                    rec.session_id, len(old.tokens))
+                        return
                     self._forget(rec.session_id, f"could not be written to disk ({exc})")
+            if old is not None and old.key != rec.key:  # a later turn or memory holds the session now
+                self._delete_files(old)
+
+    def _fall_back(self, old: SessionRecord) -> bool:
+        """Serve ``old`` (the turn before one whose disk write failed) again, if its KV file is still
+        on disk; its record file was never replaced. Called under the lock."""
+        assert self.disk is not None
+        if not self.disk.contains(old.key):
+            return False
+        self._records[old.session_id] = old
+        self._memory.pop(old.session_id, None)
+        self.placement.sessions[old.session_id] = SessionInfo(old.session_id, old.nbytes, old.created,
+                                                              self.clock(), on_disk=True)
+        return True
 
     def _delete_files(self, rec: SessionRecord) -> None:
         if self.disk is None:
@@ -410,13 +438,14 @@ class SessionStore:
         with self._lock:
             for move in self.placement.expire(self.clock()):
                 self._forget(move.session_id, "expired (TTL)")
-            rec = self._records.get(session_id)
             pending = self._io_pending.get(session_id)
+        if pending is not None and session_id not in self._memory:
+            pending.result()  # a failed write may fall back to the previous turn: read the record after it
+        with self._lock:
+            rec = self._records.get(session_id)
         if rec is None:
             reason = self._gone.get(session_id)
             return Lookup(None, None, f"session {session_id} {reason}" if reason else "")
-        if pending is not None and session_id not in self._memory:
-            pending.result()
         if rec.fingerprint != self.fingerprint or rec.dtype != dtype_name(self.dtype):
             return Lookup(None, None, f"session {session_id} was saved by another model or dtype")
         with self._lock:

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     # the user's mistakes are told before the engine (seconds of imports and loading) starts
     if not args.question.strip():
         raise _usage("QUESTION is empty")
-    ingested_store(args.store)
+    _check_has_chunks(args.store)
     if args.session is not None:
         from ragfuse.engine.sessions import check_session_id
 
@@ -90,6 +90,22 @@ def run(args: argparse.Namespace) -> int:
     for note in result.notes:
         print(f"note: {note}")
     return 0
+
+
+def _check_has_chunks(store: str | None) -> None:
+    """Refuse a store without a single chunk (its ingest found nothing to read, or `store rm` removed
+    everything) before the engine loads: the accuracy gate's first calibration alone takes minutes."""
+    from ragfuse.docstore import DocStore
+    from ragfuse.store_dir import StoreError
+
+    root, _ = ingested_store(store)
+    docs = DocStore(root / "docstore.sqlite")
+    try:
+        empty = docs.counts()["chunks"] == 0
+    finally:
+        docs.close()
+    if empty:
+        raise StoreError(f"the store at {root} has no documents: run `ragfuse ingest` first")
 
 
 def _usage(msg: str) -> SystemExit:

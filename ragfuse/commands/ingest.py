@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
+from typing import Any
 
+from ragfuse.chunking import DEFAULT_CHUNK_TOKENS
 from ragfuse.commands.generate import add_model_args, positive_int
-from ragfuse.store_dir import CHUNK_KV_CONTEXTS
+from ragfuse.embeddings import DEFAULT_EMBEDDING_MODEL
+from ragfuse.store_dir import CHUNK_KV_CONTEXTS, StoreConfig
 
 
 def add_store_arg(p: argparse.ArgumentParser) -> None:
@@ -17,20 +21,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ingest", help="add files and directories to a store (chunks, embeddings, per-chunk KV)")
     p.add_argument("paths", nargs="+", metavar="PATH", help=".txt .md .html .pdf .json .jsonl files or directories")
     add_store_arg(p)
+    # the store's settings: each one not given is the store's (a new store's default in brackets), so
+    # adding files to a store needs none of them again; one given otherwise than the store has is refused
     add_model_args(p)
-    p.add_argument("--chunk-tokens", type=positive_int, default=512, help="chunk size in the model's tokens")
-    p.add_argument("--chunk-overlap", type=int, default=0, help="tokens shared by consecutive chunks")
-    p.add_argument("--index", choices=["flat", "ivf", "hnsw"], default="flat",
-                   help="faiss index: exact (default) or approximate for large corpora")
-    p.add_argument("--embedding-model", default="all-MiniLM-L6-v2", help="packaged default or a local directory")
+    p.set_defaults(model=None)
+    p.add_argument("--chunk-tokens", type=positive_int, help="chunk size in the model's tokens [512]")
+    p.add_argument("--chunk-overlap", type=int, help="tokens shared by consecutive chunks [0]")
+    p.add_argument("--index", choices=["flat", "ivf", "hnsw"],
+                   help="faiss index: exact [flat] or approximate for large corpora")
+    p.add_argument("--embedding-model", help="packaged default [all-MiniLM-L6-v2] or a local directory")
     p.add_argument("--text-field", default="text",
                    help="field of JSON/JSONL records holding text; `a[].b` walks lists (e.g. ctxs[].text)")
     p.add_argument("--title-field", default="title", help="field put above the text when present ('' for none)")
     p.add_argument("--max-file-mb", type=float, default=50.0, help="skip files larger than this")
     p.add_argument("--no-kv", action="store_true", help="do not precompute per-chunk KV")
     p.add_argument("--chunk-kv-context", choices=CHUNK_KV_CONTEXTS, default=None,
-                   help="compute each chunk's KV after the RAG prompt's instruction prefix (a new store's "
-                        "default: closer to full prefill) or alone (CacheBlend's way); default: the store's")
+                   help="compute each chunk's KV after the RAG prompt's instruction prefix (closer to full "
+                        "prefill) [instruction] or alone (CacheBlend's way)")
     p.add_argument("--kv-capacity-gb", type=float, default=200.0, help="capacity of the disk KV tier")
     p.add_argument("--redis", metavar="URL", help="also keep KV in this Redis server (remote tier)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -38,27 +45,26 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dataclasses import asdict
-
     from ragfuse.embeddings import Embedder
     from ragfuse.engine import EngineConfig, LLMEngine
     from ragfuse.engine.errors import ModelError
     from ragfuse.ingest import Ingestor
     from ragfuse.rag_store import RagStore
-    from ragfuse.store_dir import StoreConfig, check_chunking, resolve_store_dir
+    from ragfuse.store_dir import check_chunking, resolve_store_dir
 
-    check_chunking(args.chunk_tokens, args.chunk_overlap)  # before a model loads (StoreConfig checks again)
-    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
-    if engine.tokenizer is None:  # before the store is opened: a failed ingest leaves no store behind
-        raise ModelError(f"model {args.model} has no tokenizer (tokenizer.json or tokenizer.model beside its "
-                         "config.json): ingest needs one to cut documents into the model's tokens")
-    embedder = Embedder(args.embedding_model)
     root = resolve_store_dir(args.store)
     existing = StoreConfig.load(root)
-    context = args.chunk_kv_context or (existing.chunk_kv_context if existing else "instruction")
-    config = StoreConfig(model=args.model, embedding_model=args.embedding_model, embedding_dim=embedder.dim,
-                         index_kind=args.index, chunk_tokens=args.chunk_tokens, chunk_overlap=args.chunk_overlap,
-                         chunk_kv_context=context)
+    settings = _settings(args, existing)
+    # the user's mistakes are told before a model loads (the store checks again, with the embedder's dim)
+    check_chunking(settings["chunk_tokens"], settings["chunk_overlap"])
+    if existing is not None:
+        existing.check_compatible(StoreConfig(embedding_dim=existing.embedding_dim, **settings))
+    engine = LLMEngine(EngineConfig(model=settings["model"], device=args.device, dtype=args.dtype))
+    if engine.tokenizer is None:  # before the store is opened: a failed ingest leaves no store behind
+        raise ModelError(f"model {settings['model']} has no tokenizer (tokenizer.json or tokenizer.model beside "
+                         "its config.json): ingest needs one to cut documents into the model's tokens")
+    embedder = Embedder(settings["embedding_model"])
+    config = StoreConfig(embedding_dim=embedder.dim, **settings)
     store = RagStore(root, config, kv_capacity_gb=args.kv_capacity_gb, redis_url=args.redis)
     try:
         ingestor = Ingestor(store, engine, embedder, precompute_kv=not args.no_kv,
@@ -78,3 +84,20 @@ def run(args: argparse.Namespace) -> int:
               f"KV computed {report.kv_computed}, reused {report.kv_reused}, removed {report.kv_removed}; "
               f"{report.seconds:.1f} s (KV {report.kv_seconds:.1f} s) -> {store.root}")
     return 0
+
+
+# a new store's settings where the command line leaves them out (embedding_dim: the embedder's)
+NEW_STORE = {"model": "smollm2-135m-instruct", "embedding_model": DEFAULT_EMBEDDING_MODEL, "index_kind": "flat",
+             "chunk_tokens": DEFAULT_CHUNK_TOKENS, "chunk_overlap": 0, "chunk_kv_context": "instruction"}
+
+
+def _settings(args: argparse.Namespace, existing: StoreConfig | None) -> dict[str, Any]:
+    """The store settings this ingest runs with: each one given on the command line, else the
+    existing store's, else a new store's default. Only a setting given otherwise than the store has
+    is then refused (``StoreConfig.check_compatible``): adding files to a store made with, say,
+    ``--chunk-tokens 128`` must not need the option again, nor be told to empty the store."""
+    given = {"model": args.model, "embedding_model": args.embedding_model, "index_kind": args.index,
+             "chunk_tokens": args.chunk_tokens, "chunk_overlap": args.chunk_overlap,
+             "chunk_kv_context": args.chunk_kv_context}
+    base = asdict(existing) if existing is not None else NEW_STORE
+    return {k: v if v is not None else base[k] for k, v in given.items()}

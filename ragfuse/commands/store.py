@@ -53,6 +53,8 @@ def rm(args: argparse.Namespace) -> int:
 
     if not args.paths and not args.all:
         raise RagfuseError("name the files to remove, or pass --all")
+    if args.paths and args.all:  # which one was meant? --all alone would silently remove every file
+        raise RagfuseError("--all removes every file: name no PATH with it")
     if args.all:
         files, chunks, kv = RagStore.clear_at(resolve_store_dir(args.store))
         print(f"removed {files} files, {chunks} chunks, {kv} KV entries; the store's settings are reset "
