@@ -54,13 +54,30 @@ def find_files(paths: Iterable[str | Path]) -> tuple[list[Path], list[SkippedFil
     missing: list[SkippedFile] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in SUFFIXES
-                            and not any(part.startswith(".") for part in f.relative_to(p).parts))
+            found += _walk_dir(p)
         elif p.is_file():
             found.append(p)
         else:
             missing.append(SkippedFile(_display_path(p), "no such file or directory"))
     return list(dict.fromkeys(f.resolve() for f in found)), missing
+
+
+def _walk_dir(root: Path) -> list[Path]:
+    """The supported files below ``root``, sorted, hidden files and folders left out. Linked folders
+    are followed (a docs tree assembled from links is common), each real folder once: a link back up
+    the tree would otherwise recurse without end."""
+    found: list[Path] = []
+    seen: set[str] = set()
+    for folder, dirs, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            dirs.clear()
+            continue
+        seen.add(real)
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found += [Path(folder, n) for n in names if not n.startswith(".") and Path(n).suffix.lower() in SUFFIXES
+                  and os.path.isfile(os.path.join(folder, n))]
+    return sorted(found)
 
 
 def load_file(path: Path, max_bytes: int = DEFAULT_MAX_BYTES, text_field: str = "text",

@@ -22,6 +22,7 @@ import logging
 from dataclasses import asdict, dataclass
 
 from ragfuse.engine import LLMEngine
+from ragfuse.engine.atomic_file import write_atomic
 from ragfuse.engine.checkpoint import cache_root
 from ragfuse.engine.errors import RequestError
 from ragfuse.engine.fusion import SelectionPolicy
@@ -136,8 +137,6 @@ def calibrated_r_star(
                 len(prompts[1]), prompts[0])
     cal = calibrate(engine, policy, target, prompts=prompts, kv_context=kv_context)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(cal), indent=2))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(asdict(cal), indent=2))  # another process may calibrate the same at once
     log.warning("r* = %.2f for %s (gap closed per ratio: %s)", cal.r_star, engine.model_name, cal.gap_closed)
     return cal.r_star

@@ -10,6 +10,7 @@ chunks are in: a chunk that moved from one file to another keeps its KV.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ def run_here(fn: Callable[[], T]) -> T:
 class IngestReport:
     new_files: list[str] = field(default_factory=list)
     replaced_files: list[str] = field(default_factory=list)
+    removed_files: list[str] = field(default_factory=list)  # gone from an ingested folder
     unchanged_files: list[str] = field(default_factory=list)
     skipped: list[SkippedFile] = field(default_factory=list)
     chunks_added: int = 0
@@ -84,9 +86,14 @@ class Ingestor:
         self.progress = progress
 
     def ingest(self, paths: Iterable[str | Path]) -> IngestReport:
+        """Add, replace or keep each file found under ``paths``. A folder is mirrored: its files
+        stored before and deleted since are removed, so a deleted document stops being retrieved
+        (a file named alone, or one that is now skipped, is never removed: ``store rm`` does that)."""
         t0 = time.perf_counter()
         report = IngestReport()
+        paths = [Path(p) for p in paths]
         files, report.skipped = find_files(paths)
+        report.removed_files = self.on_engine(lambda: self._deleted_files(paths))
         pending: list[_Pending] = []
         for path in tqdm(files, desc="reading", unit="file", disable=not self.progress):
             loaded = load_file(path, self.max_bytes, self.text_field, self.title_field)
@@ -107,13 +114,21 @@ class Ingestor:
         report.seconds = time.perf_counter() - t0
         return report
 
+    def _deleted_files(self, paths: list[Path]) -> list[str]:
+        """Stored files below the folders among ``paths`` that no longer exist (stored paths are
+        resolved, as ``find_files`` gives them)."""
+        stored = [f for p in paths if p.is_dir() for f, _ in self.store.docs.files(str(p.resolve()))]
+        return [f for f in dict.fromkeys(stored) if not os.path.lexists(f)]
+
     def _commit(self, pending: list[_Pending], vectors: Any, report: IngestReport) -> None:
         """Swap each file's chunks in, update the index once, then forget KV no chunk uses."""
         chunk_kv = self.chunk_kv
         offset = 0
         all_removed: list[int] = []
         all_added: list[int] = []
-        old_refs: list[tuple[str | None, tuple[int, ...]]] = []
+        old_refs = self.store.docs.kv_refs(report.removed_files)
+        all_removed += self.store.docs.remove_files(report.removed_files)
+        report.chunks_removed += len(all_removed)
         for p in pending:
             n = len(p.texts)
             chunks = [
@@ -130,7 +145,7 @@ class Ingestor:
             report.chunks_removed += len(removed)
             report.tokens += sum(len(ids) for ids in p.token_ids)
             offset += n
-        if pending:  # one index update (and save) for the whole ingest; until then the saved
+        if pending or all_removed:  # one index update (and save) for the whole ingest; until then the saved
             # index is behind the docstore's generation and a crash would make the next open rebuild it
             self.store.apply_changes(all_removed, all_added, vectors)
         # only now, with every file's new chunks in, can "no chunk uses it" be told: a key one file

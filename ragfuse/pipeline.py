@@ -175,9 +175,7 @@ class RagPipeline:
         retrieve_s = time.perf_counter() - t
         if not hits:
             raise RagfuseError("the store has no documents: run `ragfuse ingest` first")
-        assert self.store is not None
-        chunks = self.store.docs.chunks([h.id for h in hits])
-        passages = [list(chunks[h.id].token_ids) for h in hits]
+        passages = [list(h.token_ids) for h in hits]
         notes: list[str] = []
         use_kv = mode not in (FusionMode.FULL.value, FusionMode.PREFIX.value)
         segments = [
@@ -336,8 +334,9 @@ class RagPipeline:
         the turn follows the session's history (its KV reused, not recomputed) and the fused prompt
         and answer become part of that history for the next turn. ``relay``: this call's choice
         (default: the pipeline's)."""
-        with self.router.lock:
-            started = self.start(question, mode, ratio, top_k, params, session_id, relay)
+        with self.router.lock:  # a start that finds the cache full steps the others until there is room
+            started = self.engine.when_room(lambda: self.start(question, mode, ratio, top_k, params, session_id,
+                                                               relay))
             self.router.track(started.request_id)
         yield from self._follow(started)
 
@@ -361,7 +360,7 @@ class RagPipeline:
         # preparing may open stored KV or compute missing KV on the engine: under the engine's lock
         with self.router.lock:
             t0 = time.perf_counter()
-            started = self._start_prepared(prepare(), mode, params, t0, 0.0)
+            started = self.engine.when_room(lambda: self._start_prepared(prepare(), mode, params, t0, 0.0))
             self.router.track(started.request_id)
         yield from self._follow(started)
 

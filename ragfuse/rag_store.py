@@ -69,10 +69,22 @@ class RagStore:
         try:
             self.index = self._load_index()
             if existing is None:
-                config.save(root)
+                self._record_settings()
         except BaseException:
             self.close()
             raise
+
+    def _record_settings(self) -> None:
+        """Record a new store's settings, unless another process opening it at the same time did so
+        first: then this one's must match them (two ingests starting on a new store with different
+        chunk sizes would otherwise both run, and the first one's chunks sit under the second's
+        settings). Under the store's write lock, which every writer takes."""
+        with self._index_lock:
+            recorded = StoreConfig.load(self.root)
+            if recorded is None:
+                self.config.save(self.root)
+            else:
+                recorded.check_compatible(self.config)
 
     @classmethod
     def open_existing(cls, root: Path, **kwargs: object) -> RagStore:

@@ -16,10 +16,14 @@ class SearchResult:
     source: str
     score: float
     kv_key: str | None = None
+    # read with the text, in one query: a second read by id could miss a chunk that an ingest in
+    # another process replaced meanwhile
+    token_ids: tuple[int, ...] = ()
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d.pop("kv_key")
+        d.pop("token_ids")
         return d
 
 
@@ -41,6 +45,6 @@ class Retriever:
         scores, ids = index.search(self.embedder.encode([query])[0], min(top_k, len(index)))
         found = self.store.docs.chunks([int(i) for i in ids if i >= 0])
         return [
-            SearchResult(int(i), found[int(i)].text, found[int(i)].source, float(s), found[int(i)].kv_key)
-            for s, i in zip(scores, ids) if int(i) in found
+            SearchResult(int(i), c.text, c.source, float(s), c.kv_key, c.token_ids)
+            for s, i in zip(scores, ids) if (c := found.get(int(i))) is not None
         ]

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import get_type_hints
 
+from ragfuse.engine.atomic_file import write_atomic
 from ragfuse.engine.errors import RagfuseError
 
 
@@ -76,12 +77,9 @@ class StoreConfig:
         check_chunk_kv_context(self.chunk_kv_context)
 
     def save(self, root: Path) -> None:
-        tmp = root / "store.json.tmp"
         try:
-            tmp.write_text(json.dumps(asdict(self), indent=2))
-            tmp.replace(root / "store.json")
+            write_atomic(root / "store.json", json.dumps(asdict(self), indent=2))
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             raise StoreError(f"cannot record the store's settings in {root / 'store.json'}: {exc.strerror}") from exc
 
     @classmethod

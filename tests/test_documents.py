@@ -73,3 +73,19 @@ def test_a_file_name_that_is_not_utf8_is_skipped_by_a_printable_name(tmp_path):
     assert isinstance(skipped, SkippedFile) and "file name is not valid UTF-8" in skipped.reason
     assert skipped.path == f"{tmp_path}/caf\\xe9-menu.txt"
     skipped.path.encode("utf-8")  # printable on a UTF-8 terminal, storable in SQLite
+
+
+def test_linked_folders_are_followed_once_and_hidden_ones_left_out(tmp_path):
+    shared = tmp_path / "shared"
+    (shared / "deep").mkdir(parents=True)
+    (shared / "deep" / "notes.md").write_text("Linked notes.")
+    docs = tmp_path / "docs"
+    (docs / ".git").mkdir(parents=True)
+    (docs / ".git" / "config.txt").write_text("hidden")
+    (docs / ".draft.txt").write_text("hidden")
+    (docs / "a.txt").write_text("A.")
+    (docs / "linked").symlink_to(shared, target_is_directory=True)
+    (shared / "deep" / "loop").symlink_to(docs, target_is_directory=True)  # a link back up the tree
+    files, missing = find_files([docs])
+    assert not missing
+    assert files == [(docs / "a.txt").resolve(), (shared / "deep" / "notes.md").resolve()]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -284,10 +285,17 @@ def test_async_engine_holds_a_fused_start_until_the_cache_has_room():
     async def main():
         plain = aeng.generate(long_plain, SamplingParams(max_tokens=40, ignore_eos=True))
         first = await plain.__anext__()
+        # the engine thread is held between steps while both starts are queued and one is cancelled:
+        # under load the plain request could otherwise end (and free room) before the cancel
+        hold = threading.Event()
+        held = asyncio.create_task(aeng.call(lambda e: hold.wait(30)))
         fused = asyncio.create_task(tokens(aeng.generate_with(lambda e: start_fused(e, "kept"))))
         dropped = asyncio.create_task(tokens(aeng.generate_with(lambda e: start_fused(e, "cancelled"))))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # the loop runs both tasks up to their first wait (their starts queued)
         dropped.cancel()
+        await asyncio.sleep(0.05)  # the cancelled one queues its abort behind its start
+        hold.set()
+        assert await held
         rest = await tokens(plain)
         return first, rest, await fused
 

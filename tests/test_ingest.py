@@ -188,3 +188,25 @@ def test_files_that_cannot_be_read_are_skipped_and_the_rest_ingested(tmp_path, e
     assert reasons["deep.json"] == "JSON nested too deeply to read" and "unreadable PDF" in reasons["loop.pdf"]
     assert "not valid UTF-8" in reasons["caf\\xe9-menu.txt"]
     store.close()
+
+
+def test_reingesting_a_folder_removes_its_deleted_files_but_not_files_named_alone(tmp_path, engine, embedder):
+    docs, other = tmp_path / "docs", tmp_path / "other"
+    docs.mkdir()
+    other.mkdir()
+    (docs / "keep.txt").write_text("The Hollowpoint lighthouse was electrified in 1931.")
+    (docs / "old.txt").write_text("The ferry to Saltmarsh stopped running in 1952.")
+    (other / "alone.txt").write_text("Granite from the Brenn quarry paved the harbour road.")
+    store = RagStore(tmp_path / "store", _config(embedder))
+    _ingest(store, engine, embedder, [docs, other / "alone.txt"])
+    retriever = Retriever(store, embedder)
+    assert "old.txt" in retriever.search("When did the ferry stop running?", 1)[0].source
+    (docs / "old.txt").unlink()
+    (other / "alone.txt").unlink()  # named alone, not through a folder: the user removes it with `store rm`
+    rep = _ingest(store, engine, embedder, [docs])
+    assert rep.removed_files == [str((docs / "old.txt").resolve())] and rep.chunks_removed == 1
+    assert rep.kv_removed == 1 and rep.unchanged_files == [str((docs / "keep.txt").resolve())]
+    assert sorted(os.path.basename(p) for p, _ in store.docs.files()) == ["alone.txt", "keep.txt"]
+    assert all("old.txt" not in r.source for r in retriever.search("When did the ferry stop running?", 3))
+    assert len(store.index) == 2
+    store.close()

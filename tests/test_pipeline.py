@@ -100,6 +100,39 @@ def test_a_stream_read_halfway_does_not_block_the_next_question(pipeline):
     assert got == [other_alone, alone]
 
 
+def test_a_question_that_finds_the_cache_full_waits_for_room(pipeline, store):
+    """A fused prefill takes its cache blocks when it starts. With the cache held by another caller's
+    open stream, ``ask`` raised CacheFullError (a framework's second thread failed for no fault of
+    its own); it must wait for room, stepping the stream meanwhile, and both answer as they do alone."""
+    import gc
+
+    from ragfuse.app import open_pipeline
+    from ragfuse.engine import EngineConfig, LLMEngine, SamplingParams
+
+    params = SamplingParams(max_tokens=8)
+    other = "How many panels does the Kessel Valley solar farm have?"
+    alone = pipeline.ask(QUESTION, mode="fuse", ratio=0.3, top_k=2, params=params)
+    other_alone = pipeline.ask(other, mode="fuse", ratio=0.3, top_k=2, params=params)
+    shared = pipeline.engine
+    block_tokens = shared.config.block_size
+    per_block = (1 << 30) // shared.blocks.num_blocks  # the shared engine's cache: 1 GiB on CPU
+    need = -(-max(alone.prompt_tokens, other_alone.prompt_tokens) // block_tokens) + 1
+    small = LLMEngine(EngineConfig(model=shared.config.model, device="cpu", kv_cache_bytes=need * 3 // 2 * per_block))
+    try:
+        pipe = open_pipeline(str(store), engine=small, gate=False)
+        stream = pipe.stream(QUESTION, mode="fuse", ratio=0.3, top_k=2, params=params)
+        next(stream)
+        assert small.blocks.num_free * block_tokens < other_alone.prompt_tokens - other_alone.relay_system_tokens
+        waited = pipe.ask(other, mode="fuse", ratio=0.3, top_k=2, params=params)
+        assert (waited.answer, waited.token_ids) == (other_alone.answer, other_alone.token_ids)
+        assert list(stream)[-1].token_ids == alone.token_ids
+        assert not small.has_unfinished() and small.relay_prompts.release_idle() == 1  # the instruction prefix
+        assert small.blocks.num_free == small.blocks.num_blocks
+    finally:
+        del small
+        gc.collect()
+
+
 def test_corrupt_entry_is_recomputed_not_served(pipeline):
     from ragfuse.engine import SamplingParams
 

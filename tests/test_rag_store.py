@@ -204,3 +204,24 @@ def test_an_index_that_cannot_be_saved_is_served_from_memory_and_a_writer_is_tol
     assert len(store.index) == n + 1 and store.docs.counts()["chunks"] == n + 1
     store.close()
 
+
+
+def test_a_new_store_opened_twice_at_once_keeps_the_first_recorded_settings(tmp_path, monkeypatch):
+    """Two ingests starting on a new store both find no settings; the one that records them second
+    must be refused if its settings differ, not overwrite them under the first one's chunks."""
+    import pytest
+
+    from ragfuse.store_dir import StoreConfig, StoreError
+
+    root = tmp_path / "store"
+    opening = RagStore._load_index
+
+    def other_process_records_first(self: RagStore):
+        tiny_config(chunk_tokens=128).save(self.root)  # the other ingest got there first
+        return opening(self)
+
+    monkeypatch.setattr(RagStore, "_load_index", other_process_records_first)
+    with pytest.raises(StoreError, match="chunk_tokens: store has 128, asked 512"):
+        RagStore(root, tiny_config())
+    assert StoreConfig.load(root).chunk_tokens == 128
+    RagStore(root, tiny_config(chunk_tokens=128)).close()  # the same settings: both go on

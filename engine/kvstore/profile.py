@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..atomic_file import write_atomic
 from .entry import KVStoreError, StoredKV
 from .tier import Tier
 
@@ -54,9 +55,7 @@ class DelayProfile:
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2))
-        tmp.replace(path)
+        write_atomic(path, json.dumps(asdict(self), indent=2))
         return path
 
     @classmethod

@@ -24,7 +24,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import re
 import sqlite3
 import threading
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from ..atomic_file import write_atomic
 from ..errors import RequestError
 from ..kvstore import DiskTier, KVStoreError, StoredKV, kv_key
 from ..kvstore.entry import DTYPES, EntryMeta, dtype_name, layer_checksum
@@ -356,17 +356,14 @@ class SessionStore:
         it, with the reason. Raised here, the error would resurface at every later lookup and at
         close, and the session could never be used or replaced."""
         assert self.disk is not None and self.root is not None
-        tmp = self._record_path(rec.session_id).with_suffix(".tmp")
         kv_written = False
         try:
             self.disk.put(entry, keep_evicted=False)
             kv_written = True
-            tmp.write_text(rec.to_json())
-            os.replace(tmp, self._record_path(rec.session_id))
+            write_atomic(self._record_path(rec.session_id), rec.to_json())
             if old is not None and old.key != rec.key:
                 self._delete_files(old)
         except (KVStoreError, OSError) as exc:
-            tmp.unlink(missing_ok=True)
             log.warning("session %s could not be written to disk: %s", rec.session_id, exc)
             if kv_written:  # no record refers to the KV file: nothing would ever delete it
                 try:

@@ -470,4 +470,7 @@ def _plot(fig: Any, rows: list[dict[str, Any]]) -> None:
     ax2.set_xlabel("system prompt tokens")
     ax2.set_ylabel("relay speedup, output tokens/s")
     ax2.set_title("end to end")
-    ax2.legend(fontsize=7)
+    if e2e:
+        ax2.legend(fontsize=7)
+    else:  # no end-to-end speedup rows in this run
+        ax2.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax2.transAxes)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import platform
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from ragfuse.engine.atomic_file import write_atomic
 
 
 def machine_info(device: str) -> dict[str, Any]:
@@ -74,25 +75,6 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def _atomic_write(path: Path, data: bytes | str, write: Callable[[Any], None] | None = None) -> None:
-    """Write ``path`` through a temporary file in its folder renamed over it: a reader, or a run cut
-    short (an error, Ctrl-C, a full disk), sees the previous file or the new one whole, never half."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if write is not None:
-                write(f)
-            else:
-                f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the results from the other users of the machine
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_report(
     out: str | Path,
     title: str,
@@ -104,18 +86,18 @@ def write_report(
     """Write results.json, results.md (title, notes, table) and, with ``plot``, results.png.
 
     ``plot`` receives a matplotlib Figure to draw on (the Agg backend: no display needed). Each file
-    is replaced whole (``_atomic_write``); NaN figures are written as null (``json_safe``). A folder
+    is replaced whole (``write_atomic``); NaN figures are written as null (``json_safe``). A folder
     that cannot be written is a RagfuseError, not a traceback.
     """
     from ragfuse.engine.errors import RagfuseError
 
     out = prepare_out_dir(out)
     try:
-        _atomic_write(out / "results.json",
+        write_atomic(out / "results.json",
                       json.dumps(json_safe({**results, "rows": rows}), indent=2, default=str, allow_nan=False))
         head = f"# {title}\n\n{notes.strip()}\n\n" if notes else f"# {title}\n\n"
         md = head + markdown_table(rows)
-        _atomic_write(out / "results.md", md)
+        write_atomic(out / "results.md", md)
         if plot is not None:
             import matplotlib
 
@@ -126,7 +108,7 @@ def write_report(
             try:
                 plot(fig)
                 fig.tight_layout()
-                _atomic_write(out / "results.png", b"", lambda f: fig.savefig(f, format="png", dpi=110))
+                write_atomic(out / "results.png", b"", lambda f: fig.savefig(f, format="png", dpi=110))
             finally:
                 plt.close(fig)
     except OSError as exc:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ragfuse.engine.atomic_file import write_atomic
 from ragfuse.engine.errors import RequestError
 
 
@@ -141,16 +142,10 @@ def _unreadable_transcript(path: Path, session: str, why: str) -> RequestError:
 def _write_transcript(path: Path, messages: list[dict[str, str]]) -> None:
     """Replace the transcript at once (a temporary file renamed over it): a process killed while
     writing, or a full disk, leaves the previous turn's transcript, never half of one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(messages, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(messages))
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise RequestError(f"cannot save the session's transcript {path}: {exc.strerror}; "
                            "this turn's answer is not part of the conversation") from exc
 

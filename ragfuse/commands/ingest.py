@@ -78,8 +78,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         for s in report.skipped:
             print(f"skipped {s.path}: {s.reason}")
+        for path in report.removed_files:
+            print(f"removed {path}: no longer in its folder")
         print(f"{len(report.new_files)} new, {len(report.replaced_files)} changed, "
-              f"{len(report.unchanged_files)} unchanged, {len(report.skipped)} skipped files; "
+              f"{len(report.removed_files)} removed, {len(report.unchanged_files)} unchanged, "
+              f"{len(report.skipped)} skipped files; "
               f"+{report.chunks_added} -{report.chunks_removed} chunks ({report.tokens} tokens); "
               f"KV computed {report.kv_computed}, reused {report.kv_reused}, removed {report.kv_removed}; "
               f"{report.seconds:.1f} s (KV {report.kv_seconds:.1f} s) -> {store.root}")
