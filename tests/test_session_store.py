@@ -43,6 +43,33 @@ def test_queued_session_is_prefetched_from_disk_into_memory(tmp_path) -> None:
     store.close()
 
 
+def test_a_session_being_read_by_a_turn_is_neither_evicted_nor_expired(tmp_path) -> None:
+    """While a turn reads a session's KV (its source open, the read buffer waiting in the queue
+    included), admitting another session must evict some other one, and the TTL must not take it:
+    the turn still holds that memory, so evicting it would free nothing. Once read, it is fair game."""
+    one = LAYERS * 2 * 10 * HEADS * DIM * 4  # bytes of a 10-token session
+    now = [0.0]
+    store = SessionStore(tmp_path, "fp", torch.float32, cpu_bytes=2 * one, disk_bytes=10 * one, ttl_s=60,
+                         clock=lambda: now[0])
+    store.save("reading", list(range(11)), [(0, 10)], snapshot(10, 0))
+    store.flush()
+    now[0] = 1.0
+    store.save("idle", list(range(11)), [(0, 10)], snapshot(10, 1))
+    store.flush()
+    source = store.lookup("reading").open_source(10, None)  # "reading" is now the most recent too
+    now[0] = 2.0
+    store.save("idle", list(range(12)), [(0, 11)], snapshot(11, 2))  # the newest: room for it needed
+    store.flush()
+    assert store.tier_of("reading") == "cpu"
+    now[0] = 100.0  # both idle past the TTL by the clock
+    assert store.lookup("reading").record is not None
+    source.finish()
+    source.finish()  # a turn's close runs twice on its failure path: unmarked once
+    now[0] = 200.0
+    assert store.lookup("reading").record is None
+    store.close()
+
+
 def test_ttl_expires_idle_sessions(tmp_path) -> None:
     now = [0.0]
     store = SessionStore(tmp_path, "fp", torch.float32, ttl_s=60, clock=lambda: now[0])

@@ -162,13 +162,18 @@ class SessionSource:
 
 
 def memory_source(
-    layers: list[torch.Tensor], num_tokens: int, rows: list[int] | None, session_id: str
+    layers: list[torch.Tensor], num_tokens: int, rows: list[int] | None, session_id: str,
+    close: Callable[[], None] | None = None,
 ) -> SessionSource:
-    return SessionSource("cpu", lambda i: layers[i], len(layers), num_tokens, rows, session_id)
+    return SessionSource("cpu", lambda i: layers[i], len(layers), num_tokens, rows, session_id, close)
 
 
-def disk_source(reader: DiskEntryReader, num_tokens: int, rows: list[int] | None, session_id: str) -> SessionSource:
-    """Layers read and verified on demand; a bad checksum raises ``CorruptEntryError``."""
+def disk_source(
+    reader: DiskEntryReader, num_tokens: int, rows: list[int] | None, session_id: str,
+    close: Callable[[], None] | None = None,
+) -> SessionSource:
+    """Layers read and verified on demand; a bad checksum raises ``CorruptEntryError``. ``close``
+    runs after the reader is closed."""
     meta: EntryMeta = reader.meta
     pin = torch.cuda.is_available()
     ring = [torch.empty(meta.layer_shape, dtype=meta.dtype, pin_memory=pin) for _ in range(min(RING, meta.num_layers))]
@@ -178,4 +183,9 @@ def disk_source(reader: DiskEntryReader, num_tokens: int, rows: list[int] | None
         with lock:
             return reader.read_layer(i, ring[i % len(ring)])
 
-    return SessionSource("disk", read, meta.num_layers, num_tokens, rows, session_id, reader.close)
+    def finish() -> None:
+        reader.close()
+        if close is not None:
+            close()
+
+    return SessionSource("disk", read, meta.num_layers, num_tokens, rows, session_id, finish)

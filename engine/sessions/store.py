@@ -193,6 +193,7 @@ class SessionStore:
         # turns begun and not saved yet, by when they began (``begin``)
         self._turns: weakref.WeakValueDictionary[int, TurnTicket] = weakref.WeakValueDictionary()
         self._turn_ids = itertools.count()
+        self._pins: dict[str, int] = {}  # open layer sources per session (``placement.pinned``: those > 0)
         self._load_records()
         self._remove_orphans()
 
@@ -450,7 +451,8 @@ class SessionStore:
             entry = self._memory.get(session_id)
         if entry is not None:
             layers = entry.layers
-            return Lookup(rec, "cpu", "", lambda n, rows: memory_source(layers, n, rows, session_id))
+            return Lookup(rec, "cpu", "", lambda n, rows: memory_source(layers, n, rows, session_id,
+                                                                        self._pin(session_id)))
         if tier is None or self.disk is None:
             return Lookup(None, None, f"session {session_id} is not stored")
         return Lookup(rec, "disk", "", lambda n, rows: self._open_disk(rec, n, rows))
@@ -466,7 +468,26 @@ class SessionStore:
         if why := _rows_mismatch(rec, reader.meta):
             reader.close()
             raise SessionCorruptError(rec.session_id, why)
-        return disk_source(reader, num_tokens, rows, rec.session_id)
+        return disk_source(reader, num_tokens, rows, rec.session_id, self._pin(rec.session_id))
+
+    def _pin(self, session_id: str) -> Callable[[], None]:
+        """Mark the session in use while a turn reads its KV (from its source's opening to its
+        ``finish``, the read buffer's wait in the queue included) and return the unmarking. The
+        placement neither evicts nor expires a session in use, and counts its bytes out of the
+        prefetch window: an eviction would free nothing while the turn still holds the memory."""
+        with self._lock:
+            self._pins[session_id] = self._pins.get(session_id, 0) + 1
+            self.placement.pinned.add(session_id)
+
+        def unpin() -> None:
+            with self._lock:
+                left = self._pins.pop(session_id) - 1
+                if left:
+                    self._pins[session_id] = left
+                else:
+                    self.placement.pinned.discard(session_id)
+
+        return unpin
 
     def conversation(self, session_id: str) -> list[int]:
         """The session's logical tokens so far (empty for a new or lost session), for a caller that
