@@ -59,6 +59,7 @@ class AsyncEngine:
         self._inbox: queue.Queue[_Submit | _Call | _Abort | None] = queue.Queue()
         self._listeners: dict[str, _Submit] = {}
         self._deferred: deque[_Submit] = deque()  # starts that found the cache full, oldest first
+        self._free_at_full = -1  # free blocks when a deferred start last found the cache full
         self._thread = threading.Thread(target=self._loop, name="ragfuse-engine", daemon=True)
         self._thread.start()
 
@@ -157,9 +158,10 @@ class AsyncEngine:
         try:
             item.request_id = item.start(self.engine)
         except CacheFullError as exc:
-            if self.engine.has_unfinished():  # running requests will free blocks: try again after a step
+            if self.engine.has_unfinished():  # running requests will free blocks: try again then
                 if item not in self._deferred:
                     self._deferred.append(item)
+                self._free_at_full = self.engine.blocks.num_free
                 return False
             self._fail(item, exc)
             return True
@@ -170,7 +172,11 @@ class AsyncEngine:
         return True
 
     def _start_deferred(self) -> None:
-        """Start the waiting submissions, oldest first, as far as the cache now has room."""
+        """Start the waiting submissions, oldest first, as far as the cache now has room. Not tried
+        before a step has freed blocks (or nothing runs): a start may retrieve, look a session up and
+        open stored KV, wasted work at every step while the cache stays full."""
+        if self.engine.has_unfinished() and self.engine.blocks.num_free <= self._free_at_full:
+            return
         while self._deferred:
             item = self._deferred[0]
             if not self._start(item):

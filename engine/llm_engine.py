@@ -273,6 +273,8 @@ class LLMEngine:
         KV: ``_add_prefilled``) raises ``CacheFullError`` when the cache is full; here it is retried
         after each step while running requests will free blocks, so several turns submitted together
         all run instead of the later ones failing. It fails only when nothing is left to free any.
+        It is tried again only once a step has freed blocks: a start may retrieve, look a session up
+        and open stored KV, which would be wasted at every step while the cache stays full.
         For callers that step the engine themselves (``LLM``): the outputs of the steps run meanwhile
         come with the next ``step``. The async front end defers such starts instead of blocking."""
         while True:
@@ -281,7 +283,9 @@ class LLMEngine:
             except CacheFullError:
                 if not self.scheduler.has_work:
                     raise
-                self._held = self.step()
+                full = self.blocks.num_free
+                while self.scheduler.has_work and self.blocks.num_free <= full:
+                    self._held = self.step()  # a step hands the held outputs on first: none is lost
 
     def compute_kv(
         self, token_lists: list[list[int]], context: Iterable[int] = ()

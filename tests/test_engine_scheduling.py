@@ -259,6 +259,32 @@ def test_async_engine_serves_concurrent_callers_and_cancels():
         aeng.shutdown()
 
 
+def test_a_start_waiting_for_room_is_tried_again_only_once_blocks_are_freed():
+    """``LLMEngine.when_room`` (a session turn or a RAG question on a full cache, sync callers): the
+    start (retrieval, session lookup, stored KV opened) is repeated only after a step that freed
+    blocks, not at every step of the requests holding the cache; their outputs are all handed on."""
+    from ragfuse.engine.fusion import FusionMode, Segment
+
+    eng = random_engine(kv_blocks=40)
+    plain = eng.add_request(prompts(1, 60)[0], SamplingParams(max_tokens=40, ignore_eos=True))
+    first = eng.step()
+    attempts: list[int] = []
+
+    def start() -> str:
+        attempts.append(eng.blocks.num_free)
+        rid, _ = eng.add_fused_request([Segment(prompts(1, 104)[0])], SamplingParams(max_tokens=3, ignore_eos=True),
+                                       FusionMode.FULL)
+        return rid
+
+    fused = eng.when_room(start)
+    assert len(attempts) == 2 and attempts[1] == eng.blocks.num_blocks
+    last = {out.request_id: out for out in first}
+    while eng.has_unfinished():
+        last |= {out.request_id: out for out in eng.step()}
+    assert {rid: (len(out.token_ids), out.finished) for rid, out in last.items()} == {plain: (40, True),
+                                                                                      fused: (3, True)}
+
+
 def test_async_engine_holds_a_fused_start_until_the_cache_has_room():
     """A fused prefill takes its blocks when it starts; with the cache busy it must wait for room
     (not fail: the client did nothing wrong), in order, and one cancelled while it waits never starts."""
@@ -269,8 +295,10 @@ def test_async_engine_holds_a_fused_start_until_the_cache_has_room():
     long_plain = prompts(1, 60)[0]  # 15 blocks, 25 by its last token
     fused_ids = prompts(1, 104)[0]  # 26 blocks: no room until the plain request ends
     started: list[str] = []
+    attempts: list[str] = []
 
     def start_fused(engine: LLMEngine, tag: str) -> str:
+        attempts.append(tag)
         rid, _ = engine.add_fused_request([Segment(fused_ids)], SamplingParams(max_tokens=3, ignore_eos=True),
                                           FusionMode.FULL)
         started.append(tag)
@@ -302,6 +330,7 @@ def test_async_engine_holds_a_fused_start_until_the_cache_has_room():
     try:
         _first, rest, fused = asyncio.run(main())
         assert len(rest) == 40 and len(fused) == 3 and started == ["kept"]
+        assert attempts == ["kept", "kept"]  # tried again once the plain request freed its blocks, not per step
         for _ in range(100):
             if not eng.has_unfinished():
                 break
