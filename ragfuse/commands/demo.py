@@ -9,8 +9,11 @@ from pathlib import Path
 from ragfuse.commands.generate import add_model_args
 from ragfuse.commands.ingest import add_store_arg
 
-# the repository's demo documents, when running from a checkout
+# the demo documents: shipped in the wheel as ragfuse/demo_docs (pyproject maps demo/docs there), or the
+# repository's demo/docs when running from a checkout (an editable install)
+PACKAGED_DOCS = Path(__file__).resolve().parents[1] / "demo_docs"
 REPO_DOCS = Path(__file__).resolve().parents[2] / "demo" / "docs"
+DEMO_DOCS = next((d for d in (PACKAGED_DOCS, REPO_DOCS) if d.is_dir()), None)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,8 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=7860)
-    p.add_argument("--docs", default=str(REPO_DOCS) if REPO_DOCS.is_dir() else None,
-                   help="directory of documents offered for picking (default: the repository's demo/docs)")
+    p.add_argument("--docs", default=str(DEMO_DOCS) if DEMO_DOCS else None,
+                   help="directory of documents offered for picking (default: ragfuse's demo documents)")
     p.add_argument("--no-gate", action="store_true",
                    help="skip the accuracy gate's r* calibration (recompute ratio: the policy's default)")
     p.set_defaults(func=run)
