@@ -217,3 +217,11 @@ def test_a_record_with_half_an_emoji_is_ingested_with_a_replacement_character(tm
         assert texts == {"A day at the beach \ufffd", "Rain all day \U0001f600"}
     finally:
         store.close()
+
+
+def test_ask_compare_says_slower_when_the_fused_request_was_slower() -> None:
+    from ragfuse.commands.ask import speed_phrase
+
+    assert speed_phrase(4.04) == "4.0x faster"
+    assert speed_phrase(0.2) == "5.0x slower"  # printed "0.2x faster" before
+    assert speed_phrase(1.0) == "1.0x faster"
