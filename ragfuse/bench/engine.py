@@ -17,17 +17,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from .args import int_list, positive_int
 from .report import machine_info, write_report
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError("expected positive integers")
-    return values
+from .shapes import SHAPES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,12 +27,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out", default=None, help="output folder (default bench-results/engine-DEVICE)")
     p.add_argument("--model", default="smollm2-135m-instruct", help="real weights (used when --shape is not given)")
-    p.add_argument("--shape", default=None, help="random weights of a real shape, e.g. mistral-7b (CUDA default)")
+    p.add_argument("--shape", default=None, choices=SHAPES,
+                   help="random weights of a real shape, e.g. mistral-7b (CUDA default)")
     p.add_argument("--prefill", type=int_list, default=None, help="prompt lengths (cpu: 2048; cuda: 512,1K,4K,8K)")
     p.add_argument("--decode-batches", type=int_list, default=None, help="cpu: 1; cuda: 1,16,64")
-    p.add_argument("--context", type=int, default=None, help="decode context length (cpu: 2048; cuda: 1024)")
-    p.add_argument("--decode-steps", type=int, default=None, help="timed decode steps (cpu: 32; cuda: 64)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--context", type=positive_int, default=None, help="decode context length (cpu: 2048; cuda: 1024)")
+    p.add_argument("--decode-steps", type=positive_int, default=None, help="timed decode steps (cpu: 32; cuda: 64)")
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.set_defaults(func=run)
 
 
@@ -132,6 +125,10 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"bench engine on {device}: loading both implementations...", flush=True)
     eng, hf, model_name = build_pair(args, device)
+    # checked before any timing: a length past the context would fail the run midway, its rows lost
+    if max(prefill_lens) > eng.max_model_len or context + steps + 1 > eng.max_model_len:
+        raise RagfuseError(f"--prefill up to {max(prefill_lens)} tokens and --context {context} + --decode-steps "
+                           f"{steps} must fit the context of {model_name}, {eng.max_model_len} tokens")
     mc = eng.model_config
     peak, peak_what = matmul_peak(device, sync)
     bandwidth = read_bandwidth(device, sync)

@@ -20,25 +20,28 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from .args import choice_list, positive_int, ratio_list, unit_ratio
 from .report import machine_info, write_report
+from .shapes import SHAPES
 
+TIERS = ("cpu", "disk", "gpu")
 RATIOS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("fusion", help="TTFT per fusion mode and KV tier, load/compute overlap")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--shape", action="append", default=None,
+    p.add_argument("--shape", action="append", default=None, choices=SHAPES,
                    help="random-weight shape(s) (cuda default: mistral-7b); cpu default: the default model")
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--chunks", type=int, default=6)
-    p.add_argument("--chunk-tokens", type=int, default=512)
-    p.add_argument("--query-tokens", type=int, default=32)
-    p.add_argument("--ratio", type=float, default=0.15, help="r* for the fuse rows")
-    p.add_argument("--tiers", default="cpu,disk")
-    p.add_argument("--sweep", type=lambda s: [float(x) for x in s.split(",")], default=list(RATIOS),
+    p.add_argument("--chunks", type=positive_int, default=6)
+    p.add_argument("--chunk-tokens", type=positive_int, default=512)
+    p.add_argument("--query-tokens", type=positive_int, default=32)
+    p.add_argument("--ratio", type=unit_ratio, default=0.15, help="r* for the fuse rows")
+    p.add_argument("--tiers", type=choice_list(TIERS), default=["cpu", "disk"], help="comma-separated: cpu, disk, gpu")
+    p.add_argument("--sweep", type=ratio_list, default=list(RATIOS),
                    help="ratios for the TTFT-vs-ratio curve (CPU tier)")
-    p.add_argument("--repeats", type=int, default=None,
+    p.add_argument("--repeats", type=positive_int, default=None,
                    help="passes per mode and tier, the median reported (default 5 on CUDA, 3 on CPU)")
     p.add_argument("--out", default=None)
     p.set_defaults(func=run)
@@ -52,9 +55,9 @@ def run(args: argparse.Namespace) -> int:
     shapes = args.shape or (["mistral-7b"] if args.device == "cuda" else [None])
     if args.repeats is None:  # a GPU pass is milliseconds: more of them steady the median
         args.repeats = 5 if args.device == "cuda" else 3
-    tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
-    if set(tiers) - {"cpu", "disk", "gpu"}:
-        raise RagfuseError(f"--tiers takes cpu, disk and gpu, got {args.tiers}")
+    tiers = args.tiers
+    if "gpu" in tiers and args.device != "cuda":
+        raise RagfuseError("--tiers gpu needs --device cuda")
     rows: list[dict[str, Any]] = []
     sweeps: dict[str, list[dict[str, Any]]] = {}
     extra: dict[str, Any] = {}

@@ -33,8 +33,9 @@ from tqdm.auto import tqdm
 
 from ragfuse.shared_data import shared_data
 
-from .engine import int_list
+from .args import choice_list, int_list, positive_int
 from .report import machine_info, write_report
+from .shapes import SHAPES, shape_config
 
 SHAREGPT = str(shared_data("sharegpt_multiturn_dev.jsonl"))
 MODES = ("none", "shared", "relay")
@@ -44,18 +45,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("relay", help="relay attention vs per-request reads of a shared system prompt")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out", default=None, help="output folder (default bench-results/relay-DEVICE)")
-    p.add_argument("--shapes", default=None, help="comma-separated shapes (default llama-2-7b,mistral-7b)")
+    p.add_argument("--shapes", type=choice_list(SHAPES), default=None,
+                   help="comma-separated shapes (cuda default: llama-2-7b,mistral-7b; cpu: tiny-llama)")
     p.add_argument("--systems", type=int_list, default=[512, 1024, 2048, 4096, 8192], help="op: system lengths")
     p.add_argument("--contexts", type=int_list, default=[128, 256], help="op: context lengths")
     p.add_argument("--batches", type=int_list, default=[4, 8, 16, 32, 64], help="op: batch sizes")
     p.add_argument("--e2e-systems", type=int_list, default=[1024, 2048], help="end to end: system lengths")
-    p.add_argument("--e2e-shapes", default=None, help="end to end: comma-separated shapes (default: --shapes)")
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--e2e-shapes", type=choice_list(SHAPES), default=None,
+                   help="end to end: comma-separated shapes (default: --shapes)")
+    p.add_argument("--requests", type=positive_int, default=64)
+    p.add_argument("--concurrency", type=positive_int, default=64)
+    p.add_argument("--repeats", type=positive_int, default=3,
                    help="end to end: rounds of the modes, interleaved; rows give the median round")
-    p.add_argument("--max-prompt", type=int, default=512)
-    p.add_argument("--max-output", type=int, default=128)
+    p.add_argument("--max-prompt", type=positive_int, default=512)
+    p.add_argument("--max-output", type=positive_int, default=128)
     p.add_argument("--data", default=SHAREGPT)
     p.add_argument("--skip-e2e", action="store_true")
     p.add_argument("--skip-op", action="store_true")
@@ -256,20 +259,31 @@ def bench_op(args: argparse.Namespace, shape: str, cfg: dict[str, Any], device: 
 
 
 def workload(path: str, n: int, max_prompt: int, max_output: int) -> list[tuple[int, int]]:
-    """(prompt tokens, output tokens) of the first ``n`` ShareGPT conversations' first turns."""
+    """(prompt tokens, output tokens) of the first ``n`` ShareGPT conversations' first turns. A file
+    that is not ShareGPT JSONL is a RagfuseError naming the line."""
+    from ragfuse.engine import RagfuseError
+
     out: list[tuple[int, int]] = []
-    with open(path) as f:
-        for line in f:
-            turns = json.loads(line)["conversations"]
-            if len(turns) < 2 or turns[0]["from"] != "human" or not turns[0]["value"].strip():
-                continue
-            prompt = min(max_prompt, max(4, len(turns[0]["value"]) // 4))
-            answer = min(max_output, max(4, len(turns[1]["value"]) // 4))
-            out.append((prompt, answer))
-            if len(out) == n:
-                break
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                try:
+                    turns = json.loads(line)["conversations"]
+                    if len(turns) < 2 or turns[0]["from"] != "human" or not turns[0]["value"].strip():
+                        continue
+                    prompt = min(max_prompt, max(4, len(turns[0]["value"]) // 4))
+                    answer = min(max_output, max(4, len(turns[1]["value"]) // 4))
+                except (ValueError, LookupError, TypeError, AttributeError) as exc:
+                    raise RagfuseError(f"{path}:{number}: not a ShareGPT conversation ({exc!r})") from exc
+                out.append((prompt, answer))
+                if len(out) == n:
+                    break
+    except UnicodeDecodeError as exc:
+        raise RagfuseError(f"{path}: not UTF-8 text") from exc
+    except OSError as exc:
+        raise RagfuseError(f"cannot read {path}: {exc.strerror or exc}") from exc
     if not out:
-        raise ValueError(f"{path}: no usable conversations")
+        raise RagfuseError(f"{path}: no usable conversations")
     while len(out) < n:  # a short file: cycle through it
         out.append(out[len(out) % len(out)])
     return out
@@ -340,8 +354,6 @@ def ab_setup(shape: str, device: torch.device, system_len: int, requests: int, d
     """``e2e_setup`` (up to 64 requests at once, prompts to 512 tokens, answers to 128) with a system
     prompt of ``system_len`` random tokens registered (which captures the relay graphs: set relay's
     launch choices before) and both sharing modes run once on two-token answers (kernels compiled)."""
-    from .shapes import shape_config
-
     cfg = shape_config(shape)
     eng, reqs, outs, g = e2e_setup(cfg, device, system_len, requests, 64, 512, 128, data)
     system = torch.randint(3, cfg["vocab_size"], (system_len,), generator=g).tolist()
@@ -388,24 +400,23 @@ def bench_e2e(args: argparse.Namespace, shape: str, cfg: dict[str, Any], device:
 def run(args: argparse.Namespace) -> int:
     from ragfuse.engine import RagfuseError
 
-    from .shapes import shape_config
-
     if args.device == "cuda" and not torch.cuda.is_available():
         raise RagfuseError("--device cuda: no CUDA device here")
+    if args.skip_op and args.skip_e2e:
+        raise RagfuseError("--skip-op and --skip-e2e together leave nothing to measure")
     device = torch.device(args.device)
-    shapes = [x.strip() for x in (args.shapes or "llama-2-7b,mistral-7b").split(",") if x.strip()]
-    try:
-        configs = {name: shape_config(name) for name in shapes}
-    except KeyError as exc:
-        raise RagfuseError(str(exc.args[0])) from exc
-    e2e_shapes = [x.strip() for x in args.e2e_shapes.split(",") if x.strip()] if args.e2e_shapes else shapes
+    # the 7B shapes' end-to-end engines hold their random weights in float32 on a CPU (28 GB and more):
+    # the default there is the tiny shape, as in the other benchmarks
+    shapes = args.shapes or (["llama-2-7b", "mistral-7b"] if device.type == "cuda" else ["tiny-llama"])
+    configs = {name: shape_config(name) for name in shapes}
+    e2e_shapes = args.e2e_shapes or shapes
     unknown = [x for x in e2e_shapes if x not in configs]
     if unknown:
         raise RagfuseError(f"--e2e-shapes {','.join(unknown)}: not among --shapes")
-    if not Path(args.data).is_file():
-        raise RagfuseError(f"--data {args.data}: no such file")
-    if args.repeats < 1:
-        raise RagfuseError(f"--repeats must be at least 1, got {args.repeats}")
+    if not args.skip_e2e:
+        if not Path(args.data).is_file():
+            raise RagfuseError(f"--data {args.data}: no such file")
+        workload(args.data, args.requests, args.max_prompt, args.max_output)  # a bad file fails before the op part
     bad = [s for s in args.systems if s % 16]
     if bad:
         raise RagfuseError(f"--systems must be multiples of 16 (the page), got {bad}")

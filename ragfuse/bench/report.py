@@ -45,10 +45,10 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def prepare_out_dir(out: str | Path) -> Path:
-    """Create the output folder and make sure files can be written in it, or RagfuseError says why.
-    Commands call this before their run: finding an --out that is a file or read-only only when the
-    results are ready would throw the run away."""
+def prepare_out_dir(out: str | Path, option: str = "--out") -> Path:
+    """Create the folder ``option`` names and make sure files can be written in it, or RagfuseError
+    says why. Commands call this before their run: finding an --out that is a file or read-only only
+    when the results are ready would throw the run away."""
     from ragfuse.engine.errors import RagfuseError
 
     out = Path(out)
@@ -56,10 +56,10 @@ def prepare_out_dir(out: str | Path) -> Path:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out, prefix=".write-check-"):
             pass
-    except FileExistsError as exc:
-        raise RagfuseError(f"--out {out}: a file is in the way ({exc.filename} is not a folder)") from exc
+    except (FileExistsError, NotADirectoryError) as exc:
+        raise RagfuseError(f"{option} {out}: a file is in the way ({exc.filename} is not a folder)") from exc
     except OSError as exc:
-        raise RagfuseError(f"--out {out}: cannot write there ({exc.strerror or exc})") from exc
+        raise RagfuseError(f"{option} {out}: cannot write there ({exc.strerror or exc})") from exc
     return out
 
 

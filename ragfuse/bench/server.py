@@ -22,6 +22,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from .args import positive_float, positive_int
 from .report import machine_info, write_report
 from .serve_process import served
 
@@ -31,9 +32,9 @@ TOPICS = ["rivers", "volcanoes", "bread", "bicycles", "owls", "glass", "tides", 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("server", help="load test of `ragfuse serve`: N streaming clients for T seconds")
-    p.add_argument("--clients", type=int, default=32)
-    p.add_argument("--seconds", type=float, default=60.0)
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
+    p.add_argument("--clients", type=positive_int, default=32)
+    p.add_argument("--seconds", type=positive_float, default=60.0)
+    p.add_argument("--max-tokens", type=positive_int, default=32, help="tokens per answer")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("--store", help="store to serve (default: an empty one in a temporary directory)")
@@ -51,10 +52,6 @@ class Load:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ragfuse.engine.errors import RagfuseError
-
-    if args.clients < 1 or args.seconds <= 0 or args.max_tokens < 1:
-        raise RagfuseError("--clients, --seconds and --max-tokens must be positive")
     key = secrets.token_hex(16)
     with tempfile.TemporaryDirectory(prefix="ragfuse-bench-server-") as tmp:
         serve_args = ["--store", args.store or str(Path(tmp) / "store"), "--model", args.model, "--device",

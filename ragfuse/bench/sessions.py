@@ -45,38 +45,54 @@ from tqdm.auto import tqdm
 
 from ragfuse.shared_data import shared_data
 
+from .args import choice_list, int_list, positive_float, positive_int
 from .report import machine_info, write_report
+from .shapes import SHAPES
 
 SHAREGPT = str(shared_data("sharegpt_multiturn_dev.jsonl"))
+PARTS = ("ttft", "replay", "truncation")
 
 
-def int_list(text: str) -> list[int]:
-    return [int(x.lower().replace("k", "")) * (1024 if "k" in x.lower() else 1) for x in text.split(",") if x]
+def replay_settings(text: str) -> list[tuple[str, float, float]]:
+    """``--settings``: NAME:CPU:DISK items, the capacities non-negative fractions of the working set."""
+    settings = []
+    for item in text.split(","):
+        try:
+            name, cpu, disk = item.split(":")
+            shares = float(cpu), float(disk)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected NAME:CPU:DISK items, got {item!r}") from exc
+        if not name or not all(0 <= x < float("inf") for x in shares):
+            raise argparse.ArgumentTypeError(f"expected a name and two finite shares >= 0, got {item!r}")
+        settings.append((name, *shares))
+    return settings
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sessions", help="multi-turn session reuse: TTFT vs recompute, placement replay, truncation")
-    p.add_argument("--parts", default="ttft,replay,truncation")
+    p.add_argument("--parts", type=choice_list(PARTS), default=list(PARTS), help="comma-separated: " + ", ".join(PARTS))
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--shape", default=None,
+    p.add_argument("--shape", default=None, choices=SHAPES,
                    help="random-weight shape for ttft (cuda default mistral-7b; cpu tiny-llama)")
     p.add_argument("--history", type=int_list, default=None, help="history lengths (cuda: 1K,4K,16K,28K)")
-    p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--tiers", default="cpu,disk,disk-prefetched")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--new-tokens", type=positive_int, default=256)
+    p.add_argument("--tiers", type=choice_list(TIERS), default=list(TIERS), help="comma-separated: " + ", ".join(TIERS))
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--data", default=SHAREGPT)
-    p.add_argument("--conversations", type=int, default=600, help="replay: conversations replayed")
-    p.add_argument("--replay-shape", default="mistral-7b", help="replay: model shape for KV sizes")
-    p.add_argument("--settings", default="tight:0.05:0.15,medium:0.1:0.5,roomy:0.3:2.0",
+    p.add_argument("--conversations", type=positive_int, default=600, help="replay: conversations replayed")
+    p.add_argument("--replay-shape", default="mistral-7b", choices=SHAPES, help="replay: model shape for KV sizes")
+    p.add_argument("--settings", type=replay_settings,
+                   default=replay_settings("tight:0.05:0.15,medium:0.1:0.5,roomy:0.3:2.0"),
                    help="replay: NAME:CPU:DISK, capacities as fractions of the working set")
-    p.add_argument("--arrival-rate", type=float, default=2.0, help="replay: new conversations per second")
-    p.add_argument("--think-s", type=float, default=30.0, help="replay: mean pause between a reply and the next turn")
-    p.add_argument("--servers", type=int, default=32, help="replay: jobs served at once")
-    p.add_argument("--decode-s", type=float, default=0.02, help="replay: seconds per answer token")
+    p.add_argument("--arrival-rate", type=positive_float, default=2.0, help="replay: new conversations per second")
+    p.add_argument("--think-s", type=positive_float, default=30.0,
+                   help="replay: mean pause between a reply and the next turn")
+    p.add_argument("--servers", type=positive_int, default=32, help="replay: jobs served at once")
+    p.add_argument("--decode-s", type=positive_float, default=0.02, help="replay: seconds per answer token")
     p.add_argument("--rates", default=None, help="replay: results.json of an earlier ttft run to take rates from")
     p.add_argument("--model", default="smollm2-135m-instruct", help="truncation: real weights")
-    p.add_argument("--window", type=int, default=1024, help="truncation: context window")
-    p.add_argument("--samples", type=int, default=8, help="truncation: texts scored")
+    p.add_argument("--window", type=positive_int, default=1024, help="truncation: context window")
+    p.add_argument("--samples", type=positive_int, default=8, help="truncation: texts scored")
     p.add_argument("--out", default=None)
     p.set_defaults(func=run)
 
@@ -84,11 +100,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ragfuse.engine import RagfuseError
 
-    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
-    if set(parts) - {"ttft", "replay", "truncation"}:
-        raise RagfuseError(f"--parts takes ttft, replay and truncation, got {args.parts}")
+    parts = args.parts
     if args.device == "cuda" and not torch.cuda.is_available():
         raise RagfuseError("--device cuda: no CUDA device here")
+    stored_rates = _read_rates(args.rates) if args.rates and "replay" in parts else None  # before the ttft part
     results: dict[str, Any] = {"benchmark": "sessions", "machine": machine_info(args.device),
                                "settings": {k: v for k, v in vars(args).items() if k != "func"}}
     rows: list[dict[str, Any]] = []
@@ -96,10 +111,7 @@ def run(args: argparse.Namespace) -> int:
         results["ttft"] = bench_ttft(args)
         rows += results["ttft"]["rows"]
     if "replay" in parts:
-        rates = results.get("ttft", {}).get("rates")
-        if args.rates:
-            rates = json.loads(Path(args.rates).read_text())["ttft"]["rates"]
-        results["replay"] = bench_replay(args, rates)
+        results["replay"] = bench_replay(args, stored_rates or results.get("ttft", {}).get("rates"))
         rows += results["replay"]["rows"]
     if "truncation" in parts:
         results["truncation"] = bench_truncation(args)
@@ -109,6 +121,21 @@ def run(args: argparse.Namespace) -> int:
                         notes=_notes(results))
     print((path / "results.md").read_text())
     return 0
+
+
+def _read_rates(path: str) -> dict[str, Any]:
+    """The ``ttft`` rates of an earlier run's results.json, or a RagfuseError that says why not."""
+    from ragfuse.engine import RagfuseError
+
+    try:
+        rates = json.loads(Path(path).read_text(encoding="utf-8"))["ttft"]["rates"]
+    except OSError as exc:
+        raise RagfuseError(f"--rates {path}: cannot read it ({exc.strerror or exc})") from exc
+    except (ValueError, LookupError, TypeError) as exc:
+        raise RagfuseError(f"--rates {path}: not the results.json of a ttft run ({exc!r})") from exc
+    if not isinstance(rates, dict):
+        raise RagfuseError(f"--rates {path}: its ttft rates are not an object")
+    return rates
 
 
 # ---- part 1: TTFT per turn ----------------------------------------------------------------------
@@ -149,7 +176,7 @@ TIERS = ("cpu", "disk", "disk-prefetched")
 
 
 def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
-    from ragfuse.engine import RagfuseError, SamplingParams
+    from ragfuse.engine import SamplingParams
     from ragfuse.engine.sessions import SessionStore
 
     histories = args.history or ([1024, 4096, 16384, 28672] if args.device == "cuda" else [256, 1024])
@@ -158,9 +185,7 @@ def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     vocab = eng.model_config.vocab_size
     one = SamplingParams(max_tokens=1, ignore_eos=True)
-    tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
-    if set(tiers) - set(TIERS):
-        raise RagfuseError(f"--tiers takes {', '.join(TIERS)}, got {args.tiers}")
+    tiers = args.tiers
     rows: list[dict[str, Any]] = []
     per_token_prefill: list[tuple[int, float]] = []
     bandwidth: dict[str, list[float]] = {t: [] for t in tiers if t in ("cpu", "disk")}
@@ -471,14 +496,14 @@ def bench_replay(args: argparse.Namespace, rates: dict[str, Any] | None) -> dict
     max_len = mc.max_position_embeddings
     working = sum(min(sum(u + a for u, a in c), max_len) for c in convs) * per_tok
     rows = []
-    settings = [s.split(":") for s in args.settings.split(",") if s]
+    settings = args.settings
     bar = tqdm(total=len(settings) * 3, desc="bench sessions replay")
     for name, cpu_frac, disk_frac in settings:
         for policy in ("scheduler", "lru", "fifo"):
-            r = simulate(convs, policy, int(float(cpu_frac) * working), int(float(disk_frac) * working), rates,
+            r = simulate(convs, policy, int(cpu_frac * working), int(disk_frac * working), rates,
                          args.arrival_rate, args.think_s, args.servers, args.decode_s, max_len)
-            rows.append({"part": "replay", "setting": name, "cpu_share": float(cpu_frac),
-                         "disk_share": float(disk_frac), "policy": policy, **r})
+            rows.append({"part": "replay", "setting": name, "cpu_share": cpu_frac,
+                         "disk_share": disk_frac, "policy": policy, **r})
             bar.update(1)
     bar.close()
     for name, *_ in settings:

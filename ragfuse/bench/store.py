@@ -95,7 +95,7 @@ def _side_by_side(
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ragfuse.bench.report import machine_info, write_report
+    from ragfuse.bench.report import machine_info, prepare_out_dir, write_report
     from ragfuse.engine import ModelConfig
     from ragfuse.engine.errors import RagfuseError
     from ragfuse.engine.kvstore import DiskTier, KVStoreError, MemoryTier, RedisTier
@@ -107,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
         raise RagfuseError("--device cuda was asked for but no CUDA device is available")
     if args.chunks < 1 or args.tokens < 1 or args.repeats < 1:
         raise RagfuseError("--chunks, --tokens and --repeats must be at least 1")
+    if args.dir:
+        prepare_out_dir(args.dir, "--dir")
     device = torch.device(args.device)
     mc = ModelConfig.from_dict(MISTRAL_7B)
     dtype = torch.bfloat16

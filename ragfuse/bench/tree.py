@@ -18,26 +18,28 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .engine import Sync, int_list, median_time
+from .args import int_list, positive_int
+from .engine import Sync, median_time
 from .report import machine_info, write_report
-from .shapes import shape_config
+from .shapes import SHAPES, shape_config
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tree", help="two-phase attention over a shared prefix vs paged decode; tree on/off e2e")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out", default=None, help="output folder (default bench-results/tree-DEVICE)")
-    p.add_argument("--shape", action="append", default=None, help="head layouts (default llama-2-7b, mistral-7b)")
+    p.add_argument("--shape", action="append", default=None, choices=SHAPES,
+                   help="head layouts (default llama-2-7b, mistral-7b)")
     p.add_argument("--shared", type=int_list, default=None, help="shared prefix tokens (cuda: 1K,2K,4K,8K)")
     p.add_argument("--batches", type=int_list, default=None, help="sequences (cuda: 8,16,32,64)")
-    p.add_argument("--private", type=int, default=None, help="own tokens per sequence (cuda: 128)")
-    p.add_argument("--page", type=int, default=16)
+    p.add_argument("--private", type=positive_int, default=None, help="own tokens per sequence (cuda: 128)")
+    p.add_argument("--page", type=positive_int, default=16)
     p.add_argument("--e2e", action="store_true", help="also time the engine with the tree on and off")
-    p.add_argument("--e2e-shape", default=None, help="engine shape (cuda: mistral-7b, cpu: tiny-llama)")
-    p.add_argument("--e2e-requests", type=int, default=None)
-    p.add_argument("--e2e-prefix", type=int, default=None)
-    p.add_argument("--e2e-tokens", type=int, default=None, help="output tokens per request")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--e2e-shape", default=None, choices=SHAPES, help="engine shape (cuda: mistral-7b, cpu: tiny-llama)")
+    p.add_argument("--e2e-requests", type=positive_int, default=None)
+    p.add_argument("--e2e-prefix", type=positive_int, default=None)
+    p.add_argument("--e2e-tokens", type=positive_int, default=None, help="output tokens per request")
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.set_defaults(func=run)
 
 

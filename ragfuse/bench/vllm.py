@@ -30,6 +30,8 @@ from typing import Any
 
 from ragfuse.shared_data import shared_data
 
+from .args import positive_int
+
 DATA = shared_data("musique_dev.json")
 SESSION_USER = (
     "Here is a report I am working on. Please read it carefully, I will ask questions about it.\n\n{doc}"
@@ -40,9 +42,9 @@ def register(bsub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("vllm", help="TTFT of vLLM alone vs vLLM with ragfuse's KV connector (session, RAG)")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--data", default=str(DATA), help="MuSiQue-style JSON: ctxs[].text, question, answers")
-    p.add_argument("--cases", type=int, default=6, help="RAG questions (and session documents)")
-    p.add_argument("--passages", type=int, default=3, help="passages (chunks) per RAG prompt")
-    p.add_argument("--max-tokens", type=int, default=16, help="greedy answer length for the quality columns")
+    p.add_argument("--cases", type=positive_int, default=6, help="RAG questions (and session documents)")
+    p.add_argument("--passages", type=positive_int, default=3, help="passages (chunks) per RAG prompt")
+    p.add_argument("--max-tokens", type=positive_int, default=16, help="greedy answer length for the quality columns")
     p.add_argument("--store", help="KV store directory for the connector (default: a fresh temporary one)")
     p.add_argument("--out", default="bench-results/vllm")
     p.set_defaults(func=run)

@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.prompt.strip():
         raise SystemExit(_usage_error("PROMPT is empty"))
+    if args.raw and args.system is not None:  # --raw sends PROMPT alone: the system prompt would be dropped unsaid
+        raise SystemExit(_usage_error("--system needs the chat template (drop --raw, or put it in PROMPT)"))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop,
@@ -76,6 +78,9 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
     load_s = time.perf_counter() - t0
+    if args.max_tokens > llm.engine.max_model_len:  # the engine would quietly cut it to what the context leaves
+        raise SystemExit(_usage_error(f"--max-tokens {args.max_tokens} is more than the context of "
+                                      f"{llm.engine.model_name}, {llm.engine.max_model_len} tokens"))
     system_id = None
     if transcript is not None:
         final = _session_turn(llm, args, params, transcript, history)
@@ -95,8 +100,10 @@ def run(args: argparse.Namespace) -> int:
             final = out
     assert final is not None
     if args.json:
-        print(json.dumps({
-            "text": final.text, "token_ids": final.token_ids, "prompt_tokens": final.prompt_tokens,
+        relay_tokens = final.metrics.get("relay_system_tokens", 0)
+        print(json.dumps({  # prompt_tokens counts a relayed system prompt too, as the server's usage does
+            "text": final.text, "token_ids": final.token_ids, "prompt_tokens": final.prompt_tokens + relay_tokens,
+            "relay_system_tokens": relay_tokens,
             "completion_tokens": len(final.token_ids), "finish_reason": final.finish_reason,
             "ttft_s": final.ttft_s, "total_s": final.total_s, "load_s": load_s,
             "model": llm.engine.model_name, "device": str(llm.engine.device), "relay": system_id is not None,
@@ -127,6 +134,8 @@ def _read_transcript(path: Path, session: str) -> list[dict[str, str]]:
         raise _unreadable_transcript(path, session, exc.strerror) from exc
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
         raise _unreadable_transcript(path, session, f"not JSON: {exc}") from exc
+    except RecursionError as exc:  # arrays nested deeper than the parser's recursion limit
+        raise _unreadable_transcript(path, session, "not JSON: nested too deeply") from exc
     if not isinstance(messages, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages):

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ragfuse.commands.generate import add_model_args
+from ragfuse.commands.generate import add_model_args, positive_int
 from ragfuse.commands.ingest import add_store_arg
 
 
@@ -21,13 +21,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     add_store_arg(p)
     p.add_argument("--lengths", default="256,512,1024,2048", help="context lengths to time a full prefill at")
-    p.add_argument("--entry-tokens", type=int, default=512, help="tokens per synthetic KV entry read from tiers")
-    p.add_argument("--entries", type=int, default=6, help="entries read per bandwidth measurement")
+    p.add_argument("--entry-tokens", type=positive_int, default=512,
+                   help="tokens per synthetic KV entry read from tiers")
+    p.add_argument("--entries", type=positive_int, default=6, help="entries read per bandwidth measurement")
     p.add_argument("--redis", metavar="URL", help="also profile this Redis server")
-    p.add_argument("--context", type=int, default=3072, help="show the controller's decision for this many tokens")
-    p.add_argument("--r-star", type=float, default=0.15, help="least recompute ratio that keeps quality")
+    p.add_argument("--context", type=positive_int, default=3072,
+                   help="show the controller's decision for this many tokens")
+    p.add_argument("--r-star", type=r_star, default=0.15, help="least recompute ratio that keeps quality")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
+
+
+def r_star(value: str) -> float:
+    """``--r-star``: a recompute ratio in (0, 1], refused while parsing rather than after the measurement."""
+    r = float(value)
+    if not 0.0 < r <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return r
 
 
 def build_tiers(device, entry_bytes: int, entries: int, disk_root: Path, redis_url: str | None) -> list:
@@ -48,6 +58,7 @@ def build_tiers(device, entry_bytes: int, entries: int, disk_root: Path, redis_u
 
 
 def run(args: argparse.Namespace) -> int:
+    from ragfuse.bench.report import prepare_out_dir
     from ragfuse.engine import EngineConfig, LLMEngine
     from ragfuse.engine.errors import RagfuseError
     from ragfuse.engine.kvstore import (
@@ -67,6 +78,10 @@ def run(args: argparse.Namespace) -> int:
         raise RagfuseError(f"--lengths must be comma-separated integers: {exc}") from exc
     if not lengths or lengths[0] < 1:
         raise RagfuseError("--lengths needs positive token counts")
+    # the profile's folder is made and checked before the model loads and the measurement runs: a
+    # store path that is a file, or a profiles/ that is one, would otherwise fail only at the save
+    root = resolve_store_dir(args.store)
+    prepare_out_dir(root / "profiles", "--store")
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
     if lengths[-1] > engine.max_model_len:
         raise RagfuseError(f"--lengths goes past the model's context of {engine.max_model_len}")
@@ -74,8 +89,6 @@ def run(args: argparse.Namespace) -> int:
     points = measure_prefill(engine.compute_kv, lengths, mc.vocab_size, engine.device)
     entries = [synthetic_entry(f"profile-{i}", mc.num_layers, args.entry_tokens, mc.num_kv_heads, mc.head_dim,
                                engine.dtype) for i in range(args.entries)]
-    root = resolve_store_dir(args.store)
-    root.mkdir(parents=True, exist_ok=True)
     bandwidth = {}
     with tempfile.TemporaryDirectory(dir=root, prefix=".profile-") as tmp:
         for tier in build_tiers(engine.device, entries[0].nbytes, len(entries), Path(tmp), args.redis):
