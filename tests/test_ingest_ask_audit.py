@@ -219,9 +219,10 @@ def test_a_record_with_half_an_emoji_is_ingested_with_a_replacement_character(tm
         store.close()
 
 
-def test_ask_compare_says_slower_when_the_fused_request_was_slower() -> None:
-    from ragfuse.commands.ask import speed_phrase
+def test_ask_compare_and_bench_fusion_say_slower_when_the_fused_request_was_slower() -> None:
+    from ragfuse.bench.report import speed_phrase
 
-    assert speed_phrase(4.04) == "4.0x faster"
-    assert speed_phrase(0.2) == "5.0x slower"  # printed "0.2x faster" before
-    assert speed_phrase(1.0) == "1.0x faster"
+    assert speed_phrase(4.04, 1) == "4.0x faster"
+    assert speed_phrase(0.2, 1) == "5.0x slower"  # `ask --compare` printed "0.2x faster"
+    assert speed_phrase(0.3125) == "3.20x slower"  # bench fusion's disk rows: "0.31x faster"
+    assert speed_phrase(1.0) == "1.00x faster"

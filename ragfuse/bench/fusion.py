@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .args import choice_list, positive_int, ratio_list, unit_ratio
-from .report import machine_info, write_report
+from .report import machine_info, speed_phrase, write_report
 from .shapes import SHAPES
 
 TIERS = ("cpu", "disk", "gpu")
@@ -228,8 +228,8 @@ def _notes(rows: list[dict[str, Any]]) -> str:
              "loading and compute that overlapped the other."]
     for r in rows:
         if r["mode"] == "fuse" and "speedup_vs_prefix" in r:
-            lines.append(f"- {r['model']} {r['tier']}: fuse@{r['ratio']:.0%} is {r['speedup_vs_full']:.2f}x faster "
-                         f"than full and {r['speedup_vs_prefix']:.2f}x faster than prefix; {r['hidden']:.0%} hidden")
+            lines.append(f"- {r['model']} {r['tier']}: fuse@{r['ratio']:.0%} is {speed_phrase(r['speedup_vs_full'])} "
+                         f"than full and {speed_phrase(r['speedup_vs_prefix'])} than prefix; {r['hidden']:.0%} hidden")
         if r["mode"] == "fuse@controller":
             lines.append(f"- {r['model']} {r['tier']}: controller ratio {r['ratio']:.0%} ({r['controller_reason']})")
     return "\n".join(lines)

@@ -75,6 +75,12 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+def speed_phrase(speedup: float, digits: int = 2) -> str:
+    """``speedup`` (baseline time / this time) in words that say which way it went: "0.31x faster"
+    reads as a gain where the run was 3.2x slower (a slow tier, a process's first request)."""
+    return f"{speedup:.{digits}f}x faster" if speedup >= 1 else f"{1 / speedup:.{digits}f}x slower"
+
+
 def write_report(
     out: str | Path,
     title: str,

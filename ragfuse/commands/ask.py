@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from ragfuse.bench.report import speed_phrase
 from ragfuse.commands.generate import add_model_args, positive_int, unit_ratio
 from ragfuse.commands.ingest import add_store_arg
 from ragfuse.store_dir import ingested_store
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
           f"TTFT {result.ttft_s * 1e3:.0f} ms, KV from {', '.join(result.tiers) or 'nowhere (full prefill)'}")
     if baseline is not None:
         print(f"full prefill: TTFT {baseline.ttft_s * 1e3:.0f} ms -> {args.mode} is "
-              f"{speed_phrase(baseline.ttft_s / result.ttft_s)} to the first token "
+              f"{speed_phrase(baseline.ttft_s / result.ttft_s, 1)} to the first token "
               f"(answers {'match' if baseline.answer == result.answer else 'differ'})")
     if result.session is not None:
         s = result.session
@@ -90,12 +91,6 @@ def run(args: argparse.Namespace) -> int:
     for note in result.notes:
         print(f"note: {note}")
     return 0
-
-
-def speed_phrase(speedup: float) -> str:
-    """``speedup`` (baseline time / this time) in words that say which way it went: a first request
-    of a process can be the slower one (one-off set-up), and "0.2x faster" reads as a gain."""
-    return f"{speedup:.1f}x faster" if speedup >= 1 else f"{1 / speedup:.1f}x slower"
 
 
 def _check_has_chunks(store: str | None) -> None:
