@@ -71,6 +71,13 @@ class ModelConfig:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
+    def num_params(self) -> int:
+        """Weights the model holds (embeddings, projections, MLPs; biases and norms are too few to count)."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        layer = self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embeddings
+
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], source: str = "the model config") -> ModelConfig:
         """The engine's view of a ``config.json``; ``source`` names it in errors. A missing required

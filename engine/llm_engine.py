@@ -22,7 +22,7 @@ from .block_manager import BlockManager
 from .chat_template import render_chat
 from .config import EngineConfig, ModelConfig
 from .detokenizer import IncrementalDetokenizer
-from .errors import CacheFullError, RequestError
+from .errors import CacheFullError, ModelError, RequestError
 from .fusion import FusionMode, FusionStats, Segment, SelectionPolicy
 from .kv_cache import KVCache
 from .model_runner import DecodeInFlight, ModelRunner
@@ -78,6 +78,7 @@ class LLMEngine:
             self.model_name = self.checkpoint.name
         mc = self.model_config
         self.max_model_len = min(self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self._check_host_memory()
         self.runner = ModelRunner(
             mc, self.checkpoint, self.device, self.dtype, self.max_model_len, self.config.attention_backend
         )
@@ -114,6 +115,20 @@ class LLMEngine:
             self.eos_token_ids |= _generation_eos_ids(self.checkpoint.path)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+
+    def _check_host_memory(self) -> None:
+        """On the CPU, refuse a model whose weights and KV cache do not fit in the memory available
+        now: allocating them would get the process killed by the kernel's OOM killer, without a word
+        (a 7B model in float32 is 28 GiB). CUDA reports its own out-of-memory error."""
+        if self.device.type != "cpu":
+            return
+        available = _available_host_memory()
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        need = self.model_config.num_params() * elem + self._kv_budget()
+        if available is not None and need > available:
+            raise ModelError(f"{self.model_name} in {str(self.dtype).removeprefix('torch.')} needs about "
+                             f"{need / 2**30:.1f} GiB of memory for its weights and KV cache; {available / 2**30:.1f} "
+                             "GiB is available on this machine (use a GPU, a smaller model or --dtype bfloat16)")
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_bytes is not None:
@@ -708,6 +723,18 @@ class LLMEngine:
                      **(turn.stats(len(seq.prompt_token_ids)) if turn is not None else {})},
         )
 
+
+
+def _available_host_memory() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (``MemAvailable``); None off Linux."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 def _generation_eos_ids(path: Any) -> set[int]:
     """The end-of-sequence ids of the checkpoint's ``generation_config.json`` (none if it has none).

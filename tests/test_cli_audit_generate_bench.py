@@ -65,6 +65,15 @@ def test_generate_deeply_nested_transcript_is_a_clear_error(tmp_path, capsys) ->
     assert "nested too deeply" in err and "delete the file" in err
 
 
+def test_generate_transcript_with_an_unknown_role_is_a_clear_error(tmp_path, capsys) -> None:
+    """A hand-edited role reached the chat template (rendered as text, or a jinja error)."""
+    chats = tmp_path / "chats"
+    chats.mkdir()
+    (chats / "s.json").write_text(json.dumps([{"role": "bogus", "content": "hi"}]))
+    err = _runtime_error(["generate", "Hi", "--session", "s", "--session-dir", str(tmp_path)], capsys)
+    assert "system/user/assistant" in err and "delete the file" in err
+
+
 # ---- bench: arguments refused while parsing ---------------------------------------------------------
 
 @pytest.mark.parametrize("argv", [
@@ -188,3 +197,26 @@ def test_profile_store_that_is_a_file_fails_before_measuring(tmp_path, capsys) -
                                   ["--r-star", "5"], ["--r-star", "0"]])
 def test_profile_bad_arguments_are_usage_errors(argv, tmp_path, capsys) -> None:
     assert "argument" in _usage_error(["profile", "--store", str(tmp_path), *argv], capsys)
+
+
+def test_generate_interrupted_ends_the_answers_line() -> None:
+    """Ctrl-C while the answer streams: exit 130 with one line on stderr, and the text so far ends its
+    line (the shell's prompt was left on the answer's last line)."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ragfuse.cli", "generate", "Tell me a long story about a lighthouse.",
+         "--max-tokens", "2000", "--temperature", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a background job ignores it
+    )
+    try:
+        first = proc.stdout.read(1)  # the answer has started
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert first and proc.returncode == 130
+    assert (first + out).decode().endswith("\n") and err.decode().strip().splitlines()[-1] == "ragfuse: interrupted"

@@ -74,3 +74,17 @@ def test_request_that_registered_system_prompts_leave_no_room_for_ends_instead_o
     assert outs[stuck].finished and outs[stuck].finish_reason == "length" and outs[stuck].token_ids == []
     assert len(outs[ok].token_ids) == 2
     assert engine.blocks.num_free == 2
+
+
+def test_a_model_too_big_for_the_host_is_refused_before_it_is_allocated() -> None:
+    """A 70B shape in float32 on the CPU (about 260 GiB of weights) was allocated until the kernel's
+    OOM killer ended the process without a word; it is a ModelError naming what it needs."""
+    from ragfuse.engine import EngineConfig, LLMEngine, ModelConfig, ModelError
+
+    shape = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192,
+             "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+             "num_key_value_heads": 8, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 5e5}
+    mc = ModelConfig.from_dict(shape)
+    assert 69e9 < mc.num_params() < 72e9  # Llama-3.1-70B's published size
+    with pytest.raises(ModelError, match=r"needs about 2\d\d\.\d GiB of memory .* GiB is available"):
+        LLMEngine(EngineConfig(device="cpu", dtype="float32"), random_weights=mc)

@@ -93,11 +93,16 @@ def run(args: argparse.Namespace) -> int:
         else:
             prompt = llm.chat_ids(messages, args.system)
         final = None
-        for out in llm.stream(prompt, params, system=system_id):
-            if not args.json:
-                sys.stdout.write(out.delta_text)
-                sys.stdout.flush()
-            final = out
+        try:
+            for out in llm.stream(prompt, params, system=system_id):
+                final = out  # before the write: a Ctrl-C right after it must see text on the line
+                if not args.json:
+                    sys.stdout.write(out.delta_text)
+                    sys.stdout.flush()
+        except KeyboardInterrupt:
+            if final is not None and not args.json:
+                sys.stdout.write("\n")  # the answer so far ends its line; the shell's prompt starts a new one
+            raise
     assert final is not None
     if args.json:
         relay_tokens = final.metrics.get("relay_system_tokens", 0)
@@ -137,10 +142,16 @@ def _read_transcript(path: Path, session: str) -> list[dict[str, str]]:
     except RecursionError as exc:  # arrays nested deeper than the parser's recursion limit
         raise _unreadable_transcript(path, session, "not JSON: nested too deeply") from exc
     if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            isinstance(m, dict) and m.get("role") in TRANSCRIPT_ROLES and isinstance(m.get("content"), str)
             for m in messages):
-        raise _unreadable_transcript(path, session, "not a list of {role, content} messages")
+        raise _unreadable_transcript(path, session, "not a list of {role, content} messages with roles "
+                                     + "/".join(TRANSCRIPT_ROLES))
     return messages
+
+
+# what a transcript written by `generate --session` holds (a hand-edited role would reach the chat template,
+# which may render it as text or fail inside jinja)
+TRANSCRIPT_ROLES = ("system", "user", "assistant")
 
 
 def _unreadable_transcript(path: Path, session: str, why: str) -> RequestError:
