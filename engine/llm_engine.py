@@ -117,18 +117,20 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
 
     def _check_host_memory(self) -> None:
-        """On the CPU, refuse a model whose weights and KV cache do not fit in the memory available
-        now: allocating them would get the process killed by the kernel's OOM killer, without a word
-        (a 7B model in float32 is 28 GiB). CUDA reports its own out-of-memory error."""
+        """On the CPU, refuse a model whose weights and KV cache exceed the machine's memory:
+        allocating them would get the process killed by the kernel's OOM killer, without a word (a 7B
+        model in float32 is 28 GiB). Measured against the total, not what is free now: a process's own
+        freed memory, which it reuses, does not count as free, so a busy process would be refused
+        models it can hold. CUDA reports its own out-of-memory error."""
         if self.device.type != "cpu":
             return
-        available = _available_host_memory()
+        total = _host_memory()
         elem = torch.empty((), dtype=self.dtype).element_size()
         need = self.model_config.num_params() * elem + self._kv_budget()
-        if available is not None and need > available:
+        if total is not None and need > total:
             raise ModelError(f"{self.model_name} in {str(self.dtype).removeprefix('torch.')} needs about "
-                             f"{need / 2**30:.1f} GiB of memory for its weights and KV cache; {available / 2**30:.1f} "
-                             "GiB is available on this machine (use a GPU, a smaller model or --dtype bfloat16)")
+                             f"{need / 2**30:.1f} GiB of memory for its weights and KV cache; this machine has "
+                             f"{total / 2**30:.1f} GiB (use a GPU, a smaller model or --dtype bfloat16)")
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_bytes is not None:
@@ -725,12 +727,12 @@ class LLMEngine:
 
 
 
-def _available_host_memory() -> int | None:
-    """Bytes the kernel says can be allocated without swapping (``MemAvailable``); None off Linux."""
+def _host_memory() -> int | None:
+    """The machine's memory in bytes (``MemTotal``); None off Linux."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith("MemTotal:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None

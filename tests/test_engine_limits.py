@@ -77,8 +77,9 @@ def test_request_that_registered_system_prompts_leave_no_room_for_ends_instead_o
 
 
 def test_a_model_too_big_for_the_host_is_refused_before_it_is_allocated() -> None:
-    """A 70B shape in float32 on the CPU (about 260 GiB of weights) was allocated until the kernel's
-    OOM killer ended the process without a word; it is a ModelError naming what it needs."""
+    """A model bigger than the machine's memory (a 7B shape in float32 on a 24 GiB box) was allocated
+    until the kernel's OOM killer ended the process without a word; it is a ModelError naming what it
+    needs. Here a 70B shape with ten times its layers (2.6 TiB in float32): more than any host has."""
     from ragfuse.engine import EngineConfig, LLMEngine, ModelConfig, ModelError
 
     shape = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192,
@@ -86,5 +87,6 @@ def test_a_model_too_big_for_the_host_is_refused_before_it_is_allocated() -> Non
              "num_key_value_heads": 8, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 5e5}
     mc = ModelConfig.from_dict(shape)
     assert 69e9 < mc.num_params() < 72e9  # Llama-3.1-70B's published size
-    with pytest.raises(ModelError, match=r"needs about 2\d\d\.\d GiB of memory .* GiB is available"):
-        LLMEngine(EngineConfig(device="cpu", dtype="float32"), random_weights=mc)
+    huge = ModelConfig.from_dict({**shape, "num_hidden_layers": 800})
+    with pytest.raises(ModelError, match=r"needs about 2\d{3}\.\d GiB of memory .* this machine has"):
+        LLMEngine(EngineConfig(device="cpu", dtype="float32"), random_weights=huge)
