@@ -10,13 +10,6 @@ ruff check .
 # two workers (one per core of the CI machine), each with one torch thread: the suite is mostly
 # Python-bound model and server setup, which one process leaves a core idle through; whole files go
 # to one worker so their module fixtures (models, engines) are built once
-# the vLLM venv is built beside the main suite (downloads and unpacking, little memory or CPU), so
-# only its tests wait for the main suite
-vllm_setup=
-if [ "${RAGFUSE_SKIP_VLLM:-0}" != 1 ]; then
-  bash scripts/test_vllm.sh --setup-only > .venv-vllm-setup.log 2>&1 &
-  vllm_setup=$!
-fi
 # the test files run in two halves, each in fresh worker processes: a worker's memory only grows over
 # the files it runs (freed memory stays in its heap), and one that had run most of the suite reached
 # 13-15 GB and was killed by the kernel on the 24 GiB CI box. Arguments, if any, run as given, in one go.
@@ -37,12 +30,12 @@ fi
 echo "main suite done: ${SECONDS} s" >&2
 # the vLLM connector needs vLLM's own pins: its tests run in a second venv (scripts/test_vllm.sh), after
 # the main suite (beside it, vLLM's engine and two workers came close to the CI box's 24 GiB)
+# its venv is built then too: unpacking it beside the main suite (GBs written) is the likely cause of
+# a server test's 18 s stall (an upload's stored-KV fsyncs wait behind that writeback)
 vllm_rc=0
-if [ -n "$vllm_setup" ]; then
+if [ "${RAGFUSE_SKIP_VLLM:-0}" != 1 ]; then
   echo "== vLLM connector suite (scripts/test_vllm.sh)"
-  wait "$vllm_setup" || { cat .venv-vllm-setup.log; vllm_rc=1; }
-  echo "vLLM venv ready: ${SECONDS} s" >&2
-  [ "$vllm_rc" != 0 ] || bash scripts/test_vllm.sh || vllm_rc=$?
+  bash scripts/test_vllm.sh || vllm_rc=$?
   echo "vLLM connector suite done: ${SECONDS} s" >&2
 fi
 [ "$main_rc" = 0 ] && [ "$vllm_rc" = 0 ]
