@@ -1,7 +1,9 @@
 """``AsyncEngine``: one engine loop shared by many concurrent async callers (the server).
 
 The engine is single-threaded, so one background thread owns it: it takes new requests and aborts
-from a queue between steps, runs ``step`` while there is work, and hands each output to its
+from a queue between steps (and at most one ``call`` per step while requests run, so a caller feeding
+it a series of long calls, an upload's KV batches, cannot hold a stream's next token back for more
+than one of them), runs ``step`` while there is work, and hands each output to its
 caller's asyncio queue through that caller's event loop. A caller that stops listening (a client
 disconnect cancels its task) aborts its request, which frees its cache blocks.
 
@@ -120,6 +122,8 @@ class AsyncEngine:
                     if item is None:
                         return
                     self._take(item)
+                    if isinstance(item, _Call) and self.engine.has_unfinished():
+                        break  # one call per step: running streams get a token between an upload's KV batches
             except queue.Empty:
                 pass
             self._start_deferred()

@@ -175,25 +175,33 @@ class Ingestor:
         return p
 
     def _precompute(self, chunk_kv: ChunkKV, token_lists: list[tuple[int, ...]], report: IngestReport) -> None:
-        """Compute the KV of every chunk not stored yet, in batches of about ``kv_batch_tokens``."""
+        """Compute the KV of every chunk not stored yet, in batches of at most ``kv_batch_tokens`` (a
+        longer chunk alone): each batch is one call on the engine, which a server's running streams
+        wait for, so a batch never grows past the bound to take one more chunk."""
         keyed = {chunk_kv.key(ids): ids for ids in token_lists}
         stored = self.on_engine(lambda: {k for k in keyed if self.store.kv.locate(k) is not None})
         report.kv_reused += len(stored)
         todo = {k: ids for k, ids in keyed.items() if k not in stored}
-        bar = tqdm(total=sum(map(len, todo.values())), desc="precomputing KV", unit="tok",
-                   disable=not self.progress or not todo)
-        batch: list[tuple[str, tuple[int, ...]]] = []
-        items = list(todo.items())
-        for i, item in enumerate(items):
-            batch.append(item)
-            size = sum(len(ids) for _, ids in batch)
-            if size >= self.kv_batch_tokens or i == len(items) - 1:
+        with tqdm(total=sum(map(len, todo.values())), desc="precomputing KV", unit="tok",
+                  disable=not self.progress or not todo) as bar:
+            for batch in token_batches(list(todo.items()), self.kv_batch_tokens):
                 self.on_engine(lambda batch=batch: self._store_kv(chunk_kv, batch))
                 report.kv_computed += len(batch)
-                bar.update(size)
-                batch = []
-        bar.close()
+                bar.update(sum(len(ids) for _, ids in batch))
 
     def _store_kv(self, chunk_kv: ChunkKV, batch: list[tuple[str, tuple[int, ...]]]) -> None:
         for (key, _), (k, v) in zip(batch, chunk_kv.compute([list(ids) for _, ids in batch])):
             self.store.kv.put(StoredKV.from_kv(key, k, v))
+
+
+def token_batches(items: list[tuple[str, tuple[int, ...]]], limit: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """``(key, token ids)`` items in order, cut into runs of at most ``limit`` tokens (a longer item alone)."""
+    batches: list[list[tuple[str, tuple[int, ...]]]] = []
+    size = 0
+    for item in items:
+        if not batches or size + len(item[1]) > limit:
+            batches.append([])
+            size = 0
+        batches[-1].append(item)
+        size += len(item[1])
+    return batches

@@ -259,6 +259,39 @@ def test_async_engine_serves_concurrent_callers_and_cancels():
         aeng.shutdown()
 
 
+def test_a_step_runs_between_two_calls_while_a_stream_runs():
+    """Calls queued back to back (an upload's KV batches, each long) take turns with decode steps:
+    a running stream gets a token after each call, not only after the whole series."""
+    eng = random_engine(kv_blocks=300)
+    aeng = AsyncEngine(eng)
+    release = threading.Event()
+    seen: list[int] = []
+
+    def generated(engine: LLMEngine) -> int:
+        return sum(len(s.output_token_ids) for s in engine.scheduler.running)
+
+    def first(engine: LLMEngine) -> None:
+        release.wait(10)  # the second call is queued meanwhile
+        seen.append(generated(engine))
+
+    async def main() -> None:
+        stream = aeng.generate(prompts(1, 8)[0], SamplingParams(max_tokens=200, ignore_eos=True))
+        await stream.__anext__()
+        one = asyncio.ensure_future(aeng.call(first))
+        await asyncio.sleep(0.05)
+        two = asyncio.ensure_future(aeng.call(lambda e: seen.append(generated(e))))
+        await asyncio.sleep(0.05)
+        release.set()
+        await asyncio.gather(one, two)
+        await stream.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        aeng.shutdown()
+    assert seen[1] > seen[0] > 0, seen
+
+
 def test_a_start_waiting_for_room_is_tried_again_only_once_blocks_are_freed():
     """``LLMEngine.when_room`` (a session turn or a RAG question on a full cache, sync callers): the
     start (retrieval, session lookup, stored KV opened) is repeated only after a step that freed

@@ -11,7 +11,7 @@ import torch
 from ragfuse.documents import load_file
 from ragfuse.embeddings import Embedder
 from ragfuse.engine.kvstore import kv_key
-from ragfuse.ingest import Ingestor
+from ragfuse.ingest import Ingestor, token_batches
 from ragfuse.prompt import RagPromptBuilder
 from ragfuse.rag_store import RagStore
 from ragfuse.retrieval import Retriever
@@ -210,3 +210,14 @@ def test_reingesting_a_folder_removes_its_deleted_files_but_not_files_named_alon
     assert all("old.txt" not in r.source for r in retriever.search("When did the ferry stop running?", 3))
     assert len(store.index) == 2
     store.close()
+
+
+def test_kv_batches_stay_within_their_token_bound():
+    """Each batch is one call on a server's engine thread that running streams wait for: a batch
+    never takes one more chunk past the bound (it was cut only after passing it, up to twice the
+    bound), a chunk longer than the bound goes alone, and order and items are kept."""
+    items = [(f"k{i}", tuple(range(n))) for i, n in enumerate([300, 300, 100, 700, 50, 50, 512])]
+    batches = token_batches(items, 512)
+    assert [[k for k, _ in b] for b in batches] == [["k0"], ["k1", "k2"], ["k3"], ["k4", "k5"], ["k6"]]
+    assert [item for b in batches for item in b] == items and token_batches([], 512) == []
+
