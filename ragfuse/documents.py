@@ -48,32 +48,41 @@ class _Unreadable(Exception):
     pass
 
 
-def find_files(paths: Iterable[str | Path]) -> tuple[list[Path], list[SkippedFile]]:
+@dataclass
+class FoundFiles:
+    files: list[Path]  # resolved, each once
+    missing: list[SkippedFile]
+    # the real folders the walk went through (a linked folder's target among them): a folder ingest
+    # mirrors each, since its files are stored by their resolved paths
+    folders: list[Path]
+
+
+def find_files(paths: Iterable[str | Path]) -> FoundFiles:
     """Expand directories (recursively, supported suffixes only); name paths that do not exist."""
     found: list[Path] = []
     missing: list[SkippedFile] = []
+    folders: dict[str, None] = {}
     for p in map(Path, paths):
         if p.is_dir():
-            found += _walk_dir(p)
+            found += _walk_dir(p, folders)
         elif p.is_file():
             found.append(p)
         else:
             missing.append(SkippedFile(_display_path(p), "no such file or directory"))
-    return list(dict.fromkeys(f.resolve() for f in found)), missing
+    return FoundFiles(list(dict.fromkeys(f.resolve() for f in found)), missing, [Path(f) for f in folders])
 
 
-def _walk_dir(root: Path) -> list[Path]:
+def _walk_dir(root: Path, seen: dict[str, None]) -> list[Path]:
     """The supported files below ``root``, sorted, hidden files and folders left out. Linked folders
     are followed (a docs tree assembled from links is common), each real folder once: a link back up
-    the tree would otherwise recurse without end."""
+    the tree would otherwise recurse without end. Adds the real folders walked to ``seen``."""
     found: list[Path] = []
-    seen: set[str] = set()
     for folder, dirs, names in os.walk(root, followlinks=True):
         real = os.path.realpath(folder)
         if real in seen:
             dirs.clear()
             continue
-        seen.add(real)
+        seen[real] = None
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         found += [Path(folder, n) for n in names if not n.startswith(".") and Path(n).suffix.lower() in SUFFIXES
                   and os.path.isfile(os.path.join(folder, n))]

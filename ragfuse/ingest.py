@@ -92,10 +92,11 @@ class Ingestor:
         t0 = time.perf_counter()
         report = IngestReport()
         paths = [Path(p) for p in paths]
-        files, report.skipped = find_files(paths)
-        report.removed_files = self.on_engine(lambda: self._deleted_files(paths))
+        found = find_files(paths)
+        report.skipped = found.missing
+        report.removed_files = self.on_engine(lambda: self._deleted_files(found.folders))
         pending: list[_Pending] = []
-        for path in tqdm(files, desc="reading", unit="file", disable=not self.progress):
+        for path in tqdm(found.files, desc="reading", unit="file", disable=not self.progress):
             loaded = load_file(path, self.max_bytes, self.text_field, self.title_field)
             if isinstance(loaded, SkippedFile):
                 report.skipped.append(loaded)
@@ -114,11 +115,12 @@ class Ingestor:
         report.seconds = time.perf_counter() - t0
         return report
 
-    def _deleted_files(self, paths: list[Path]) -> list[str]:
-        """Stored files below the folders among ``paths`` that no longer exist (stored paths are
-        resolved, as ``find_files`` gives them)."""
-        stored = [f for p in paths if p.is_dir() for f, _ in self.store.docs.files(str(p.resolve()))]
-        return [f for f in dict.fromkeys(stored) if not os.path.lexists(f)]
+    def _deleted_files(self, folders: list[Path]) -> list[str]:
+        """Stored files below the real ``folders`` a folder ingest walked (a linked folder's target
+        among them: its files are stored by their resolved paths) that no longer exist."""
+        walked = {str(f) for f in folders}
+        return [f for f, _ in self.store.docs.files()
+                if any(str(parent) in walked for parent in Path(f).parents) and not os.path.lexists(f)]
 
     def _commit(self, pending: list[_Pending], vectors: Any, report: IngestReport) -> None:
         """Swap each file's chunks in, update the index once, then forget KV no chunk uses."""

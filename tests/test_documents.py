@@ -66,8 +66,7 @@ def test_a_file_name_that_is_not_utf8_is_skipped_by_a_printable_name(tmp_path):
     (tmp_path / "notes.txt").write_text("The lighthouse was electrified in 1931.")
     with open(os.path.join(os.fsencode(tmp_path), b"caf\xe9-menu.txt"), "wb") as f:  # a Latin-1 name
         f.write(b"Soup of the day.")
-    files, _ = find_files([tmp_path])
-    loaded = {f.name: load_file(f) for f in files}
+    loaded = {f.name: load_file(f) for f in find_files([tmp_path]).files}
     assert isinstance(loaded["notes.txt"], LoadedFile)
     skipped = loaded["caf\udce9-menu.txt"]
     assert isinstance(skipped, SkippedFile) and "file name is not valid UTF-8" in skipped.reason
@@ -86,6 +85,7 @@ def test_linked_folders_are_followed_once_and_hidden_ones_left_out(tmp_path):
     (docs / "a.txt").write_text("A.")
     (docs / "linked").symlink_to(shared, target_is_directory=True)
     (shared / "deep" / "loop").symlink_to(docs, target_is_directory=True)  # a link back up the tree
-    files, missing = find_files([docs])
-    assert not missing
-    assert files == [(docs / "a.txt").resolve(), (shared / "deep" / "notes.md").resolve()]
+    found = find_files([docs])
+    assert not found.missing
+    assert found.files == [(docs / "a.txt").resolve(), (shared / "deep" / "notes.md").resolve()]
+    assert set(found.folders) == {docs.resolve(), shared.resolve(), (shared / "deep").resolve()}

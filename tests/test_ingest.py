@@ -212,6 +212,27 @@ def test_reingesting_a_folder_removes_its_deleted_files_but_not_files_named_alon
     store.close()
 
 
+def test_a_file_deleted_under_a_linked_folder_is_removed_on_reingest(tmp_path, engine, embedder):
+    """Files found through a linked folder are stored by their real paths, outside the folder
+    ingested: mirroring the folder covers the link's target too (its deleted file was kept and
+    kept being retrieved), and a file elsewhere that was never under the folder stays."""
+    shared, docs = tmp_path / "shared", tmp_path / "docs"
+    shared.mkdir()
+    docs.mkdir()
+    (docs / "keep.txt").write_text("The Hollowpoint lighthouse was electrified in 1931.")
+    (shared / "old.txt").write_text("The ferry to Saltmarsh stopped running in 1952.")
+    (docs / "linked").symlink_to(shared, target_is_directory=True)
+    (tmp_path / "outside.txt").write_text("Granite from the Brenn quarry paved the harbour road.")
+    store = RagStore(tmp_path / "store", _config(embedder))
+    _ingest(store, engine, embedder, [docs, tmp_path / "outside.txt"])
+    (shared / "old.txt").unlink()
+    (tmp_path / "outside.txt").unlink()  # named alone: `store rm` removes it, not a folder's re-ingest
+    rep = _ingest(store, engine, embedder, [docs])
+    assert rep.removed_files == [str((shared / "old.txt").resolve())] and rep.chunks_removed == 1
+    assert sorted(os.path.basename(p) for p, _ in store.docs.files()) == ["keep.txt", "outside.txt"]
+    store.close()
+
+
 def test_kv_batches_stay_within_their_token_bound():
     """Each batch is one call on a server's engine thread that running streams wait for: a batch
     never takes one more chunk past the bound (it was cut only after passing it, up to twice the
