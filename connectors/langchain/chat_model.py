@@ -74,6 +74,26 @@ class ChatRagfuse(BaseChatModel):
         params["ls_provider"] = "ragfuse"
         return params
 
+    # ---- counting tokens ----------------------------------------------------------------------
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """The model's own tokens. LangChain's fallback counts with GPT-2's tokenizer, fetched from the
+        Hub: another model's counts, and offline none at all (every text counted as 0 tokens)."""
+        if self.custom_get_token_ids is not None:
+            return self.custom_get_token_ids(text)
+        return list(self._pipeline().engine.tokenizer.encode(text, add_special_tokens=False))
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
+        """The prompt's tokens as the model reads them, the chat template included (what ``trim_messages``
+        with this model as its counter needs; the same count as the answer's ``usage_metadata["input_tokens"]``
+        for plain text). LangChain's default counts a "Human: ..." transcript instead."""
+        if tools:
+            raise ValueError("ChatRagfuse does not take tools")
+        pipe = self._pipeline()
+        parts = chat_parts(pipe.engine.tokenizer, [(_role(m), _message_parts(m)) for m in messages])
+        return sum(len(self.get_token_ids(p)) if isinstance(p, str) else len(pipe.builder.passage_tokens(p.text))
+                   for p in parts)
+
     # ---- building the request ---------------------------------------------------------------
 
     def _pipeline(self) -> RagPipeline:

@@ -9,6 +9,7 @@ last one when streaming).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -34,6 +35,8 @@ from ragfuse.passage import Passage
 from ragfuse.pipeline import MODES, AskResult, RagPipeline
 
 from ..async_iter import iterate_in_thread
+
+_CALL_OPTIONS = ("max_tokens", "temperature", "top_p", "seed", "stop")  # what a call may set for itself
 
 
 class RagfuseLLM(CustomLLM):
@@ -77,14 +80,51 @@ class RagfuseLLM(CustomLLM):
             parts = finder.split(text or "") if finder is not None else [text or ""]
         yield from _deltas(pipe.stream_parts(parts, self.mode, self.recompute_ratio, self._params(kwargs)))
 
-    def answer_passages(self, question: str, passages: list[Passage], **kwargs: Any
-                        ) -> Iterator[tuple[str, AskResult | None]]:
-        """ragfuse's RAG prompt over the caller's passages (what ``RagfuseSynthesizer`` asks): as ``_stream``."""
+    def stream_answer(self, question: str, passages: list[Passage], **kwargs: Any) -> CompletionResponseGen:
+        """ragfuse's RAG prompt over the caller's passages (what ``RagfuseSynthesizer`` asks), streamed as
+        completions. It is an LLM call as LlamaIndex's callbacks and instrumentation know one (an ``LLM``
+        event with the prompt and the last response, whose ``raw["usage"]`` has the exact token counts), so
+        a query's LLM call is traced and counted as with LlamaIndex's own synthesizers."""
+        return self._stream_answer(self.rag_prompt(question, passages), question, passages, **kwargs)
+
+    async def astream_answer(self, question: str, passages: list[Passage], **kwargs: Any
+                             ) -> CompletionResponseAsyncGen:
+        """``stream_answer`` for async code: the engine (loaded on first use) runs on worker threads."""
+        prompt = await asyncio.to_thread(self.rag_prompt, question, passages)
+        return await self._astream_answer(prompt, question, passages, **kwargs)
+
+    def rag_prompt(self, question: str, passages: list[Passage]) -> str:
+        """The RAG prompt's text, for the callbacks' record: what the model reads, passages tokenized alone."""
         pipe = self.pipeline()
-        yield from _deltas(pipe.stream_passages(question, passages, self.mode, self.recompute_ratio,
-                                                self._params(kwargs)))
+        tokens = pipe.builder.token_ids([pipe.builder.passage_tokens(p.text) for p in passages], question)
+        return pipe.engine.tokenizer.decode(tokens)
+
+    @llm_completion_callback()
+    def _stream_answer(self, prompt: str, question: str, passages: list[Passage],
+                       **kwargs: Any) -> CompletionResponseGen:
+        return self._answer_completions(question, passages, kwargs)
+
+    @llm_completion_callback()
+    async def _astream_answer(self, prompt: str, question: str, passages: list[Passage],
+                              **kwargs: Any) -> CompletionResponseAsyncGen:
+        return iterate_in_thread(lambda: self._answer_completions(question, passages, kwargs))
+
+    def _answer_completions(self, question: str, passages: list[Passage],
+                            kwargs: dict[str, Any]) -> CompletionResponseGen:
+        params = self._params(kwargs)
+        items = self.pipeline().stream_passages(question, passages, self.mode, self.recompute_ratio, params)
+        text = ""
+        for delta, result in _deltas(items):
+            text += delta
+            yield _completion(text, delta, result)
 
     def _params(self, kwargs: dict[str, Any]) -> SamplingParams:
+        """The call's sampling options; any other keyword is refused, never dropped: a caller's ``top_k``
+        or ``max_new_tokens`` silently ignored would answer otherwise than asked."""
+        unknown = set(kwargs) - set(_CALL_OPTIONS)
+        if unknown:
+            raise ValueError(f"RagfuseLLM does not take {', '.join(sorted(unknown))} "
+                             f"(a call takes {', '.join(_CALL_OPTIONS)})")
         opts = {k: kwargs.get(k, getattr(self, k)) for k in ("max_tokens", "temperature", "top_p", "seed")}
         stop = kwargs.get("stop")  # a string, a list of them, or None (SamplingParams takes a string as one)
         return SamplingParams(**opts, stop=stop if isinstance(stop, str) else list(stop or []))
@@ -97,13 +137,13 @@ class RagfuseLLM(CustomLLM):
             yield _completion(text, delta, result)
 
     def _chats(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
-        turns: list[tuple[str, list[str | Passage]]] = [(_role(m), [m.content or ""]) for m in messages]
+        turns: list[tuple[str, list[str | Passage]]] = [(_role(m), [_text(m)]) for m in messages]
         text = ""
         for delta, result in self._stream(turns, None, kwargs):
             text += delta
             c = _completion(text, delta, result)
             yield ChatResponse(message=ChatMessage(role="assistant", content=text), delta=delta,
-                               additional_kwargs=c.additional_kwargs)
+                               raw=c.raw, additional_kwargs=c.additional_kwargs)
 
     # ---- LlamaIndex's API ---------------------------------------------------------------------
 
@@ -151,6 +191,15 @@ def _role(message: ChatMessage) -> str:
     return _ROLES.get(message.role, message.role.value)
 
 
+def _text(message: ChatMessage) -> str:
+    """The message's text. ``content`` keeps only its text blocks: an image or a document the model would
+    silently never see is refused instead."""
+    other = [b.block_type for b in message.blocks if b.block_type != "text"]
+    if other:
+        raise ValueError(f"RagfuseLLM takes text only, not {', '.join(repr(t) for t in other)} content")
+    return message.content or ""
+
+
 def _deltas(items: Iterator[RequestOutput | AskResult]) -> Iterator[tuple[str, AskResult | None]]:
     for item in items:
         if isinstance(item, AskResult):
@@ -160,9 +209,15 @@ def _deltas(items: Iterator[RequestOutput | AskResult]) -> Iterator[tuple[str, A
 
 
 def _completion(text: str, delta: str, result: AskResult | None) -> CompletionResponse:
-    extra = {} if result is None else {"ragfuse": result.stats(), "prompt_tokens": result.prompt_tokens,
-                                       "completion_tokens": len(result.token_ids)}
-    return CompletionResponse(text=text, delta=delta, additional_kwargs=extra)
+    """A response; the last one also has the statistics, and its token counts in ``raw["usage"]``, where
+    LlamaIndex's ``TokenCountingHandler`` reads a provider's (it estimates with tiktoken otherwise)."""
+    if result is None:
+        return CompletionResponse(text=text, delta=delta)
+    out = len(result.token_ids)
+    usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": out,
+             "total_tokens": result.prompt_tokens + out}
+    extra = {"ragfuse": result.stats(), "prompt_tokens": result.prompt_tokens, "completion_tokens": out}
+    return CompletionResponse(text=text, delta=delta, raw={"usage": usage}, additional_kwargs=extra)
 
 
 def _last(responses: Iterator[Any]) -> Any:

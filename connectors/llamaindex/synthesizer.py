@@ -4,24 +4,25 @@ LlamaIndex's own synthesizers format the nodes into a prompt string; this one ha
 the pipeline as a separate passage of ragfuse's RAG prompt instead, so a node whose text is a stored
 chunk (from ``RagfuseRetriever``, or from any index over the same text) brings its KV and the rest is
 prefilled. The fusion statistics land in ``response.metadata["ragfuse"]`` (for a streaming response,
-once its stream has been read to the end).
+once its stream has been read to the end). The answer is an LLM call to LlamaIndex's callbacks and
+instrumentation, as its own synthesizers' are (``RagfuseLLM.stream_answer``).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import AsyncGenerator, Generator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Sequence
 from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.base.llms.types import CompletionResponse
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.response_synthesizers import BaseSynthesizer
 from llama_index.core.schema import NodeWithScore
 
 from ragfuse.passage import CHUNK_ID, Passage
-from ragfuse.pipeline import AskResult
+from ragfuse.store_dir import resolve_store_dir
 
-from ..async_iter import iterate_in_thread
 from .llm import RagfuseLLM
 from .retriever import RagfuseRetriever
 
@@ -61,34 +62,32 @@ class RagfuseSynthesizer(BaseSynthesizer):
         return await super().asynthesize(query, nodes, additional_source_nodes, ragfuse_nodes=list(nodes),
                                          **response_kwargs)
 
-    def _answers(self, query_str: str, text_chunks: Sequence[str], kwargs: dict[str, Any]):
+    def _passages(self, text_chunks: Sequence[str], kwargs: dict[str, Any]) -> list[Passage]:
         nodes: list[NodeWithScore] | None = kwargs.pop("ragfuse_nodes", None)
         if nodes is not None and len(nodes) == len(text_chunks):
-            passages = [_node_passage(t, n) for t, n in zip(text_chunks, nodes)]
-        else:  # get_response called directly, with text only
-            passages = [Passage(t) for t in text_chunks]
-        return self._ragfuse.answer_passages(query_str, passages, **kwargs)
+            return [_node_passage(t, n) for t, n in zip(text_chunks, nodes)]
+        return [Passage(t) for t in text_chunks]  # get_response called directly, with text only
 
     def get_response(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any) -> Any:
+        responses = self._ragfuse.stream_answer(query_str, self._passages(text_chunks, kwargs), **kwargs)
         if self._streaming:
             stats: dict[str, Any] = {}
-            gen = _text_stream(self._answers(query_str, text_chunks, kwargs), stats)
+            gen = _text_stream(responses, stats)
             _STREAM_STATS[gen] = stats
             return gen
-        return _collect(self._answers(query_str, text_chunks, kwargs))
+        return _collect(responses)
 
     async def aget_response(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any) -> Any:
-        items = iterate_in_thread(lambda: self._answers(query_str, text_chunks, kwargs))
+        responses = await self._ragfuse.astream_answer(query_str, self._passages(text_chunks, kwargs), **kwargs)
         if self._streaming:
             stats: dict[str, Any] = {}
-            agen = _atext_stream(items, stats)
+            agen = _atext_stream(responses, stats)
             _STREAM_STATS[agen] = stats
             return agen
-        text, result = "", None
-        async for delta, res in items:
-            text += delta
-            result = res or result
-        return _answer(text, result)
+        last = None
+        async for response in responses:
+            last = response
+        return _answer(last)
 
     def _prepare_response_output(self, response_str: Any, source_nodes: list[NodeWithScore]) -> Any:
         response = super()._prepare_response_output(response_str, source_nodes)
@@ -107,35 +106,36 @@ def _node_passage(text: str, node: NodeWithScore) -> Passage:
     return Passage(text, chunk_id, str(meta.get("source") or meta.get("file_path") or meta.get("file_name") or ""))
 
 
-def _answer(text: str, result: AskResult | None) -> _Answer:
-    assert result is not None
-    out = _Answer(text)
-    out.stats = result.stats()
+def _answer(last: CompletionResponse | None) -> _Answer:
+    """The last response holds the whole text and the statistics."""
+    assert last is not None
+    out = _Answer(last.text)
+    out.stats = last.additional_kwargs["ragfuse"]
     return out
 
 
-def _collect(items: Any) -> _Answer:
-    text, result = "", None
-    for delta, res in items:
-        text += delta
-        result = res or result
-    return _answer(text, result)
+def _collect(responses: Iterator[CompletionResponse]) -> _Answer:
+    last = None
+    for response in responses:
+        last = response
+    return _answer(last)
 
 
-def _text_stream(items: Any, stats: dict[str, Any]) -> Generator[str, None, None]:
-    for delta, result in items:
-        if result is not None:
-            stats.update(result.stats())  # the response's metadata holds this very dict
-        elif delta:
-            yield delta
+def _text_stream(responses: Iterator[CompletionResponse], stats: dict[str, Any]) -> Generator[str, None, None]:
+    for response in responses:
+        if "ragfuse" in response.additional_kwargs:
+            stats.update(response.additional_kwargs["ragfuse"])  # the response's metadata holds this very dict
+        if response.delta:
+            yield response.delta
 
 
-async def _atext_stream(items: Any, stats: dict[str, Any]) -> AsyncGenerator[str, None]:
-    async for delta, result in items:
-        if result is not None:
-            stats.update(result.stats())
-        elif delta:
-            yield delta
+async def _atext_stream(responses: AsyncIterator[CompletionResponse],
+                        stats: dict[str, Any]) -> AsyncGenerator[str, None]:
+    async for response in responses:
+        if "ragfuse" in response.additional_kwargs:
+            stats.update(response.additional_kwargs["ragfuse"])
+        if response.delta:
+            yield response.delta
 
 
 def ragfuse_query_engine(
@@ -143,6 +143,11 @@ def ragfuse_query_engine(
     similarity_top_k: int = 4, streaming: bool = False,
 ) -> RetrieverQueryEngine:
     """A ``RetrieverQueryEngine`` that fuses: over ``store`` (ragfuse's retriever) or any ``retriever``
-    (e.g. ``index.as_retriever()``); ``llm`` defaults to one over the same store."""
-    retriever = retriever or RagfuseRetriever(store, similarity_top_k)
-    return RetrieverQueryEngine(retriever, RagfuseSynthesizer(llm or RagfuseLLM(store=store), streaming=streaming))
+    (e.g. ``index.as_retriever()``); ``llm`` defaults to one over the same store. Without ``retriever``,
+    ``store=None`` is the default store (``$RAGFUSE_STORE`` or the per-user one) for both: an LLM left
+    with ``store=None`` would have no store at all, and prefill the retrieved chunks instead of fusing."""
+    if retriever is None:
+        store = str(resolve_store_dir(store))
+        retriever = RagfuseRetriever(store, similarity_top_k)
+    llm = llm or RagfuseLLM(store=store)
+    return RetrieverQueryEngine(retriever, RagfuseSynthesizer(llm, streaming=streaming))

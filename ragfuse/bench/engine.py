@@ -18,7 +18,8 @@ import torch
 from tqdm.auto import tqdm
 
 from .args import int_list, positive_int
-from .report import machine_info, write_report
+from .partial import Report
+from .report import machine_info
 from .shapes import SHAPES
 
 
@@ -134,39 +135,6 @@ def run(args: argparse.Namespace) -> int:
     bandwidth = read_bandwidth(device, sync)
     layer_params = sum(p.numel() for n, p in eng.runner.model.named_parameters() if ".layers." in n)
     weight_bytes = sum(p.numel() * p.element_size() for p in eng.runner.model.parameters())
-    rows: list[dict[str, Any]] = []
-    vocab = mc.vocab_size
-    tasks = [("prefill", n) for n in prefill_lens] + [("decode", b) for b in batches]
-    for kind, n in tqdm(tasks, desc="bench engine"):
-        if kind == "prefill":
-            ids = torch.randint(3, vocab, (n,)).tolist()
-            hf_ids = torch.tensor([ids], device=device)
-
-            def ours(ids: list[int] = ids) -> None:
-                eng.score(ids, last_n=1)
-
-            def theirs(x: torch.Tensor = hf_ids) -> None:
-                with torch.inference_mode():
-                    hf(x, logits_to_keep=1, use_cache=True)
-
-            t_ours = median_time(ours, sync, args.repeats)
-            t_hf = median_time(theirs, sync, args.repeats)
-            flops = 2 * layer_params * n + 2 * mc.num_layers * n * n * mc.num_heads * mc.head_dim
-            rows.append({
-                "phase": "prefill", "tokens": n, "ragfuse_ms": t_ours * 1e3, "transformers_ms": t_hf * 1e3,
-                "speedup": t_hf / t_ours, "ragfuse_mfu": flops / t_ours / peak, "transformers_mfu": flops / t_hf / peak,
-            })
-        else:
-            prompts = [torch.randint(3, vocab, (context,)).tolist() for _ in range(n)]
-            step_ours = decode_step_time(eng, prompts, steps, SamplingParams)
-            step_hf = hf_decode_step_time(hf, prompts, steps, device, sync)
-            bound = weight_bytes / bandwidth
-            rows.append({
-                "phase": "decode", "batch": n, "context": context, "ragfuse_step_ms": step_ours * 1e3,
-                "transformers_step_ms": step_hf * 1e3, "ragfuse_tok_s": n / step_ours,
-                "transformers_tok_s": n / step_hf, "speedup": step_hf / step_ours,
-                "weight_read_bound_ms": bound * 1e3, "ragfuse_over_bound": step_ours / bound,
-            })
     results = {
         "benchmark": "engine", "model": model_name, "dtype": str(eng.dtype), "machine": machine_info(str(device)),
         "matmul_peak_tflops": peak / 1e12, "matmul_peak_measured_by": peak_what,
@@ -178,9 +146,53 @@ def run(args: argparse.Namespace) -> int:
         f"Matmul peak {peak / 1e12:.1f} TFLOP/s ({peak_what}); read bandwidth {bandwidth / 1e9:.1f} GB/s "
         f"(read-only sum); weights {weight_bytes / 1e9:.2f} GB. MFU counts matmul and causal attention FLOPs."
     )
-    path = write_report(out_dir, "ragfuse bench engine", results, rows, lambda fig: _plot(fig, rows), notes)
+    tasks = [("prefill", n) for n in prefill_lens] + [("decode", b) for b in batches]
+    report = Report(out_dir, "ragfuse bench engine", results, [f"{kind} {n}" for kind, n in tasks],
+                    plot=lambda fig: _plot(fig, report.rows), notes=notes)
+    rows = report.rows
+    vocab = mc.vocab_size
+    with report.interruptible():
+        for kind, n in tqdm(tasks, desc="bench engine"):
+            report.begin(f"{kind} {n}")
+            if kind == "prefill":
+                rows.append(_prefill_row(eng, hf, args.repeats, n, sync, layer_params, peak))
+            else:
+                prompts = [torch.randint(3, vocab, (context,)).tolist() for _ in range(n)]
+                step_ours = decode_step_time(eng, prompts, steps, SamplingParams)
+                step_hf = hf_decode_step_time(hf, prompts, steps, device, sync)
+                bound = weight_bytes / bandwidth
+                rows.append({
+                    "phase": "decode", "batch": n, "context": context, "ragfuse_step_ms": step_ours * 1e3,
+                    "transformers_step_ms": step_hf * 1e3, "ragfuse_tok_s": n / step_ours,
+                    "transformers_tok_s": n / step_hf, "speedup": step_hf / step_ours,
+                    "weight_read_bound_ms": bound * 1e3, "ragfuse_over_bound": step_ours / bound,
+                })
+    path = report.write()
     print((path / "results.md").read_text())
     return 0
+
+
+def _prefill_row(eng: Any, hf: Any, repeats: int, n: int, sync: Sync, layer_params: int, peak: float
+                 ) -> dict[str, Any]:
+    """Prefill of ``n`` random tokens, ours and transformers', timed and set against the matmul peak."""
+    mc = eng.model_config
+    ids = torch.randint(3, mc.vocab_size, (n,)).tolist()
+    hf_ids = torch.tensor([ids], device=sync.device)
+
+    def ours() -> None:
+        eng.score(ids, last_n=1)
+
+    def theirs() -> None:
+        with torch.inference_mode():
+            hf(hf_ids, logits_to_keep=1, use_cache=True)
+
+    t_ours = median_time(ours, sync, repeats)
+    t_hf = median_time(theirs, sync, repeats)
+    flops = 2 * layer_params * n + 2 * mc.num_layers * n * n * mc.num_heads * mc.head_dim
+    return {
+        "phase": "prefill", "tokens": n, "ragfuse_ms": t_ours * 1e3, "transformers_ms": t_hf * 1e3,
+        "speedup": t_hf / t_ours, "ragfuse_mfu": flops / t_ours / peak, "transformers_mfu": flops / t_hf / peak,
+    }
 
 
 def decode_step_time(eng: Any, prompts: list[list[int]], steps: int, params_cls: Any) -> float:

@@ -21,11 +21,13 @@ import torch
 from tqdm.auto import tqdm
 
 from .args import choice_list, positive_int, ratio_list, unit_ratio
-from .report import machine_info, speed_phrase, write_report
+from .partial import Report
+from .report import machine_info, speed_phrase
 from .shapes import SHAPES
 
 TIERS = ("cpu", "disk", "gpu")
 RATIOS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+PARTS = ("modes", "controller", "ratio sweep")  # each model's, in the order they run
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -58,28 +60,30 @@ def run(args: argparse.Namespace) -> int:
     tiers = args.tiers
     if "gpu" in tiers and args.device != "cuda":
         raise RagfuseError("--tiers gpu needs --device cuda")
-    rows: list[dict[str, Any]] = []
     sweeps: dict[str, list[dict[str, Any]]] = {}
     extra: dict[str, Any] = {}
-    for shape in shapes:
-        try:
-            r, sw, ex = bench_shape(args, shape, tiers)
-        except torch.OutOfMemoryError as exc:  # a big shape on a small GPU: said in the report, the rest still runs
-            print(f"bench fusion [{shape}]: skipped, out of GPU memory ({str(exc).splitlines()[0]})", flush=True)
-            extra[shape or args.model] = {"skipped": f"out of GPU memory: {str(exc).splitlines()[0]}"}
-            r, sw = [], []
-        rows += r
-        if sw:
-            sweeps[shape or args.model] = sw
-            extra[shape or args.model] = ex
-        gc.collect()  # the engine holds reference cycles: free its weights before the next shape's
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
     results = {"benchmark": "fusion", "machine": machine_info(args.device), "sweeps": sweeps, "per_model": extra,
                "settings": {k: v for k, v in vars(args).items() if k != "func"}}
-    out = args.out or f"bench-results/fusion-{args.device}"
-    skipped = [f"- {name}: {ex['skipped']}" for name, ex in extra.items() if "skipped" in ex]
-    path = write_report(out, "ragfuse bench fusion", results, rows, lambda fig: _plot(fig, rows, sweeps),
-                        notes="\n".join([_notes(rows), *skipped]))
+    labels = [shape or args.model for shape in shapes]
+    report = Report(args.out or f"bench-results/fusion-{args.device}", "ragfuse bench fusion", results,
+                    [f"{part} [{label}]" for label in labels for part in PARTS],
+                    plot=lambda fig: _plot(fig, report.rows, sweeps),
+                    notes=lambda: "\n".join([_notes(report.rows),
+                                             *(f"- {name}: {ex['skipped']}" for name, ex in extra.items()
+                                               if "skipped" in ex)]))
+    with report.interruptible():
+        for shape, label in zip(shapes, labels, strict=True):
+            first = len(report.rows)
+            sweeps[label], extra[label] = [], {}
+            try:
+                bench_shape(args, shape, tiers, report, sweeps[label], extra[label])
+            except torch.OutOfMemoryError as exc:  # a big shape on a small GPU: said in the report, the rest still runs
+                print(f"bench fusion [{shape}]: skipped, out of GPU memory ({str(exc).splitlines()[0]})", flush=True)
+                del report.rows[first:], sweeps[label]
+                extra[label] = {"skipped": f"out of GPU memory: {str(exc).splitlines()[0]}"}
+            gc.collect()  # the engine holds reference cycles: free its weights before the next shape's
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    path = report.write()
     print((path / "results.md").read_text())
     return 0
 
@@ -109,8 +113,13 @@ def _engine(args: argparse.Namespace, shape: str | None) -> Any:
 
 
 def bench_shape(
-    args: argparse.Namespace, shape: str | None, tiers: list[str]
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    args: argparse.Namespace, shape: str | None, tiers: list[str], report: Report, sweep: list[dict[str, Any]],
+    info: dict[str, Any],
+) -> None:
+    """Every mode and tier of one model (``shape``, or the real ``--model``), then the controller's
+    ratios and the ratio sweep: their rows go to ``report.rows``, the sweep's points to ``sweep``, the
+    model's sizes and measured bandwidths to ``info``, each as soon as it is measured (a run stopped
+    part way keeps them)."""
     from ragfuse.engine.fusion import Segment, SelectionPolicy
     from ragfuse.engine.kvstore import (
         DelayProfile,
@@ -123,6 +132,8 @@ def bench_shape(
         open_source,
     )
 
+    label = shape or args.model
+    report.begin(f"{PARTS[0]} [{label}]")
     eng = _engine(args, shape)
     name = shape or eng.model_name
     mc = eng.model_config
@@ -135,9 +146,10 @@ def bench_shape(
     del kvs
     entry_bytes = sum(e.nbytes for e in entries)
     policy = SelectionPolicy.default()
-    rows: list[dict[str, Any]] = []
-    sweep: list[dict[str, Any]] = []
+    first = len(report.rows)
+    rows = report.rows
     measured: dict[str, float] = {}
+    info.update(context_tokens=n_ctx, kv_bytes=entry_bytes, bandwidth_measured=measured)
     with tempfile.TemporaryDirectory(prefix="ragfuse-bench-fusion-") as tmp:
         stores: dict[str, Any] = {}
         for tier in tiers:
@@ -177,20 +189,22 @@ def bench_shape(
             rows.append({"model": name, "tier": tier, "mode": mode, **res})
             if mode == "reuse":
                 measured[tier] = entry_bytes / max(res["load_s"], 1e-9)
-        full = next(r for r in rows if r["mode"] == "full")
+        mine = rows[first:]
+        full = next(r for r in mine if r["mode"] == "full")
         for tier in tiers:
             for mode in ("prefix", "reuse", "fuse"):
-                row = next(r for r in rows if r["tier"] == tier and r["mode"] == mode and r["model"] == name)
+                row = next(r for r in mine if r["tier"] == tier and r["mode"] == mode)
                 row["speedup_vs_full"] = full["ttft_s"] / row["ttft_s"]
-        prefix = {r["tier"]: r["ttft_s"] for r in rows if r["mode"] == "prefix" and r["model"] == name}
-        for r in rows:
-            if r["model"] == name and r["mode"] == "fuse":
+        prefix = {r["tier"]: r["ttft_s"] for r in mine if r["mode"] == "prefix"}
+        for r in mine:
+            if r["mode"] == "fuse":
                 r["speedup_vs_prefix"] = prefix[r["tier"]] / r["ttft_s"]
         profile = DelayProfile(
             model=name, device=str(eng.device), dtype=str(eng.dtype), kv_bytes_per_token=entry_bytes // n_ctx,
             prefill_points=[(n_ctx + args.query_tokens, full["compute_s"])], bandwidth=measured,
         )
         controller = LoadingController(profile, r_star=args.ratio)
+        report.begin(f"{PARTS[1]} [{label}]")
         for tier in tqdm(tiers, desc="controller"):
             decision = controller.decide(n_ctx, tier)
             res = fused(tier, "fuse", decision.recompute_ratio)
@@ -198,13 +212,13 @@ def bench_shape(
                          "speedup_vs_full": full["ttft_s"] / res["ttft_s"], "controller_reason": decision.reason})
         with torch.inference_mode():
             ref = _first_logits(eng, chunks, query) if shape is None else None
+        report.begin(f"{PARTS[2]} [{label}]")
         for ratio in tqdm(args.sweep, desc="ratio sweep"):
             res = fused(tiers[0], "fuse" if ratio > 0 else "reuse", ratio)
             point = {"ratio": ratio, **res}
             if ref is not None:
                 point["kl_first"] = _kl_at(eng, chunks, keys, query, stores[tiers[0]], ratio, policy, ref)
             sweep.append(point)
-    return rows, sweep, {"context_tokens": n_ctx, "kv_bytes": entry_bytes, "bandwidth_measured": measured}
 
 
 def _first_logits(eng: Any, chunks: list[list[int]], query: list[int]) -> torch.Tensor:

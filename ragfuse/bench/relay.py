@@ -34,7 +34,8 @@ from tqdm.auto import tqdm
 from ragfuse.shared_data import shared_data
 
 from .args import choice_list, int_list, positive_int
-from .report import machine_info, write_report
+from .partial import Report
+from .report import machine_info
 from .shapes import SHAPES, shape_config
 
 SHAREGPT = str(shared_data("sharegpt_multiturn_dev.jsonl"))
@@ -228,12 +229,12 @@ def rel_err(got: Any, want: Any) -> float:
 
 
 def bench_op(args: argparse.Namespace, shape: str, cfg: dict[str, Any], device: torch.device,
-             bandwidth: float | None) -> list[dict[str, Any]]:
+             bandwidth: float | None, rows: list[dict[str, Any]]) -> None:
+    """The op rows of ``shape``, each appended to ``rows`` as soon as it is measured."""
     heads, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or cfg["hidden_size"] // heads
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     timer = _timer(device)
-    rows = []
     combos = [(s, c, b) for s in args.systems for c in args.contexts for b in args.batches]
     for s, c, b in tqdm(combos, desc=f"relay op {shape}"):
         shared, with_copies = cases(heads, kvh, d, s, c, b, device, dtype)
@@ -255,7 +256,6 @@ def bench_op(args: argparse.Namespace, shape: str, cfg: dict[str, Any], device: 
             "rel_err": err, "rel_err_paged": err_base,
         })
         del shared, with_copies, one
-    return rows
 
 
 def workload(path: str, n: int, max_prompt: int, max_output: int) -> list[tuple[int, int]]:
@@ -363,12 +363,13 @@ def ab_setup(shape: str, device: torch.device, system_len: int, requests: int, d
     return run
 
 
-def bench_e2e(args: argparse.Namespace, shape: str, cfg: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
+def bench_e2e(args: argparse.Namespace, shape: str, cfg: dict[str, Any], device: torch.device,
+              rows: list[dict[str, Any]]) -> None:
+    """The end-to-end rows of ``shape``, each system length's appended to ``rows`` once its modes ran."""
     eng, reqs, outs, g = e2e_setup(cfg, device, max(args.e2e_systems), args.requests, args.concurrency,
                                    args.max_prompt, args.max_output, args.data)
     sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
     vocab = cfg["vocab_size"]
-    rows = []
     for s in args.e2e_systems:
         system = torch.randint(3, vocab, (s,), generator=g).tolist()
         sid = eng.register_system(system)
@@ -381,20 +382,20 @@ def bench_e2e(args: argparse.Namespace, shape: str, cfg: dict[str, Any], device:
             secs, produced[mode] = run_mode(eng, mode, system, sid, reqs, outs, sync)
             runs[mode].append(secs)
         timed = {}
+        done = []
         for mode in MODES:
             secs = statistics.median(runs[mode])
             timed[mode] = produced[mode] / secs
-            rows.append({"part": "e2e", "shape": shape, "system": s, "mode": mode, "requests": len(reqs),
+            done.append({"part": "e2e", "shape": shape, "system": s, "mode": mode, "requests": len(reqs),
                          "output_tokens": produced[mode], "seconds": secs, "tok_s": timed[mode],
                          "runs_s": [round(x, 4) for x in runs[mode]]})
-        rows.append({"part": "e2e", "shape": shape, "system": s, "mode": "relay speedup",
-                     "vs_none": timed["relay"] / timed["none"], "vs_shared": timed["relay"] / timed["shared"]})
+        rows += [*done, {"part": "e2e", "shape": shape, "system": s, "mode": "relay speedup",
+                         "vs_none": timed["relay"] / timed["none"], "vs_shared": timed["relay"] / timed["shared"]}]
         eng.release_system(sid)
     del eng
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return rows
 
 
 def run(args: argparse.Namespace) -> int:
@@ -440,18 +441,21 @@ def run(args: argparse.Namespace) -> int:
         f"E2E rows: output tokens/s, random-weight models, ShareGPT first-turn lengths, {args.requests} requests "
         f"(up to {args.concurrency} at once), the median of {args.repeats} rounds of the modes, interleaved (runs_s)."
     )
-    out = args.out or f"bench-results/relay-{args.device}"
-    rows: list[dict[str, Any]] = []
-    for name, cfg in configs.items():
+    e2e = [] if args.skip_e2e else e2e_shapes
+    report = Report(args.out or f"bench-results/relay-{args.device}", "ragfuse bench relay", results,
+                    [f"op {x}" for x in ([] if args.skip_op else configs)] + [f"e2e {x}" for x in e2e],
+                    plot=lambda fig: _plot(fig, report.rows), notes=notes)
+    with report.interruptible():
         if not args.skip_op:
-            rows += bench_op(args, name, cfg, device, bandwidth)
-    # written after each part, so a later part's failure keeps the earlier figures
-    write_report(out, "ragfuse bench relay", results, rows, lambda fig: _plot(fig, rows), notes)
-    if not args.skip_e2e:
-        for name, cfg in ((x, configs[x]) for x in e2e_shapes):
-            rows += bench_e2e(args, name, cfg, device)
-            write_report(out, "ragfuse bench relay", results, rows, lambda fig, rows=rows: _plot(fig, rows), notes)
-    print((Path(out) / "results.md").read_text())
+            for name, cfg in configs.items():
+                report.begin(f"op {name}")
+                bench_op(args, name, cfg, device, bandwidth, report.rows)
+            report.write()  # written after each part, so a later part's failure keeps the earlier figures
+        for name in e2e:
+            report.begin(f"e2e {name}")
+            bench_e2e(args, name, configs[name], device, report.rows)
+            report.write()
+    print((Path(report.out) / "results.md").read_text())
     return 0
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import tempfile
 import time
@@ -91,32 +92,69 @@ def write_report(
 ) -> Path:
     """Write results.json, results.md (title, notes, table) and, with ``plot``, results.png.
 
-    ``plot`` receives a matplotlib Figure to draw on (the Agg backend: no display needed). Each file
-    is replaced whole (``write_atomic``); NaN figures are written as null (``json_safe``). A folder
-    that cannot be written is a RagfuseError, not a traceback.
+    ``plot`` receives a matplotlib Figure to draw on (the Agg backend: no display needed). NaN figures
+    are written as null (``json_safe``). A folder that cannot be written is a RagfuseError, not a
+    traceback. Results marked ``"interrupted"`` (a run the user stopped: ``partial.Report``) say so at
+    the top of results.md. A plot that raises costs the PNG only, never the rows measured: results.md
+    says why it is missing, and outside an interrupted run (whose rows a plot written for a whole run
+    may not expect) the error is raised once the other two files are in place, as the bug it is.
+
+    The three files are one set, so they are staged first, in a temporary folder beside them, and
+    then moved in by renames only. A write that fails (a full disk) thus leaves the previous set
+    whole. The move removes the old results.json first and puts the new one in last: a crash in
+    between leaves no results.json rather than a new one beside an older table or plot, so a
+    results.json always stands beside the results.md and results.png of its own run. A run that draws
+    no plot removes the previous run's results.png. (Swapping a whole folder would be one rename, but
+    ``out`` is the user's folder and may hold other files; the files stay where readers look.)
     """
     from ragfuse.engine.errors import RagfuseError
 
     out = prepare_out_dir(out)
+    failed: Exception | None = None
     try:
-        write_atomic(out / "results.json",
-                      json.dumps(json_safe({**results, "rows": rows}), indent=2, default=str, allow_nan=False))
-        head = f"# {title}\n\n{notes.strip()}\n\n" if notes else f"# {title}\n\n"
-        md = head + markdown_table(rows)
-        write_atomic(out / "results.md", md)
-        if plot is not None:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-
-            fig = plt.figure(figsize=(10, 4.5))
-            try:
-                plot(fig)
-                fig.tight_layout()
-                write_atomic(out / "results.png", b"", lambda f: fig.savefig(f, format="png", dpi=110))
-            finally:
-                plt.close(fig)
+        with tempfile.TemporaryDirectory(dir=out, prefix=".results-") as tmp:
+            stage = Path(tmp)
+            head = f"# {title}\n\n"
+            if results.get("interrupted"):
+                head += f"**Interrupted:** {results['interrupted']}\n\n"
+            if plot is not None:
+                failed = _draw(stage / "results.png", plot)
+            if failed is not None:
+                head += f"No plot: drawing it failed ({type(failed).__name__}: {failed}).\n\n"
+            if notes:
+                head += f"{notes.strip()}\n\n"
+            write_atomic(stage / "results.md", head + markdown_table(rows))
+            write_atomic(stage / "results.json",
+                         json.dumps(json_safe({**results, "rows": rows}), indent=2, default=str, allow_nan=False))
+            (out / "results.json").unlink(missing_ok=True)
+            if (stage / "results.png").exists():
+                os.replace(stage / "results.png", out / "results.png")
+            else:
+                (out / "results.png").unlink(missing_ok=True)
+            os.replace(stage / "results.md", out / "results.md")
+            os.replace(stage / "results.json", out / "results.json")
     except OSError as exc:
         raise RagfuseError(f"cannot write the results in {out}: {exc.strerror or exc}") from exc
+    if failed is not None and not results.get("interrupted"):
+        raise failed
     return out
+
+
+def _draw(path: Path, plot: Callable[[Any], None]) -> Exception | None:
+    """Draw ``plot`` into the PNG ``path``; what it raised, if it did (``write_report`` decides)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(10, 4.5))
+    try:
+        plot(fig)
+        fig.tight_layout()
+    except Exception as exc:  # any bug of any benchmark's plot: the rows are kept whatever it was
+        return exc
+    else:
+        write_atomic(path, b"", lambda f: fig.savefig(f, format="png", dpi=110))
+        return None
+    finally:
+        plt.close(fig)

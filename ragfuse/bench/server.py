@@ -23,7 +23,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from .args import positive_float, positive_int
-from .report import machine_info, write_report
+from .partial import Report
+from .report import machine_info
 from .serve_process import served
 
 TOPICS = ["rivers", "volcanoes", "bread", "bicycles", "owls", "glass", "tides", "chess", "copper", "maps",
@@ -53,20 +54,37 @@ class Load:
 
 def run(args: argparse.Namespace) -> int:
     key = secrets.token_hex(16)
-    with tempfile.TemporaryDirectory(prefix="ragfuse-bench-server-") as tmp:
-        serve_args = ["--store", args.store or str(Path(tmp) / "store"), "--model", args.model, "--device",
-                      args.device, "--no-gate", "--max-tokens", str(args.max_tokens), "--log-level", "warning"]
-        with served(serve_args, key, Path(tmp)) as server:
-            load = asyncio.run(_drive(server.url, key, server.process.pid, args))
-    return _report(args, load)
+    load = Load()
+    part = f"the {args.seconds:g} s load"
+    report = Report(args.out, "ragfuse bench server", {"machine": machine_info(args.device)}, [part],
+                    plot=lambda fig: _plot(fig, load, args))
+    with report.interruptible():
+        report.begin(part)
+        try:
+            with tempfile.TemporaryDirectory(prefix="ragfuse-bench-server-") as tmp:
+                serve_args = ["--store", args.store or str(Path(tmp) / "store"), "--model", args.model, "--device",
+                              args.device, "--no-gate", "--max-tokens", str(args.max_tokens), "--log-level", "warning"]
+                with served(serve_args, key, Path(tmp)) as server:
+                    asyncio.run(_drive(server.url, key, server.process.pid, args, load))
+        except KeyboardInterrupt:  # the requests of the load finished so far, if any, summed up as a whole load's
+            if load.rss and load.done_at:  # (load.rss: past the warm-up, whose request is not counted)
+                _summarize(args, load, report)
+            raise
+    _summarize(args, load, report)
+    path = report.write()
+    row = report.rows[0]
+    print(f"{row['requests']} requests, {row['errors']} errors, {row['requests_per_s']:.2f} req/s, "
+          f"{row['tokens_per_s']:.1f} tok/s, TTFT p50 {row['ttft_p50_s']:.2f} s p95 {row['ttft_p95_s']:.2f} s, "
+          f"RSS {row['rss_start_mib']:.0f} -> {row['rss_end_mib']:.0f} MiB -> {path}")
+    return 0
 
 
-async def _drive(url: str, key: str, pid: int, args: argparse.Namespace) -> Load:
+async def _drive(url: str, key: str, pid: int, args: argparse.Namespace, load: Load) -> None:
+    """The load, its measures gathered in ``load`` as they come (a Ctrl-C keeps those)."""
     import httpx
     import psutil
 
     proc = psutil.Process(pid)
-    load = Load()
     limits = httpx.Limits(max_connections=args.clients + 4)
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=300,
                                  limits=limits) as http:
@@ -95,7 +113,6 @@ async def _drive(url: str, key: str, pid: int, args: argparse.Namespace) -> Load
         with tqdm(total=int(args.seconds), desc=f"bench server ({args.clients} clients)", unit="s") as bar:
             await asyncio.gather(sample(bar), *(client(i) for i in range(args.clients)))
         load.rss.append((time.perf_counter() - t0, proc.memory_info().rss / 2**20))
-    return load
 
 
 async def _one(http: Any, n: int, args: argparse.Namespace, load: Load, t0: float) -> None:
@@ -132,31 +149,28 @@ def _pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1] if len(xs) > 1 else (xs or [0.0])[0]
 
 
-def _report(args: argparse.Namespace, load: Load) -> int:
+def _summarize(args: argparse.Namespace, load: Load, report: Report) -> None:
+    """The load's row, notes and samples into ``report``: from its requests finished so far."""
     n = len(load.done_at)
-    elapsed = load.rss[-1][0]  # the load's length, with the requests in flight at its end let finish
+    # the load's length, with the requests in flight at its end let finish (or the last finished before a Ctrl-C)
+    elapsed = max(load.rss[-1][0], *load.done_at[-1:])
     rss0, rss1 = load.rss[0][1], load.rss[-1][1]
     half = [m for t, m in load.rss if t >= args.seconds / 2]
-    row = {
+    report.rows.append({
         "clients": args.clients, "seconds": round(elapsed, 1), "max_tokens": args.max_tokens, "requests": n,
         "errors": len(load.errors), "requests_per_s": n / elapsed, "tokens_per_s": load.tokens / elapsed,
         "ttft_p50_s": _pct(load.ttft, 50), "ttft_p95_s": _pct(load.ttft, 95),
         "rss_start_mib": rss0, "rss_end_mib": rss1, "rss_max_mib": max(m for _, m in load.rss),
         "rss_growth_second_half_mib": (half[-1] - half[0]) if len(half) > 1 else 0.0,
-    }
+    })
     notes = (f"{args.clients} concurrent streaming clients for {args.seconds:.0f} s against `ragfuse serve` "
              f"({args.model}, {args.device}), {args.max_tokens} tokens per answer, temperature 0.7. TTFT is "
              "what a client sees (request sent to first content chunk), queueing included. RSS is the server "
              "process's, sampled every second after a warm-up request.")
     if load.errors:
         notes += f"\n\nFirst errors: {load.errors[:3]}"
-    results = {"machine": machine_info(args.device), "ttft_s": load.ttft, "rss_mib": load.rss,
-               "errors_seen": load.errors[:20]}
-    path = write_report(args.out, "ragfuse bench server", results, [row], lambda fig: _plot(fig, load, args), notes)
-    print(f"{n} requests, {len(load.errors)} errors, {row['requests_per_s']:.2f} req/s, "
-          f"{row['tokens_per_s']:.1f} tok/s, TTFT p50 {row['ttft_p50_s']:.2f} s p95 {row['ttft_p95_s']:.2f} s, "
-          f"RSS {rss0:.0f} -> {rss1:.0f} MiB -> {path}")
-    return 0
+    report.notes = notes
+    report.results.update(ttft_s=load.ttft, rss_mib=load.rss, errors_seen=load.errors[:20])
 
 
 def _plot(fig: Any, load: Load, args: argparse.Namespace) -> None:

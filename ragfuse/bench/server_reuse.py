@@ -33,7 +33,8 @@ from tqdm.auto import tqdm
 
 from ragfuse.shared_data import shared_data
 
-from .report import machine_info, write_report
+from .partial import Report
+from .report import machine_info
 from .serve_process import served
 
 SHAREGPT = shared_data("sharegpt_multiturn_dev.jsonl")
@@ -63,12 +64,28 @@ def run(args: argparse.Namespace) -> int:
         raise RagfuseError("counts and lengths must be positive")
     conversations = _conversations(args.conversations, args.turns, args.message_chars)
     key = secrets.token_hex(16)
-    with tempfile.TemporaryDirectory(prefix="ragfuse-bench-reuse-") as tmp:
-        serve_args = ["--store", str(Path(tmp) / "store"), "--model", args.model, "--device", args.device, "--no-gate",
-                      "--log-level", "warning", *([] if args.prefix_tree else ["--no-prefix-tree"])]
-        with served(serve_args, key, Path(tmp)) as server:
-            turns, relays = asyncio.run(_drive(server.url, key, conversations, args))
-    return _report(args, turns, relays)
+    turns: list[dict[str, Any]] = []
+    relays: list[dict[str, Any]] = []
+    report = Report(args.out, "ragfuse bench server-reuse",
+                    {"machine": machine_info(args.device), "turns": turns, "relay": relays}, ["sessions", "relay"],
+                    plot=lambda fig: _plot(fig, report.rows), notes=lambda: _notes(args, turns, relays))
+    with report.interruptible():
+        try:
+            with tempfile.TemporaryDirectory(prefix="ragfuse-bench-reuse-") as tmp:
+                serve_args = ["--store", str(Path(tmp) / "store"), "--model", args.model, "--device", args.device,
+                              "--no-gate", "--log-level", "warning",
+                              *([] if args.prefix_tree else ["--no-prefix-tree"])]
+                with served(serve_args, key, Path(tmp)) as server:
+                    asyncio.run(_drive(server.url, key, conversations, args, report, turns, relays))
+        finally:  # every turn and question, or those finished before a Ctrl-C
+            report.rows += _rows(args, turns, relays)
+    path = report.write()
+    for r in report.rows:
+        print(f"{r['part']} {r['turn'] or ''}: TTFT {r['ttft_session_s']:.3f} s vs {r['ttft_stateless_s']:.3f} s "
+              f"({r['speedup']:.2f}x), reused {r['session_reused_tokens']:.0f} of {r['prompt_tokens']:.0f} tokens, "
+              f"same answers {r['same_answers']}/{r['n']}")
+    print(f"-> {path}")
+    return 0
 
 
 def _conversations(count: int, turns: int, chars: int) -> list[list[str]]:
@@ -84,16 +101,16 @@ def _conversations(count: int, turns: int, chars: int) -> list[list[str]]:
     return out
 
 
-async def _drive(url: str, key: str, conversations: list[list[str]],
-                 args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+async def _drive(url: str, key: str, conversations: list[list[str]], args: argparse.Namespace, report: Report,
+                 turns: list[dict[str, Any]], relays: list[dict[str, Any]]) -> None:
+    """Both parts, each pair of requests appended to ``turns`` or ``relays`` once both came back."""
     import httpx
 
-    turns: list[dict[str, Any]] = []
-    relays: list[dict[str, Any]] = []
     total = len(conversations) * args.turns + args.questions
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=600) as http:
         await _chat(http, args, [{"role": "user", "content": "Hello."}], {})  # warm-up (not counted)
         with tqdm(total=total, desc="bench server-reuse") as bar:
+            report.begin("sessions")
             for c, users in enumerate(conversations):
                 messages: list[dict[str, str]] = []
                 for t, text in enumerate(users):
@@ -103,6 +120,7 @@ async def _drive(url: str, key: str, conversations: list[list[str]],
                     turns.append({"conversation": c, "turn": t + 1, "session": session, "stateless": stateless})
                     messages.append({"role": "assistant", "content": session["text"]})
                     bar.update(1)
+            report.begin("relay")
             system = _system_text(args.system_chars)
             for q in range(args.questions):
                 messages = [{"role": "system", "content": system},
@@ -111,7 +129,6 @@ async def _drive(url: str, key: str, conversations: list[list[str]],
                 on = await _chat(http, args, messages, {"relay": True})
                 relays.append({"question": q + 1, "relay": on, "no_relay": off})
                 bar.update(1)
-    return turns, relays
 
 
 def _system_text(chars: int) -> str:
@@ -162,30 +179,30 @@ def _compare(part: str, turn: int | None, pairs: list[dict[str, Any]], reuse: st
     }
 
 
-def _report(args: argparse.Namespace, turns: list[dict[str, Any]], relays: list[dict[str, Any]]) -> int:
+def _rows(args: argparse.Namespace, turns: list[dict[str, Any]], relays: list[dict[str, Any]]
+          ) -> list[dict[str, Any]]:
+    """The table: a row per turn number and one for relay, each from the pairs that finished."""
     rows = [
-        _compare("sessions", t, [x for x in turns if x["turn"] == t], "session", "stateless", "session_tokens_reused")
-        for t in range(1, args.turns + 1)
+        _compare("sessions", t, pairs, "session", "stateless", "session_tokens_reused")
+        for t in range(1, args.turns + 1) if (pairs := [x for x in turns if x["turn"] == t])
     ]
-    rows.append(_compare("relay", None, relays, "relay", "no_relay", "relay_system_tokens"))
+    if relays:
+        rows.append(_compare("relay", None, relays, "relay", "no_relay", "relay_system_tokens"))
+    return rows
+
+
+def _notes(args: argparse.Namespace, turns: list[dict[str, Any]], relays: list[dict[str, Any]]) -> str:
+    """What the rows are, with the numbers of conversations and questions that ran (fewer after a Ctrl-C)."""
     tree = "on" if args.prefix_tree else "off (baselines are full prefill)"
-    notes = (f"`ragfuse serve` ({args.model}, {args.device}), prefix tree {tree}, greedy, {args.max_tokens} tokens "
-             "per answer, medians. "
-             f"Sessions rows: {len(turns) // max(args.turns, 1)} ShareGPT conversations, each turn sent as a session "
-             "turn (`ttft_session_s`, `session_reused_tokens`: history KV from the session store) and stateless "
-             "(`ttft_stateless_s`; `stateless_prefix_cached_tokens`: blocks the engine's prefix tree still held). "
-             f"Relay row: {len(relays)} questions behind one system message, `ttft_session_s` with relay, "
-             "`ttft_stateless_s` without (the prefix tree may still share its blocks), `session_reused_tokens`: "
-             "system tokens relay served. `same_answers`: identical greedy text both ways. Turn 1 is the same "
-             "request twice (nothing is stored yet).")
-    results = {"machine": machine_info(args.device), "turns": turns, "relay": relays}
-    path = write_report(args.out, "ragfuse bench server-reuse", results, rows, lambda fig: _plot(fig, rows), notes)
-    for r in rows:
-        print(f"{r['part']} {r['turn'] or ''}: TTFT {r['ttft_session_s']:.3f} s vs {r['ttft_stateless_s']:.3f} s "
-              f"({r['speedup']:.2f}x), reused {r['session_reused_tokens']:.0f} of {r['prompt_tokens']:.0f} tokens, "
-              f"same answers {r['same_answers']}/{r['n']}")
-    print(f"-> {path}")
-    return 0
+    return (f"`ragfuse serve` ({args.model}, {args.device}), prefix tree {tree}, greedy, {args.max_tokens} tokens "
+            "per answer, medians. "
+            f"Sessions rows: {len(turns) // max(args.turns, 1)} ShareGPT conversations, each turn sent as a session "
+            "turn (`ttft_session_s`, `session_reused_tokens`: history KV from the session store) and stateless "
+            "(`ttft_stateless_s`; `stateless_prefix_cached_tokens`: blocks the engine's prefix tree still held). "
+            f"Relay row: {len(relays)} questions behind one system message, `ttft_session_s` with relay, "
+            "`ttft_stateless_s` without (the prefix tree may still share its blocks), `session_reused_tokens`: "
+            "system tokens relay served. `same_answers`: identical greedy text both ways. Turn 1 is the same "
+            "request twice (nothing is stored yet).")
 
 
 def _plot(fig: Any, rows: list[dict[str, Any]]) -> None:

@@ -46,7 +46,8 @@ from tqdm.auto import tqdm
 from ragfuse.shared_data import shared_data
 
 from .args import choice_list, int_list, positive_float, positive_int
-from .report import machine_info, write_report
+from .partial import Report
+from .report import machine_info
 from .shapes import SHAPES
 
 SHAREGPT = str(shared_data("sharegpt_multiturn_dev.jsonl"))
@@ -106,19 +107,19 @@ def run(args: argparse.Namespace) -> int:
     stored_rates = _read_rates(args.rates) if args.rates and "replay" in parts else None  # before the ttft part
     results: dict[str, Any] = {"benchmark": "sessions", "machine": machine_info(args.device),
                                "settings": {k: v for k, v in vars(args).items() if k != "func"}}
-    rows: list[dict[str, Any]] = []
-    if "ttft" in parts:
-        results["ttft"] = bench_ttft(args)
-        rows += results["ttft"]["rows"]
-    if "replay" in parts:
-        results["replay"] = bench_replay(args, stored_rates or results.get("ttft", {}).get("rates"))
-        rows += results["replay"]["rows"]
-    if "truncation" in parts:
-        results["truncation"] = bench_truncation(args)
-        rows += results["truncation"]["rows"]
-    out = args.out or f"bench-results/sessions-{args.device}"
-    path = write_report(out, "ragfuse bench sessions", results, rows, lambda fig: _plot(fig, results),
-                        notes=_notes(results))
+    report = Report(args.out or f"bench-results/sessions-{args.device}", "ragfuse bench sessions", results, parts,
+                    plot=lambda fig: _plot(fig, results, report.rows), notes=lambda: _notes(results))
+    with report.interruptible():
+        if "ttft" in parts:
+            report.begin("ttft")
+            results["ttft"] = bench_ttft(args, report.rows)
+        if "replay" in parts:
+            report.begin("replay")
+            results["replay"] = bench_replay(args, stored_rates or results.get("ttft", {}).get("rates"), report.rows)
+        if "truncation" in parts:
+            report.begin("truncation")
+            results["truncation"] = bench_truncation(args, report.rows)
+    path = report.write()
     print((path / "results.md").read_text())
     return 0
 
@@ -175,7 +176,9 @@ def _ttft_engine(args: argparse.Namespace, longest: int) -> Any:
 TIERS = ("cpu", "disk", "disk-prefetched")
 
 
-def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
+def bench_ttft(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``ttft`` part: its rows appended to ``rows`` as each is measured, returned with the rates
+    they give (for the replay)."""
     from ragfuse.engine import SamplingParams
     from ragfuse.engine.sessions import SessionStore
 
@@ -186,7 +189,7 @@ def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
     vocab = eng.model_config.vocab_size
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     tiers = args.tiers
-    rows: list[dict[str, Any]] = []
+    first = len(rows)
     per_token_prefill: list[tuple[int, float]] = []
     bandwidth: dict[str, list[float]] = {t: [] for t in tiers if t in ("cpu", "disk")}
     kv_per_token = eng.model_config.kv_bytes_per_token(eng.dtype)
@@ -328,7 +331,7 @@ def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
         "load_bytes_per_s": {t: statistics.median(b) for t, b in bandwidth.items() if b},
         "kv_bytes_per_token": kv_per_token, "shape": shape, "device": str(eng.device),
     }
-    return {"rows": rows, "rates": rates}
+    return {"rows": rows[first:], "rates": rates}
 
 
 def _preloaded_row(
@@ -483,7 +486,9 @@ def simulate(
     }
 
 
-def bench_replay(args: argparse.Namespace, rates: dict[str, Any] | None) -> dict[str, Any]:
+def bench_replay(args: argparse.Namespace, rates: dict[str, Any] | None, rows: list[dict[str, Any]]
+                 ) -> dict[str, Any]:
+    """The ``replay`` part: a row per setting and policy, appended to ``rows`` as each is simulated."""
     from ragfuse.engine import ModelConfig
 
     from .shapes import shape_config
@@ -495,7 +500,7 @@ def bench_replay(args: argparse.Namespace, rates: dict[str, Any] | None) -> dict
     rates = {**rates, "kv_bytes_per_token": per_tok}
     max_len = mc.max_position_embeddings
     working = sum(min(sum(u + a for u, a in c), max_len) for c in convs) * per_tok
-    rows = []
+    first = len(rows)
     settings = args.settings
     bar = tqdm(total=len(settings) * 3, desc="bench sessions replay")
     for name, cpu_frac, disk_frac in settings:
@@ -507,11 +512,11 @@ def bench_replay(args: argparse.Namespace, rates: dict[str, Any] | None) -> dict
             bar.update(1)
     bar.close()
     for name, *_ in settings:
-        by = {r["policy"]: r for r in rows if r["setting"] == name}
+        by = {r["policy"]: r for r in rows[first:] if r["setting"] == name}
         print(f"  replay {name}: hit rate scheduler {by['scheduler']['hit_rate']:.1%} "
               f"({by['scheduler']['cpu_hit_share']:.0%} from CPU), lru {by['lru']['hit_rate']:.1%}, "
               f"fifo {by['fifo']['hit_rate']:.1%}", flush=True)
-    return {"rows": rows, "working_set_gb": working / 1e9, "conversations": len(convs), "rates": rates}
+    return {"rows": rows[first:], "working_set_gb": working / 1e9, "conversations": len(convs), "rates": rates}
 
 
 # ---- part 3: truncation quality ----------------------------------------------------------------
@@ -529,7 +534,8 @@ def _long_texts(path: str, tokenizer: Any, length: int, count: int) -> list[list
     return out
 
 
-def bench_truncation(args: argparse.Namespace) -> dict[str, Any]:
+def bench_truncation(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``truncation`` part: its rows (one per method, from all texts) appended to ``rows`` at its end."""
     from ragfuse.engine import EngineConfig, LLMEngine
     from ragfuse.engine.fusion import FusionMode, Segment, TensorKV
 
@@ -545,16 +551,16 @@ def bench_truncation(args: argparse.Namespace) -> dict[str, Any]:
     for ids in tqdm(texts, desc="bench sessions truncation"):
         hist, cont = ids[:hist_len], ids[hist_len:]
         kept = hist[:keep_first] + hist[keep_first + drop:]
-        rows = torch.tensor(list(range(keep_first)) + list(range(keep_first + drop, hist_len)))
+        kept_at = torch.tensor(list(range(keep_first)) + list(range(keep_first + drop, hist_len)))
         targets = torch.tensor(cont[1:])
         # TT: the truncated history recomputed from scratch, then the continuation
         logits = eng.score(kept + cont, last_n=len(cont))[:-1]
         nll["tt"].append(float(torch.nn.functional.cross_entropy(logits, targets)))
         (k, v), = eng.compute_kv([hist])  # the history's KV, K without position, as a session stores it
-        k, v = k[:, rows], v[:, rows]
+        k, v = k[:, kept_at], v[:, kept_at]
         # NKVT: K that keeps its old positions: rotated by (old - new) before the fusor rotates it to new
-        old_pos = rows.to(eng.device)
-        delta = old_pos - torch.arange(len(rows), device=eng.device)
+        old_pos = kept_at.to(eng.device)
+        delta = old_pos - torch.arange(len(kept_at), device=eng.device)
         k_naive = torch.stack([rotary(k[i], delta) for i in range(k.shape[0])])
         for name, kk in (("sessions", k), ("nkvt", k_naive)):
             segs = [Segment(kept, TensorKV(kk, v)), Segment(cont[:1])]
@@ -565,6 +571,7 @@ def bench_truncation(args: argparse.Namespace) -> dict[str, Any]:
                  "window": window, "history": hist_len, "cut": drop, "scored_tokens": new - 1, "texts": len(texts)}
                 for m in ("tt", "sessions", "nkvt")]
     print(f"  truncation: PPL TT {ppl['tt']:.3f}, sessions {ppl['sessions']:.3f}, naive {ppl['nkvt']:.3f}", flush=True)
+    rows += rows_out
     return {"rows": rows_out, "perplexity": ppl}
 
 
@@ -594,13 +601,15 @@ def _notes(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _plot(fig: Any, results: dict[str, Any]) -> None:
-    parts = [p for p in ("ttft", "replay", "truncation") if p in results]
+def _plot(fig: Any, results: dict[str, Any], table: list[dict[str, Any]]) -> None:
+    """The finished parts, and the ttft part's rows in ``table`` also while it runs (a run stopped in it)."""
+    ttft = [r for r in table if r["part"] == "ttft"]
+    parts = [p for p in ("ttft", "replay", "truncation") if p in results or (p == "ttft" and ttft)]
     made = fig.subplots(1, len(parts), squeeze=False)[0]
     axes = dict(zip(parts, made, strict=True))
-    if "ttft" in results:
+    if ttft:
         ax = axes["ttft"]
-        rows = results["ttft"]["rows"]
+        rows = ttft
         for tier in sorted({r["tier"] for r in rows}):
             rr = [r for r in rows if r["tier"] == tier]
             ax.plot([r["history"] for r in rr], [r["ttft_session_ms"] for r in rr], "o-", label=f"session ({tier})")

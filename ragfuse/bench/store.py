@@ -95,7 +95,8 @@ def _side_by_side(
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ragfuse.bench.report import machine_info, prepare_out_dir, write_report
+    from ragfuse.bench.partial import Report
+    from ragfuse.bench.report import machine_info, prepare_out_dir
     from ragfuse.engine import ModelConfig
     from ragfuse.engine.errors import RagfuseError
     from ragfuse.engine.kvstore import DiskTier, KVStoreError, MemoryTier, RedisTier
@@ -120,10 +121,35 @@ def run(args: argparse.Namespace) -> int:
     nothing = lambda: None  # noqa: E731 - used as "no preparation"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    load_before = os.getloadavg()  # the machine may be shared: say how busy it was
     notes: list[str] = []
-    rows: list[dict[str, Any]] = []
     samples_ms: dict[str, dict[str, list[float]]] = {}  # every pass of the disk rows, in the order run
+    results = {
+        "bench": "store", "machine": machine_info(str(device)), "model_shape": "Mistral-7B (32 layers, 8 kv heads, "
+        "head_dim 128, bf16)", "kv_bytes_per_token": mc.kv_bytes_per_token(dtype), "chunks": args.chunks,
+        "tokens_per_chunk": args.tokens, "total_bytes": total, "repeats": args.repeats, "notes": notes,
+        "load_average_before": os.getloadavg(),  # the machine may be shared: say how busy it was
+        "samples_ms": samples_ms,
+    }
+    parts = [f"disk -> {device.type}", *(["disk -> cpu, page cache warm"] if device.type == "cpu" else []),
+             f"{device.type} tier", f"redis -> {device.type}"]
+    report = Report(out, "KV store read bandwidth", results, parts, notes=lambda: "\n".join(f"- {n}" for n in notes))
+    rows = report.rows
+
+    def plot(fig: Any) -> None:
+        ax = fig.add_subplot(1, 1, 1)
+        measured = [r for r in rows if r["GB/s"] or r["raw GB/s"]]
+        xs = range(len(measured))
+        ax.bar([x - 0.2 for x in xs], [r["GB/s"] or 0 for r in measured], width=0.4, label="tier read")
+        ax.bar([x + 0.2 for x in xs], [r["raw GB/s"] or 0 for r in measured], width=0.4, label="raw path")
+        ax.set_xticks(list(xs), [r["path"] for r in measured], rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"KV of {args.chunks} x {args.tokens} tokens (Mistral-7B shape, {total / 2**20:.0f} MiB)")
+        for x, r in zip(xs, measured):
+            if r["ratio"]:
+                ax.annotate(f"{r['ratio']:.0%}", (x - 0.2, r["GB/s"]), ha="center", va="bottom", fontsize=8)
+        ax.legend()
+
+    report.plot = plot
 
     def row(path: str, seconds: float | None, raw_name: str, raw_s: float | None, goal: float | None,
             faults: tuple[float, float] | None = None) -> None:
@@ -136,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
                      "page faults": faults[0] if faults else None, "raw page faults": faults[1] if faults else None})
 
     cap = total + (64 << 20)
-    with tempfile.TemporaryDirectory(dir=args.dir or out, prefix=".kv-") as tmp:
+    with report.interruptible(), tempfile.TemporaryDirectory(dir=args.dir or out, prefix=".kv-") as tmp:
+        report.begin(parts[0])
         disk = DiskTier(Path(tmp), cap * 2, reserve_bytes=0, read_pool=HostBufferPool(total + (64 << 20)))
         for e in entries:
             disk.put(e, keep_evicted=False)
@@ -172,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
         disk_row(f"disk -> {device.type}", cold, "tier", raw_name, GOALS["disk"])
         if device.type == "cpu":
             disk_row("disk -> cpu, fresh buffers (no pool)", cold, "fresh", raw_name, None)
+            report.begin(parts[1])
             warm = _side_by_side(reads, nothing, sync, args.repeats)
             disk_row("disk -> cpu, page cache warm", warm, "tier", "file read, page cache warm", None)
             disk_row("disk -> cpu, page cache warm, fresh buffers", warm, "fresh", "file read, page cache warm", None)
@@ -179,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
                          "unless the row says warm (then both read from a warm page cache)")
             unpooled.close()
 
+        report.begin(f"{device.type} tier")
         if device.type == "cuda":
             gpu = MemoryTier("gpu", device, cap)
             for e in entries:
@@ -204,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
             notes.append("The CPU tier is the compute device's own memory: its KV is used in place, no copy. "
                          "The memory-copy bandwidth is listed for reference.")
 
+        report.begin(f"redis -> {device.type}")
         try:
             redis = RedisTier(args.redis, cap, prefix=f"ragfuse:bench:{os.getpid()}")
         except KVStoreError as exc:
@@ -221,28 +251,8 @@ def run(args: argparse.Namespace) -> int:
                 redis.close()
         disk.close()
 
-    results = {
-        "bench": "store", "machine": machine_info(str(device)), "model_shape": "Mistral-7B (32 layers, 8 kv heads, "
-        "head_dim 128, bf16)", "kv_bytes_per_token": mc.kv_bytes_per_token(dtype), "chunks": args.chunks,
-        "tokens_per_chunk": args.tokens, "total_bytes": total, "repeats": args.repeats, "notes": notes,
-        "load_average_before": load_before, "load_average_after": os.getloadavg(), "samples_ms": samples_ms,
-    }
-
-    def plot(fig: Any) -> None:
-        ax = fig.add_subplot(1, 1, 1)
-        measured = [r for r in rows if r["GB/s"] or r["raw GB/s"]]
-        xs = range(len(measured))
-        ax.bar([x - 0.2 for x in xs], [r["GB/s"] or 0 for r in measured], width=0.4, label="tier read")
-        ax.bar([x + 0.2 for x in xs], [r["raw GB/s"] or 0 for r in measured], width=0.4, label="raw path")
-        ax.set_xticks(list(xs), [r["path"] for r in measured], rotation=20, ha="right", fontsize=8)
-        ax.set_ylabel("GB/s")
-        ax.set_title(f"KV of {args.chunks} x {args.tokens} tokens (Mistral-7B shape, {total / 2**20:.0f} MiB)")
-        for x, r in zip(xs, measured):
-            if r["ratio"]:
-                ax.annotate(f"{r['ratio']:.0%}", (x - 0.2, r["GB/s"]), ha="center", va="bottom", fontsize=8)
-        ax.legend()
-
-    write_report(out, "KV store read bandwidth", results, rows, plot, notes="\n".join(f"- {n}" for n in notes))
+    results["load_average_after"] = os.getloadavg()
+    report.write()
     for r in rows:
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
     for n in notes:

@@ -20,7 +20,8 @@ from tqdm.auto import tqdm
 
 from .args import int_list, positive_int
 from .engine import Sync, median_time
-from .report import machine_info, write_report
+from .partial import Report
+from .report import machine_info
 from .shapes import SHAPES, shape_config
 
 
@@ -59,7 +60,8 @@ def shared_cache(
     return k, v, torch.tensor(tables, dtype=torch.int32, device=device), lens, [path] * b
 
 
-def op_rows(args: argparse.Namespace, device: torch.device, sync: Sync) -> list[dict[str, Any]]:
+def op_rows(args: argparse.Namespace, device: torch.device, sync: Sync, rows: list[dict[str, Any]]) -> None:
+    """The attention op's rows, each appended to ``rows`` as soon as it is measured."""
     from ragfuse.kernels.paged_attention import paged_decode_attention_ref
     from ragfuse.kernels.two_phase import build_two_phase_plan, two_phase_decode_ref
 
@@ -75,7 +77,6 @@ def op_rows(args: argparse.Namespace, device: torch.device, sync: Sync) -> list[
     c = args.private or (128 if cuda else 16)
     dtype = torch.bfloat16 if cuda else torch.float32
     tasks = [(name, s, b) for name in shapes for s in shared for b in batches]
-    rows = []
     for name, s, b in tqdm(tasks, desc="bench tree (attention op)"):
         cfg = shape_config(name)
         h, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -105,7 +106,6 @@ def op_rows(args: argparse.Namespace, device: torch.device, sync: Sync) -> list[
             "two_phase_gbs": (s + b * c) * kv_bytes / t_two / 1e9,
             "rel_err": float((got - ref).norm() / ref.norm()),
         })
-    return rows
 
 
 def serve(mc: Any, dtype: str, device: torch.device, prompts: list[list[int]], steps: int, tree: bool,
@@ -195,9 +195,10 @@ def e2e_pair(shape: str, layers: int | None, dtype: str, device: torch.device, n
     return rows
 
 
-def e2e_rows(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+def e2e_rows(args: argparse.Namespace, device: torch.device, rows: list[dict[str, Any]]) -> None:
     """The timed pair (bf16 on CUDA) and, on CUDA, a float32 pair of a 4-layer cut of the same
-    layout, where rounding is too small to flip a greedy token: tree on and off must agree there."""
+    layout, where rounding is too small to flip a greedy token: tree on and off must agree there.
+    Each pair's rows are appended to ``rows`` once both of its runs are done."""
     cuda = device.type == "cuda"
     shape = args.e2e_shape or ("mistral-7b" if cuda else "tiny-llama")
     n = args.e2e_requests or (32 if cuda else 4)
@@ -206,8 +207,8 @@ def e2e_rows(args: argparse.Namespace, device: torch.device) -> list[dict[str, A
     specs = [(None, "bfloat16" if cuda else "float32", n, prefix, steps)]
     if cuda:
         specs.append((4, "float32", 8, 1024, 32))
-    return [row for layers, dtype, *work in tqdm(specs, desc="bench tree (engine)")
-            for row in e2e_pair(shape, layers, dtype, device, *work)]
+    for layers, dtype, *work in tqdm(specs, desc="bench tree (engine)"):
+        rows += e2e_pair(shape, layers, dtype, device, *work)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -218,9 +219,6 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     torch.manual_seed(0)
     sync = Sync(device)
-    rows = op_rows(args, device, sync)
-    if args.e2e:
-        rows += e2e_rows(args, device)
     results = {"benchmark": "tree", "machine": machine_info(str(device)), "page": args.page}
     notes = (
         "Decode attention of one layer: b sequences sharing s prefix tokens plus c own tokens each. paged = our "
@@ -239,8 +237,16 @@ def run(args: argparse.Namespace) -> int:
         "follows another path. The float32 pair (a 4-layer cut of the same layout, exact float32 kernels) has "
         "rounding far below the logit gaps: there the tree must not change a token."
     )
-    path = write_report(args.out or f"bench-results/tree-{args.device}", "ragfuse bench tree", results, rows,
-                        lambda fig: _plot(fig, rows), notes)
+    report = Report(args.out or f"bench-results/tree-{args.device}", "ragfuse bench tree", results,
+                    ["attention op", *(["engine, tree on and off"] if args.e2e else [])],
+                    plot=lambda fig: _plot(fig, report.rows), notes=notes)
+    with report.interruptible():
+        report.begin("attention op")
+        op_rows(args, device, sync, report.rows)
+        if args.e2e:
+            report.begin("engine, tree on and off")
+            e2e_rows(args, device, report.rows)
+    path = report.write()
     print((path / "results.md").read_text())
     return 0
 

@@ -31,6 +31,7 @@ from typing import Any
 from ragfuse.shared_data import shared_data
 
 from .args import positive_int
+from .partial import Report
 
 DATA = shared_data("musique_dev.json")
 SESSION_USER = (
@@ -149,8 +150,40 @@ def _drop_page_cache(store: str) -> None:
         drop_page_cache(f)
 
 
+def _table(results: dict[str, dict[str, Any]], cases: list[dict[str, Any]], mode: str, report: Report) -> None:
+    """The rows of the workloads both engines ran (all of them, unless a Ctrl-C stopped the run) and,
+    once both answered the RAG questions, the quality row, into ``report``; ``mode``: the connector's
+    for chunks."""
+    base, conn = results["vllm"], results["vllm+ragfuse"]
+    med = statistics.median
+    for workload in ("session", "rag"):
+        if f"{workload}_ttft" not in base or f"{workload}_ttft" not in conn:
+            continue
+        b, c = med(base[f"{workload}_ttft"]), med(conn[f"{workload}_ttft"])
+        report.rows.append({"workload": workload, "vllm_ttft_s": b, "vllm+ragfuse_ttft_s": c, "speedup": b / c,
+                            "loaded_tokens_median": med(conn[f"{workload}_loaded"]),
+                            "mode": "exact (prefix)" if workload == "session" else mode,
+                            "tier": "memory" if workload == "session" else "disk (page cache dropped)"})
+    if "answers" not in base or "answers" not in conn:
+        return
+    top1 = [max(b, key=b.get) == max(c, key=c.get) for b, c in zip(base["first"], conn["first"]) if b and c]
+    kls = [_kl_top(b, c) for b, c in zip(base["first"], conn["first"]) if b and c]
+    quality = {
+        "mode": mode, "cases": len(cases),
+        "first_token_top1_agreement": sum(top1) / len(top1) if top1 else None,
+        "first_token_kl_top20_mean": statistics.fmean(kls) if kls else None,
+        "answer_agreement": statistics.fmean(a == b for a, b in zip(base["answers"], conn["answers"])),
+        "f1_vllm": statistics.fmean(_f1(a, c["answers"]) for a, c in zip(base["answers"], cases)),
+        "f1_vllm+ragfuse": statistics.fmean(_f1(a, c["answers"]) for a, c in zip(conn["answers"], cases)),
+        "chunk_hits_per_prompt": med(conn["rag_hits"]),
+        "prompt_tokens_median": med(conn["prompt_tokens"]),
+    }
+    report.results["quality"] = quality
+    report.rows.append({"workload": "rag quality", **{k: v for k, v in quality.items() if k not in ("cases",)}})
+
+
 def run(args: argparse.Namespace) -> int:
-    from ragfuse.bench.report import machine_info, write_report
+    from ragfuse.bench.report import machine_info
     from ragfuse.connectors.vllm.backend import import_vllm
     from ragfuse.engine.errors import RagfuseError
 
@@ -169,39 +202,10 @@ def run(args: argparse.Namespace) -> int:
     stages = [(False, lambda b: {**_session(b, cases), **_rag(b, cases, args.max_tokens)}, "vllm"),
               (True, lambda b: {**_session(b, cases), **(_ingest(b, cases) or {})}, "vllm+ragfuse"),
               (True, lambda b: _rag(b, cases, args.max_tokens), "vllm+ragfuse")]
-    for with_connector, stage, name in stages:
-        backend = VLLMBackend(args.model, store_dir=store, connector=with_connector)
-        try:
-            _warm_up(backend)
-            if name == "vllm+ragfuse" and "session_ttft" in results[name]:
-                _drop_page_cache(store)
-            results[name].update(stage(backend))
-        finally:
-            backend.close()
-    base, conn = results["vllm"], results["vllm+ragfuse"]
-    med = statistics.median
-    rows = []
-    for workload in ("session", "rag"):
-        b, c = med(base[f"{workload}_ttft"]), med(conn[f"{workload}_ttft"])
-        rows.append({"workload": workload, "vllm_ttft_s": b, "vllm+ragfuse_ttft_s": c, "speedup": b / c,
-                     "loaded_tokens_median": med(conn[f"{workload}_loaded"]),
-                     "mode": "exact (prefix)" if workload == "session" else MODE,
-                     "tier": "memory" if workload == "session" else "disk (page cache dropped)"})
-    top1 = [max(b, key=b.get) == max(c, key=c.get) for b, c in zip(base["first"], conn["first"]) if b and c]
-    kls = [_kl_top(b, c) for b, c in zip(base["first"], conn["first"]) if b and c]
-    quality = {
-        "mode": MODE, "cases": len(cases),
-        "first_token_top1_agreement": sum(top1) / len(top1) if top1 else None,
-        "first_token_kl_top20_mean": statistics.fmean(kls) if kls else None,
-        "answer_agreement": statistics.fmean(a == b for a, b in zip(base["answers"], conn["answers"])),
-        "f1_vllm": statistics.fmean(_f1(a, c["answers"]) for a, c in zip(base["answers"], cases)),
-        "f1_vllm+ragfuse": statistics.fmean(_f1(a, c["answers"]) for a, c in zip(conn["answers"], cases)),
-        "chunk_hits_per_prompt": med(conn["rag_hits"]),
-        "prompt_tokens_median": med(conn["prompt_tokens"]),
-    }
-    rows.append({"workload": "rag quality", **{k: v for k, v in quality.items() if k not in ("cases",)}})
+    parts = ["vLLM alone: session and RAG", "with the connector: session and ingest", "with the connector: RAG"]
 
     def plot(fig: Any) -> None:
+        rows = report.rows
         ax = fig.add_subplot(1, 1, 1)
         names = ["session turn 2", "RAG, stored chunks"]
         x = range(len(names))
@@ -220,11 +224,26 @@ def run(args: argparse.Namespace) -> int:
         "Session history is loaded exactly (greedy output equals vLLM alone; tested). KL is over vLLM "
         "alone's top-20 first-token logprobs, renormalised, tokens missing from the other top-20 floored."
     )
-    write_report(args.out, "vLLM alone vs vLLM + ragfuse connector", {
-        "machine": machine_info("cpu"), "vllm": vllm.__version__, "quality": quality,
-        "raw": results, "args": {k: v for k, v in vars(args).items() if k != "func"},
-    }, rows, plot=plot, notes=notes)
+    report = Report(args.out, "vLLM alone vs vLLM + ragfuse connector", {
+        "machine": machine_info("cpu"), "vllm": vllm.__version__, "raw": results,
+        "args": {k: v for k, v in vars(args).items() if k != "func"},
+    }, parts, plot=plot, notes=notes)
+    with report.interruptible():
+        try:
+            for (with_connector, stage, name), part in zip(stages, parts, strict=True):
+                report.begin(part)
+                backend = VLLMBackend(args.model, store_dir=store, connector=with_connector)
+                try:
+                    _warm_up(backend)
+                    if name == "vllm+ragfuse" and "session_ttft" in results[name]:
+                        _drop_page_cache(store)
+                    results[name].update(stage(backend))
+                finally:
+                    backend.close()
+        finally:  # every workload, or those both engines finished before a Ctrl-C
+            _table(results, cases, MODE, report)
+    report.write()
     print(f"wrote {args.out}/results.md")
-    for r in rows:
+    for r in report.rows:
         print(r)
     return 0

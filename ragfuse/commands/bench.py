@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import sys
 from collections.abc import Callable
 
 BENCHES = ["engine", "store", "fusion", "vllm", "relay", "tree", "sessions", "server", "server_reuse"]
@@ -25,10 +26,13 @@ def _checked(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Nam
     """``run`` after the checks every benchmark needs before it spends minutes measuring: ``--device
     cuda`` on a machine without CUDA (the server benchmarks would otherwise start a server process
     that loads the model and dies, its log pasted into the error) and an ``--out`` that is a file or
-    cannot be written (found by the report writer only once the results were ready)."""
+    cannot be written (found by the report writer only once the results were ready). Ctrl-C after
+    some rows finished (``BenchInterrupted``: they were written, marked) is one line on stderr and
+    exit status 130, as ``ragfuse eval qa``'s; before any, the command line's own handling applies."""
 
     @functools.wraps(run)
     def checked(args: argparse.Namespace) -> int:
+        from ragfuse.bench.partial import BenchInterrupted
         from ragfuse.bench.report import prepare_out_dir
         from ragfuse.engine.errors import RagfuseError
 
@@ -39,6 +43,10 @@ def _checked(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Nam
                 raise RagfuseError("--device cuda: no CUDA device here")
         if getattr(args, "out", None):
             prepare_out_dir(args.out)
-        return run(args)
+        try:
+            return run(args)
+        except BenchInterrupted as exc:
+            print(f"ragfuse: bench {args.bench}: {exc}", file=sys.stderr, flush=True)
+            return 130
 
     return checked
