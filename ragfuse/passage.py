@@ -19,6 +19,12 @@ class Passage:
     text: str = ""
     id: int | None = None
     source: str = ""
+    score: float | None = None  # the caller's retriever's, reported with the answer's sources as ``ask``'s are
+
+    @staticmethod
+    def score_of(value: object) -> float | None:
+        """A retriever's score as a float, or None where it gave none (or something that is not a number)."""
+        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

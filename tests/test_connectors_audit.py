@@ -65,6 +65,7 @@ async def test_query_engine_sources_name_their_chunks_sync_and_async():
         sources = response.metadata["ragfuse"]["sources"]
         assert [s["id"] for s in sources] == [n.node.metadata["chunk_id"] for n in nodes]
         assert [s["source"] for s in sources] == [n.node.metadata["source"] for n in nodes]
+        assert [s["score"] for s in sources] == [n.score for n in nodes]  # as `ask --json` reports them
         assert all(s["stored"] for s in sources) and "lighthouses.md" in sources[0]["source"]
 
 

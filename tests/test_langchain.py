@@ -71,6 +71,8 @@ def test_documents_as_separate_parts_bring_their_stored_kv(store):
         assert fusion["reused_tokens"] > 0 and fusion["tiers"]
         assert [s["stored"] for s in fusion["sources"]] == [True, True]
     assert by_kwarg.content == by_blocks.content
+    # documents given whole keep their retriever's score in the sources (text stuffed into a prompt has none)
+    assert [s["score"] for s in by_kwarg.response_metadata["ragfuse"]["sources"]] == [d.metadata["score"] for d in docs]
     plain = model.invoke([INSTRUCTION, HumanMessage(QUESTION)], documents=[UNSTORED])
     fusion = plain.response_metadata["ragfuse"]
     assert fusion["sources"][0]["stored"] is False and fusion["reused_tokens"] == 0

@@ -38,7 +38,7 @@ def test_unstored_text_is_prefilled_not_stored(pipeline):
     params = SamplingParams(max_tokens=16)
     keys_before = len(list(pipeline.store.kv.tiers[-1].entry_keys()))
     got = final(pipeline.stream_passages(QUESTION, [Passage(UNSTORED)], mode="reuse", params=params))
-    assert got.sources == [{"text": UNSTORED, "id": None, "source": "", "stored": False}]
+    assert got.sources == [{"text": UNSTORED, "id": None, "source": "", "score": None, "stored": False}]
     assert got.reused_tokens == len(pipeline.builder.prefix)  # the instruction prefix only
     assert "1952" in got.answer
     assert len(list(pipeline.store.kv.tiers[-1].entry_keys())) == keys_before  # the caller's text is not kept
@@ -52,7 +52,7 @@ def test_parts_with_chunks_found_in_flattened_text(pipeline):
     parts = PassageFinder(pipeline.store).split(text)
     assert parts == ["Context:\n", Passage(hit.text, hit.id, hit.source), f"\n\n{UNSTORED}\n\nQuestion: {QUESTION}"]
     got = final(pipeline.stream_parts(parts, mode="reuse", params=SamplingParams(max_tokens=4)))
-    assert got.sources == [{"text": hit.text, "id": hit.id, "source": hit.source, "stored": True}]
+    assert got.sources == [{"text": hit.text, "id": hit.id, "source": hit.source, "score": None, "stored": True}]
     assert got.reused_tokens == len(pipeline.store.docs.chunks([hit.id])[hit.id].token_ids)
     assert PassageFinder(pipeline.store).split(UNSTORED) == [UNSTORED]
 

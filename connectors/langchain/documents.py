@@ -21,4 +21,4 @@ def document_passage(doc: Document | str | Passage) -> Passage:
         return Passage(doc)
     cid = doc.metadata.get(CHUNK_ID)
     return Passage(doc.page_content, int(cid) if isinstance(cid, int | str) and str(cid).isdigit() else None,
-                   str(doc.metadata.get("source", "")))
+                   str(doc.metadata.get("source", "")), Passage.score_of(doc.metadata.get("score")))

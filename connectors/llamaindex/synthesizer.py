@@ -103,7 +103,8 @@ def _node_passage(text: str, node: NodeWithScore) -> Passage:
     meta = node.node.metadata or {}
     cid = meta.get(CHUNK_ID)
     chunk_id = int(cid) if isinstance(cid, int | str) and str(cid).isdigit() else None
-    return Passage(text, chunk_id, str(meta.get("source") or meta.get("file_path") or meta.get("file_name") or ""))
+    return Passage(text, chunk_id, str(meta.get("source") or meta.get("file_path") or meta.get("file_name") or ""),
+                   Passage.score_of(node.score))
 
 
 def _answer(last: CompletionResponse | None) -> _Answer:
