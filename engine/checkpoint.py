@@ -174,6 +174,13 @@ def resolve(model: str) -> Checkpoint:
         ggufs = sorted(path.glob("*.gguf"))
         if ggufs:
             return _from_gguf(ggufs[0], name=ggufs[0].stem)
+        pickled = sorted(p.name for p in path.glob("pytorch_model*.bin"))
+        if pickled:  # a folder with config.json and pickled weights: say what is missing and how to get it
+            raise ModelError(
+                f"model directory {path} holds PyTorch weights ({pickled[0]}) but ragfuse reads only safetensors: "
+                f"convert them once with transformers (AutoModelForCausalLM.from_pretrained(path)"
+                f".save_pretrained(path, safe_serialization=True))"
+            )
         raise ModelError(f"model directory {path} has no config.json + *.safetensors and no .gguf file")
     if path.is_file():
         raise ModelError(

@@ -19,6 +19,9 @@ import torch
 from .errors import ModelError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# the max_position_embeddings of transformers' config classes, which a config.json without the key gets
+# there: it bounds the context and is llama3 scaling's default original_max_position_embeddings
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope=rope_config(cfg),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=max_positions(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
             o_proj_bias=llama and qkv_bias,
@@ -195,6 +198,19 @@ def _layer_windows(cfg: dict[str, Any], arch: str, layers: int, source: str) -> 
     return tuple(window if t == "sliding_attention" else None for t in types)
 
 
+def max_positions(cfg: dict[str, Any]) -> int:
+    """``max_position_embeddings``, or where the config lacks it the default of its family's transformers
+    config class (a fixed 4096 once gave a Llama config without the key other llama3-scaled logits than
+    transformers' 2048, and capped a Mistral's context far below its 131072); 4096 for other families,
+    whose configs (read for the vLLM connector) transformers always writes with the key."""
+    if "max_position_embeddings" in cfg:
+        return int(cfg["max_position_embeddings"])
+    archs = cfg.get("architectures") or []
+    family = next((a.removesuffix("ForCausalLM").lower() for a in archs if a in SUPPORTED_ARCHITECTURES),
+                  cfg.get("model_type"))
+    return _DEFAULT_MAX_POSITIONS.get(family, 4096) if isinstance(family, str) else 4096
+
+
 def rope_config(cfg: dict[str, Any]) -> RopeConfig:
     """RoPE settings read as transformers reads them, so the engine rotates exactly as the reference.
 
@@ -219,7 +235,7 @@ def rope_config(cfg: dict[str, Any]) -> RopeConfig:
     missing = [key for key in required[kind] if params.get(key) is None]
     if missing:
         raise ModelError(f"rope scaling {kind!r} lacks {', '.join(missing)}: cannot rotate as the model was trained")
-    default_original = int(cfg.get("max_position_embeddings", 4096))
+    default_original = max_positions(cfg)
     return RopeConfig(
         theta=theta,
         scaling_type=kind,

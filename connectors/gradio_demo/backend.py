@@ -100,6 +100,10 @@ class DemoBackend:
         if unknown:
             raise RequestError(f"not a demo document: {', '.join(unknown)}")
         paths = [self.docs_dir / name for name in picked] if self.docs_dir else []
+        names = [Path(src).name for src in uploaded]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:  # copied under one name, the last would silently replace the others
+            raise RequestError(f"uploads with the same name: {', '.join(twice)}; rename all but one")
         if uploaded:
             self.uploads.mkdir(parents=True, exist_ok=True)
         for src in uploaded:

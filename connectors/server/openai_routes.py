@@ -67,7 +67,10 @@ def make_router(state: ServerState) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict[str, Any] | StreamingResponse:
         t0 = time.perf_counter()
         state.check_model(body.model)
-        sampling = state.sampling(body, body.max_completion_tokens or body.max_tokens)
+        if body.max_completion_tokens is not None:  # OpenAI's newer name for max_tokens, which it wins over
+            sampling = state.sampling(body, body.max_completion_tokens, "max_completion_tokens")
+        else:
+            sampling = state.sampling(body, body.max_tokens)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": message_text(m)}
                     for m in body.messages]
         rid, created = new_id("chatcmpl"), int(time.time())

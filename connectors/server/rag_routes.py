@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -15,6 +16,7 @@ from starlette.datastructures import UploadFile
 
 from .backend import Delta, RagAnswer, RagOptions
 from .errors import APIError
+from .library import document_id
 from .schemas import DocumentsRequest, RagQueryRequest
 from .state import ServerState, new_id
 from .streaming import collect, event_stream, first_item, sse
@@ -47,6 +49,12 @@ UPLOAD_BODY = {"requestBody": {"required": True, "content": {
 }}}
 
 
+def client_source(source: dict[str, Any]) -> dict[str, Any]:
+    """A retrieved chunk as clients see it: its file by name and by the id ``/v1/documents`` lists
+    (which deletes it), never by its path on the server, which the document routes keep to themselves."""
+    return {**source, "source": Path(source["source"]).name, "document_id": document_id(source["source"])}
+
+
 def make_router(state: ServerState) -> APIRouter:
     router = APIRouter(prefix="/v1", tags=["ragfuse"])
 
@@ -77,7 +85,8 @@ def make_router(state: ServerState) -> APIRouter:
             r = ans.report
             state.metrics.record_kv(ans.kv_tiers)
             return {"id": rid, "object": "rag.answer", "created": created, "model": state.backend.model_id,
-                    "answer": r["answer"], "finish_reason": r["finish_reason"], "sources": r["sources"],
+                    "answer": r["answer"], "finish_reason": r["finish_reason"],
+                    "sources": [client_source(s) for s in r["sources"]],
                     "timing": {**{k: r[k] for k in TIMING}, "server_ttft_s": first_at[0] - t0},
                     "fusion": {k: r[k] for k in FUSION}, "kv_tiers": ans.kv_tiers, "usage": last.usage(),
                     "session": r.get("session"), "notes": r["notes"]}

@@ -55,6 +55,13 @@ class SamplingFields(_Refusing):
     logit_bias: Any = _unsupported("empty")
     NEUTRAL = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {})}
 
+    @field_validator("temperature", "top_p", "n", "stream", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """OpenAI's spec makes these nullable, null meaning the default, and clients that fill every
+        option send ``null`` for the ones left unset: a 400 for that would refuse a plain request."""
+        return cls.model_fields[info.field_name or ""].default if value is None else value
+
 
 class StreamOptions(_Body):
     include_usage: bool = False
@@ -99,9 +106,13 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: Any = _unsupported("false")
     top_logprobs: Any = _unsupported("0")
     response_format: Any = _unsupported('{"type": "text"}')
+    modalities: Any = _unsupported('["text"]')
+    audio: Any = _unsupported("null")
+    web_search_options: Any = _unsupported("null")
     NEUTRAL = {**SamplingFields.NEUTRAL, "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
                "function_call": (None, "none"), "logprobs": (None, False), "top_logprobs": (None, 0),
-               "response_format": (None, {"type": "text"})}
+               "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]), "audio": (None,),
+               "web_search_options": (None,)}
 
 
 class CompletionRequest(SamplingFields):

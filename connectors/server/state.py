@@ -27,12 +27,12 @@ class ServerState:
             raise APIError(404, f"the model {model!r} does not exist (this server serves {self.backend.model_id!r})",
                            param="model", code="model_not_found")
 
-    def sampling(self, body: SamplingFields, max_tokens: int | None) -> Sampling:
-        """The backend's sampling settings, with the server's token limit applied."""
+    def sampling(self, body: SamplingFields, max_tokens: int | None, param: str = "max_tokens") -> Sampling:
+        """The backend's sampling settings, with the server's token limit applied; ``param`` names the
+        option ``max_tokens`` came from, so a refusal points at the option the client sent."""
         limit = self.settings.max_tokens
         if max_tokens is not None and max_tokens > limit:
-            raise APIError(400, f"max_tokens must be at most {limit} on this server, got {max_tokens}",
-                           param="max_tokens")
+            raise APIError(400, f"{param} must be at most {limit} on this server, got {max_tokens}", param=param)
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         return Sampling(max_tokens=max_tokens or min(DEFAULT_MAX_TOKENS, limit), temperature=body.temperature,
                         top_p=body.top_p, seed=body.seed, stop=stop)

@@ -176,15 +176,33 @@ class LlamaForCausalLM(nn.Module):
             return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
         return [c.intermediate_size, c.intermediate_size]
 
+    def _settle_tied_head(self, head: torch.Tensor, filled: set[str]) -> None:
+        """Place the ``lm_head.weight`` of a checkpoint whose config ties it to the embedding, as
+        transformers' ``from_pretrained`` does: where the embedding is missing, the stored head is both;
+        where both are stored with different values, the config is wrong about the checkpoint and they
+        stay untied, each its own (tying them anyway serves the embedding as the output head: other
+        logits than the reference's)."""
+        embed = self.model.embed_tokens.weight
+        if head.shape != embed.shape:
+            raise KeyError(f"checkpoint tensor lm_head.weight has shape {tuple(head.shape)} but the config makes "
+                           f"it {tuple(embed.shape)}")
+        if "model.embed_tokens.weight" not in filled:
+            embed.copy_(head)
+            filled.add("model.embed_tokens.weight")
+        elif not torch.equal(head.to(device=embed.device, dtype=embed.dtype), embed):
+            self.lm_head.weight = nn.Parameter(head.to(device=embed.device, dtype=embed.dtype, copy=True))
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, packing q/k/v and gate/up; every parameter must be filled."""
         params = dict(self.named_parameters())
         filled: set[str] = set()
+        tied_head: torch.Tensor | None = None  # lm_head.weight stored by a checkpoint whose config ties it
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                tied_head = tensor  # settled once the embedding is read, wherever its shard comes
                 continue
             target, shard = name, None
             for frag, (packed_name, idx) in self.packed.items():
@@ -217,6 +235,8 @@ class LlamaForCausalLM(nn.Module):
                 expected.add(pname)
         if self.config.tie_word_embeddings:
             expected.discard("lm_head.weight")
+            if tied_head is not None:
+                self._settle_tied_head(tied_head, filled)
         missing = sorted(expected - filled)
         if missing:
             raise KeyError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
