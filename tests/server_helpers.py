@@ -5,7 +5,11 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import uvicorn
 
@@ -35,3 +39,24 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(timeout=30)
         self.sock.close()
+
+
+@contextmanager
+def serve_lighthouses(store: Path, llm: Any) -> Iterator[SimpleNamespace]:
+    """ragfuse's server over a new store at ``store`` on ``llm``'s engine, the demo's lighthouse
+    document uploaded: ``url``, ``store``, ``backend``, ``engine`` (the app closes the backend)."""
+    import httpx
+
+    from ragfuse.connectors.server import ServerSettings, create_app
+    from ragfuse.connectors.server.engine_backend import EngineBackend, open_store_pipeline
+
+    pipeline = open_store_pipeline(str(store), MODEL, engine=llm.engine, gate=False)
+    backend = EngineBackend(pipeline, MODEL)
+    app = create_app(backend, ServerSettings(api_key=KEY, max_body_bytes=1 << 20, max_tokens=64))
+    with LiveServer(app) as srv:
+        doc = DEMO / "lighthouses.md"
+        r = httpx.post(f"{srv.url}/v1/documents", files=[("files", (doc.name, doc.read_bytes()))],
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=300)
+        assert r.status_code == 200, r.text
+        yield SimpleNamespace(url=srv.url, store=store, backend=backend, engine=llm.engine)
+

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import time
-from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from tests.server_helpers import DEMO, KEY, MODEL, LiveServer
+from tests.server_helpers import KEY, serve_lighthouses
 
 pytestmark = pytest.mark.slow
 QUESTION = "When was the Hollowpoint lighthouse electrified?"
@@ -20,19 +19,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, llm):
-    from ragfuse.connectors.server import ServerSettings, create_app
-    from ragfuse.connectors.server.engine_backend import EngineBackend, open_store_pipeline
-
-    store = tmp_path_factory.mktemp("store")
-    pipeline = open_store_pipeline(str(store), MODEL, engine=llm.engine, gate=False)
-    backend = EngineBackend(pipeline, MODEL)
-    app = create_app(backend, ServerSettings(api_key=KEY, max_body_bytes=1 << 20, max_tokens=64))
-    with LiveServer(app) as srv:
-        doc = DEMO / "lighthouses.md"
-        r = httpx.post(f"{srv.url}/v1/documents", files=[("files", (doc.name, doc.read_bytes()))], headers=AUTH,
-                       timeout=300)
-        assert r.status_code == 200, r.text
-        yield SimpleNamespace(url=srv.url, backend=backend, engine=llm.engine)  # the app closes the backend
+    with serve_lighthouses(tmp_path_factory.mktemp("store"), llm) as srv:
+        yield srv
 
 
 def events(served, body: dict) -> list[str]:
