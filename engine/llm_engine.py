@@ -147,13 +147,16 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int], start: bool = False) -> list[int]:
+        """Token ids of ``prompt`` (checked ids pass through). ``start``: the text begins a sequence and
+        gets the tokenizer's special tokens (a Llama tokenizer's BOS), as transformers and vLLM encode a
+        prompt: the model was trained with it and answers otherwise without; a continuation gets none."""
         if isinstance(prompt, list):
             ids = prompt
         else:
             if self.tokenizer is None:
                 raise RequestError("this engine has no tokenizer: pass token ids")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=start)
         if not ids:
             raise RequestError("empty prompt")
         # C-speed checks (a per-token generator costs ~2 ms per 28K-token history on every turn)
@@ -185,12 +188,12 @@ class LLMEngine:
         relay, as one sequence whose pages start with the system prompt's blocks, shared (their
         full blocks; a partial last block is recomputed into the request's own page)."""
         params = params or SamplingParams()
-        ids = self.tokenize(prompt)
-        offset, shared, head, reserved = 0, [], [], 0
+        ids = self.tokenize(prompt, start=system is None)
+        offset, shared, head, reserved, computed = 0, [], [], 0, False
         if system is not None:
             sp = self.systems.get(system)
             if relay and self.supports_relay:
-                offset, reserved = sp.num_tokens, len(sp.block_table)
+                offset, reserved, computed = sp.num_tokens, len(sp.block_table), sp.fresh
             else:
                 full = sp.num_tokens // self.blocks.block_size
                 shared = self.blocks.share(sp.block_table[:full])
@@ -202,16 +205,23 @@ class LLMEngine:
             self.blocks.release(shared)
             raise
         seq = Sequence(rid, head + ids, params, block_table=shared, system=system, position_offset=offset,
-                       num_computed_tokens=len(shared) * self.blocks.block_size)
+                       num_computed_tokens=len(shared) * self.blocks.block_size, system_computed=computed)
         try:
             self.scheduler.add(seq, reserved)
         except RequestError:
             self.blocks.release(seq.block_table)
             raise
-        self._seqs[rid] = seq
-        if self.tokenizer is not None:
-            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self._track(seq)
         return rid
+
+    def _track(self, seq: Sequence) -> None:
+        """Follow an added request: its outputs, its detokenizer; a system prompt registered for it is
+        from now on a cached one for the requests after it."""
+        self._seqs[seq.request_id] = seq
+        if self.tokenizer is not None:
+            self._detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
+        if seq.system_computed:
+            self.systems.get(seq.system).fresh = False
 
     def _admit(
         self, prompt_tokens: int, params: SamplingParams, request_id: str | None
@@ -238,7 +248,7 @@ class LLMEngine:
     def register_system(self, prompt: str | list[int]) -> int:
         """Compute a system prompt's KV once into blocks of its own and return its id; registering
         the same tokens again returns the same id. Requests pass the id to ``add_request``."""
-        ids = self.tokenize(prompt)
+        ids = self.tokenize(prompt, start=True)
         known = self.systems.find(ids)
         if known is not None:
             self.relay_prompts.hand_over(known)  # the application's now: the on-demand registry must not release it
@@ -419,8 +429,10 @@ class LLMEngine:
         the last token's logits): its first token is sampled here and reported by the next step.
         ``system``: the registered system prompt the prompt follows (relay)."""
         # fused or session KV is not the exact KV of these tokens, so its blocks never join the prefix tree
-        offset = self.systems.get(system).num_tokens if system is not None else 0
-        seq = Sequence(rid, ids, params, cacheable=False, tree_open=False, system=system, position_offset=offset)
+        sp = self.systems.get(system) if system is not None else None
+        seq = Sequence(rid, ids, params, cacheable=False, tree_open=False, system=system,
+                       position_offset=sp.num_tokens if sp is not None else 0,
+                       system_computed=sp is not None and sp.fresh)
         self.relay_prompts.reclaim(self.blocks.blocks_needed([], len(ids)), keep=system)
         self.blocks.grow(seq.block_table, len(ids))  # CacheFullError if there is still no room
         try:
@@ -433,9 +445,7 @@ class LLMEngine:
         seq.first_token_time = time.perf_counter()
         seq.status = Status.RUNNING
         self.scheduler.running.append(seq)
-        self._seqs[rid] = seq
-        if self.tokenizer is not None:
-            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self._track(seq)
         self._pending.append(seq)
         return rid, stats
 
@@ -722,6 +732,7 @@ class LLMEngine:
             total_s=end - seq.arrival_time,
             metrics={"preemptions": seq.num_preemptions, "cached_tokens": seq.num_cached_tokens,
                      "relay_system_tokens": seq.position_offset if seq.system is not None else 0,
+                     "relay_system_computed": seq.position_offset if seq.system_computed else 0,
                      **(turn.stats(len(seq.prompt_token_ids)) if turn is not None else {})},
         )
 

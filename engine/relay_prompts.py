@@ -65,6 +65,7 @@ class RelayPrompts:
             return None
         known = self.engine.register_system(token_ids)
         self._used[known] = self.engine.systems.get(known)
+        self._used[known].fresh = True
         return known
 
     def reclaim(self, blocks: int, keep: int | None = None) -> bool:

@@ -33,6 +33,7 @@ class Sequence:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     system: int | None = None  # registered system prompt this request follows (relay attention)
+    system_computed: bool = False  # that prompt's KV was computed for this request (``SystemPrompt.fresh``)
     position_offset: int = 0  # the system prompt's length: own token i sits at position offset + i
     # prefix tree (prefix_tree.py): the first ``tree_depth`` blocks of ``block_table`` are tree nodes;
     # ``tree_open`` while later full blocks may still join the tree; fused prompts (approximate KV)

@@ -25,6 +25,9 @@ class SystemPrompt:
     slot: int  # row of the registry's device tables; the id requests refer to
     token_ids: list[int]
     block_table: list[int]
+    # registered on demand for the request about to follow it (``RelayPrompts.acquire``): that request
+    # reports the system tokens as computed for it, not as cached; the flag goes with it
+    fresh: bool = False
 
     @property
     def num_tokens(self) -> int:

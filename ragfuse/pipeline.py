@@ -390,10 +390,11 @@ class RagPipeline:
             try:
                 policy = self.policy.with_ratio(prep.ratio)
                 if system is not None:
+                    computed = self.engine.systems.get(system).fresh  # registered for this question
                     rid, stats = self.engine.add_fused_request(prep.segments[1:], params, mode, policy,
                                                                system=system)
                     prep.relay_tokens = len(prep.segments[0].token_ids)
-                    stats = _with_system(stats, prep.relay_tokens)
+                    stats = _with_system(stats, prep.relay_tokens, computed)
                 elif session_id is None:
                     rid, stats = self.engine.add_fused_request(prep.segments, params, mode, policy)
                 else:
@@ -516,12 +517,15 @@ class RagPipeline:
         )
 
 
-def _with_system(stats: FusionStats, system_tokens: int) -> FusionStats:
+def _with_system(stats: FusionStats, system_tokens: int, computed: bool) -> FusionStats:
     """Fusion stats of a prompt behind a relay system prompt, counted over the whole prompt: the
-    system tokens are part of it, and their KV is reused (from the registry), not computed."""
+    system tokens are part of it, and their KV is reused (from the registry), or ``computed`` for
+    this question where it was the first to need them."""
+    reused = 0 if computed else system_tokens
     return replace(stats, prompt_tokens=stats.prompt_tokens + system_tokens,
-                   stored_tokens=stats.stored_tokens + system_tokens,
-                   reused_tokens=stats.reused_tokens + system_tokens, tiers=sorted({*stats.tiers, "relay"}))
+                   stored_tokens=stats.stored_tokens + reused, reused_tokens=stats.reused_tokens + reused,
+                   computed_tokens=stats.computed_tokens + system_tokens - reused,
+                   tiers=sorted({*stats.tiers, "relay"}))
 
 
 def final(items: Iterator[RequestOutput | AskResult]) -> AskResult:

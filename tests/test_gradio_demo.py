@@ -103,6 +103,27 @@ def test_page_events_through_gradio_client(backend):
         app.close()
 
 
+def test_demo_behind_auth_serves_only_a_logged_in_client(backend):
+    """``--auth USER:PASSWORD``: the page ingests and answers for whoever reaches it, so one served
+    beyond loopback can ask for a login; a client without it gets nothing."""
+    from gradio_client import Client
+    from gradio_client.exceptions import AppError, AuthenticationError
+
+    from ragfuse.commands.demo import launch, parse_auth
+    from ragfuse.connectors.gradio_demo.app import build_app
+
+    app = build_app(backend)
+    launch(app, "127.0.0.1", None, parse_auth("reader:s3cret:with-colon"), block=False)
+    try:
+        with pytest.raises(AuthenticationError):
+            Client(app.local_url, verbose=False)
+        client = Client(app.local_url, auth=("reader", "s3cret:with-colon"), verbose=False)
+        with pytest.raises(AppError, match="empty"):  # the page's own answer: the client got through
+            client.predict("  ", "fuse", 2, api_name="/on_ask")
+    finally:
+        app.close()
+
+
 def test_demo_command_rejects_bad_arguments_before_loading(tmp_path, capsys):
     from ragfuse.cli import main
 
@@ -110,7 +131,8 @@ def test_demo_command_rejects_bad_arguments_before_loading(tmp_path, capsys):
         port = busy.getsockname()[1]
         cases = {("--port", "70000"): "--port must be in 1-65535",
                  ("--port", str(port)): f"cannot listen on 127.0.0.1:{port}",
-                 ("--docs", str(tmp_path / "missing")): "is not a directory"}
+                 ("--docs", str(tmp_path / "missing")): "is not a directory",
+                 ("--auth", "admin"): "--auth must be USER:PASSWORD", ("--auth", "admin:"): "--auth must be"}
         for extra, message in cases.items():
             assert main(["demo", "--store", str(tmp_path / "store"), *extra]) == 2
             err = capsys.readouterr().err

@@ -306,3 +306,31 @@ def test_ingest_with_a_model_without_tokenizer_fails_before_making_a_store(tmp_p
     err = capsys.readouterr().err
     assert err.startswith(f"ragfuse: error: model {model} has no tokenizer") and err.count("\n") == 1
     assert not store.exists()
+
+
+def test_a_text_prompt_begins_with_the_tokenizers_bos_as_in_transformers(tmp_path):
+    """A Llama-style tokenizer adds BOS to a prompt it encodes: a text prompt gets it, as
+    transformers' ``tokenizer(prompt)`` and vLLM give it (the model answers otherwise without it), and
+    the greedy tokens are transformers'; a prompt continuing a registered system prompt gets none (the
+    system prompt, the sequence's start, has it), so relay or not the sequence holds one BOS."""
+    from tokenizers import processors
+
+    path = tiny_mistral(tmp_path / "m")
+    fast = PreTrainedTokenizerFast.from_pretrained(str(path))
+    fast.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", fast.bos_token_id)])
+    fast.save_pretrained(path)
+    prompt = "The Hollowpoint lighthouse"
+    ids = fast(prompt)["input_ids"]
+    assert ids[0] == fast.bos_token_id
+    ref = MistralForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
+    llm = LLM.from_engine(engine_of(path))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    assert llm.generate([prompt], params)[0].token_ids == want
+    sid = llm.engine.register_system("The Hollowpoint")
+    assert llm.engine.systems.get(sid).token_ids[0] == fast.bos_token_id
+    rid = llm.engine.add_request(" lighthouse", params, system=sid)
+    assert llm.engine._seqs[rid].prompt_token_ids[0] != fast.bos_token_id
+

@@ -63,12 +63,16 @@ def test_instruction_prefix_runs_through_relay_with_the_tokens_of_its_stored_cop
 
     params = SamplingParams(max_tokens=16)
     off = pipeline.ask(QUESTION, mode=mode, ratio=ratio, top_k=2, params=params, relay=False)
+    pipeline.engine.relay_prompts.release_idle()  # an earlier question's registration goes
+    first = pipeline.ask(QUESTION, mode=mode, ratio=ratio, top_k=2, params=params)
     on = pipeline.ask(QUESTION, mode=mode, ratio=ratio, top_k=2, params=params)
-    assert pipeline.relay and on.token_ids == off.token_ids
+    assert pipeline.relay and on.token_ids == off.token_ids == first.token_ids
     assert on.relay_system_tokens == len(pipeline.builder.prefix) and off.relay_system_tokens == 0
     assert "relay" in on.tiers and "relay" not in off.tiers
     assert (on.prompt_tokens, on.reused_tokens, on.recomputed_tokens) == (
         off.prompt_tokens, off.reused_tokens, off.recomputed_tokens)
+    # the question that registered the prefix computed its KV: counted as computed, not as reused
+    assert (first.prompt_tokens, first.reused_tokens) == (on.prompt_tokens, on.reused_tokens - on.relay_system_tokens)
     reuses = pipeline.engine.relay_prompts.reuses
     again = pipeline.ask("Who kept the lighthouse?", mode=mode, ratio=ratio, top_k=2, params=params)
     assert again.relay_system_tokens == len(pipeline.builder.prefix)

@@ -63,12 +63,14 @@ def engine_params(s: Sampling) -> SamplingParams:
 def to_delta(out: RequestOutput) -> Delta:
     """The engine's output as a delta; a relay request's system prompt counts among its prompt
     tokens (the engine's ``prompt_tokens`` are the request's own) and, with a session's stored
-    history and shared prefix blocks, among its cached ones."""
+    history and shared prefix blocks, among its cached ones, unless it was computed for this very
+    request (the first to carry it)."""
     m = out.metrics
     relay = int(m.get("relay_system_tokens", 0))
     reuse = {"relay_system_tokens": relay, "prefix_cached_tokens": int(m.get("cached_tokens", 0)),
              **{k: m[k] for k in REUSE_KEYS if k.startswith("session") and k in m}}
-    cached = relay + reuse["prefix_cached_tokens"] + int(m.get("session_tokens_reused", 0))
+    cached = (relay - int(m.get("relay_system_computed", 0)) + reuse["prefix_cached_tokens"]
+              + int(m.get("session_tokens_reused", 0)))
     return Delta(out.delta_text, out.finished, out.finish_reason, out.prompt_tokens + relay, len(out.token_ids),
                  cached, reuse)
 

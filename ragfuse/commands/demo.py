@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import socket
+import sys
 from pathlib import Path
+from typing import Any
 
 from ragfuse.commands.generate import add_model_args
 from ragfuse.commands.ingest import add_store_arg
+from ragfuse.commands.serve import LOOPBACK
 
 # the demo documents: shipped in the wheel as ragfuse/demo_docs (pyproject maps demo/docs there), or the
 # repository's demo/docs when running from a checkout (an editable install)
@@ -26,7 +30,29 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="directory of documents offered for picking (default: ragfuse's demo documents)")
     p.add_argument("--no-gate", action="store_true",
                    help="skip the accuracy gate's r* calibration (recompute ratio: the policy's default)")
+    p.add_argument("--auth", default=os.environ.get("RAGFUSE_DEMO_AUTH"), metavar="USER:PASSWORD",
+                   help="the login the page asks for (default: $RAGFUSE_DEMO_AUTH; none: open)")
     p.set_defaults(func=run)
+
+
+def parse_auth(value: str | None) -> tuple[str, str] | None:
+    """``USER:PASSWORD`` as Gradio's login pair; None for an open page. A malformed value is an error
+    before the model loads, never a page left open by mistake."""
+    from ragfuse.engine import RagfuseError
+
+    if value is None:
+        return None
+    user, sep, password = value.partition(":")
+    if not sep or not user.strip() or not password:
+        raise RagfuseError("--auth must be USER:PASSWORD, both non-empty")
+    return user, password
+
+
+def launch(app: Any, host: str, port: int | None, auth: tuple[str, str] | None, block: bool = True) -> None:
+    """Serve the page, behind ``auth`` when given (the demo ingests and answers for whoever reaches it).
+    ``block=False`` returns once it listens (tests)."""
+    app.queue().launch(server_name=host, server_port=port, share=False, show_error=True, quiet=True, auth=auth,
+                       prevent_thread_lock=not block)
 
 
 def check_listen(host: str, port: int) -> None:
@@ -46,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
     from ragfuse.engine import RagfuseError
 
     check_listen(args.host, args.port)
+    auth = parse_auth(args.auth)
+    if args.host not in LOOPBACK and auth is None:
+        sys.stderr.write(f"ragfuse: warning: the demo on {args.host} without --auth: anyone who can reach the port "
+                         "can add documents and ask\n")
     if args.docs and not Path(args.docs).is_dir():
         raise RagfuseError(f"--docs {args.docs} is not a directory")
     try:
@@ -57,5 +87,5 @@ def run(args: argparse.Namespace) -> int:
     backend = DemoBackend(args.store, args.model, args.device, args.dtype, docs_dir=args.docs, gate=not args.no_gate)
     app = build_app(backend)
     print(f"ragfuse demo on http://{args.host}:{args.port} (store {backend.pipe.store.root})", flush=True)
-    app.queue().launch(server_name=args.host, server_port=args.port, share=False, show_error=True, quiet=True)
+    launch(app, args.host, args.port, auth)
     return 0
