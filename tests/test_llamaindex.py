@@ -71,9 +71,13 @@ def test_flattened_prompt_with_stored_chunk_is_fused(store):
 
 def test_query_engine_over_store_fuses_retrieved_chunks(store):
     llm = RagfuseLLM(store=store, **PARAMS)
+    first = ragfuse_query_engine(store, llm=llm, similarity_top_k=2).query(QUESTION)
     response = ragfuse_query_engine(store, llm=llm, similarity_top_k=2).query(QUESTION)
-    assert "1952" in str(response)
+    assert "1952" in str(response) and str(first) == str(response)
     stats = response.metadata["ragfuse"]
+    # the first question behind the instruction prefix may have registered it for relay (computing its KV)
+    assert first.metadata["ragfuse"]["reused_tokens"] in (stats["reused_tokens"],
+                                                          stats["reused_tokens"] - stats["relay_system_tokens"])
     assert stats["reused_tokens"] > 0 and [s["stored"] for s in stats["sources"]] == [True, True]
     assert "lighthouses.md" in response.source_nodes[0].node.metadata["source"]
 

@@ -18,7 +18,11 @@ UNSTORED = "The Hollowpoint lighthouse was electrified in 1952 after the war, it
 def pipeline(tmp_path_factory, engine):
     from ragfuse.app import open_pipeline
 
-    return open_pipeline(str(ingest_demo(tmp_path_factory.mktemp("store"), engine)), engine=engine, gate=False)
+    pipe = open_pipeline(str(ingest_demo(tmp_path_factory.mktemp("store"), engine)), engine=engine, gate=False)
+    # the instruction prefix registered for relay before the tests compare answers' reuse: the question
+    # that registers it computes its KV and counts it as computed, the ones after it as reused
+    pipe.ask(QUESTION, mode="fuse", ratio=0.3, top_k=1, params=SamplingParams(max_tokens=1))
+    return pipe
 
 
 def test_given_passages_match_retrieval_and_reuse_their_kv(pipeline):

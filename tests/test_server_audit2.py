@@ -115,3 +115,18 @@ def test_rag_sources_name_documents_not_server_paths(served, stream):
     source = answer["sources"][0]
     assert source["source"] == "lighthouses.md"
     assert source["document_id"] == next(d["id"] for d in listed if d["name"] == "lighthouses.md")
+
+
+@pytest.mark.parametrize("body, param, tries", [
+    ({"model": MODEL, "messages": CHAT, "stop": 123}, "stop", ("valid string", "valid list")),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages.0.content",
+     ("valid string", "valid list")),
+])
+def test_a_field_of_several_types_is_named_as_sent_and_every_type_said(served, body, param, tries):
+    """pydantic tags each type it tried into the error's location (``stop.constrained-str``): the
+    client gets the field's own name and every type it may take, not the first try's alone."""
+    r = httpx.post(f"{served.url}/v1/chat/completions", headers=AUTH, timeout=60, json=body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param, r.text
+    assert error["message"].startswith(f"{param}: ") and all(t in error["message"] for t in tries), r.text
+

@@ -62,10 +62,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
-        param = ".".join(loc) or None
-        return error_response(400, f"{param + ': ' if param else ''}{first.get('msg', 'invalid request')}", param)
+        param, message = validation_message(list(exc.errors()))
+        return error_response(400, f"{param + ': ' if param else ''}{message}", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -78,3 +76,31 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _bug(_: Request, exc: Exception) -> JSONResponse:
         return error_response(*describe_error(exc))
+
+
+# what pydantic puts in an error's location besides field names: where the value sat in the request,
+# and, for a field that takes one of several types, which of them was tried
+_PLACES = {"body", "query", "path", "header"}
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str | None, str]:
+    """The request's first invalid field as clients name it (``stop``, ``messages.0.content``) and
+    what it should have been. A field of several types fails once per type, each error located by a
+    tag of pydantic's (``stop.constrained-str``, ``stop.list[str]``): the tags are left out and the
+    tries joined ("a valid string or a valid list"), not the first try shown as if it were the rule."""
+    if not errors:
+        return None, "invalid request"
+
+    def field_path(error: dict[str, Any]) -> str | None:
+        parts = [str(p) for p in error.get("loc", ()) if p not in _PLACES and not _is_type_tag(p)]
+        return ".".join(parts) or None
+
+    param = field_path(errors[0])
+    tries = dict.fromkeys(str(e.get("msg", "invalid value")) for e in errors if field_path(e) == param)
+    return param, " or ".join(m if i == 0 else m.removeprefix("Input should be ") for i, m in enumerate(tries))
+
+
+def _is_type_tag(part: object) -> bool:
+    return isinstance(part, str) and (part in _TYPE_TAGS or not part.isidentifier())
+
