@@ -737,7 +737,6 @@ class LLMEngine:
         )
 
 
-
 def _host_memory() -> int | None:
     """The machine's memory in bytes (``MemTotal``); None off Linux."""
     try:
@@ -748,6 +747,7 @@ def _host_memory() -> int | None:
     except OSError:
         return None
     return None
+
 
 def _generation_eos_ids(path: Any) -> set[int]:
     """The end-of-sequence ids of the checkpoint's ``generation_config.json`` (none if it has none).
