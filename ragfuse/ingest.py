@@ -119,6 +119,8 @@ class Ingestor:
         """Stored files below the real ``folders`` a folder ingest walked (a linked folder's target
         among them: its files are stored by their resolved paths) that no longer exist."""
         walked = {str(f) for f in folders}
+        if not walked:  # files named alone (a server upload): no scan of the stored list on the engine thread
+            return []
         return [f for f, _ in self.store.docs.files()
                 if any(str(parent) in walked for parent in Path(f).parents) and not os.path.lexists(f)]
 
