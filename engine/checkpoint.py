@@ -1,4 +1,5 @@
-"""Turn a model reference (alias, directory, GGUF file or hub id) into a local safetensors directory.
+"""Turn a model reference (alias, directory, GGUF file or hub id) into a local checkpoint directory
+(safetensors or pickled PyTorch weights).
 
 GGUF files are dequantised once through transformers + gguf (about 15 s of Python parsing for the
 default model) and cached as float32 safetensors with the tokenizer beside them, so later starts
@@ -44,6 +45,10 @@ _ALIASES: dict[str, tuple[str, str]] = {
 _SETTLE_NS = 2_000_000_000
 _READ_BYTES = 1 << 24
 INDEX_FILE = "model.safetensors.index.json"
+# pickled PyTorch weights (transformers' save_pretrained(safe_serialization=False)), read where a checkpoint
+# has no safetensors: torch.load with weights_only, which unpickles tensors and plain containers only
+PICKLE_FILE = "pytorch_model.bin"
+PICKLE_INDEX_FILE = "pytorch_model.bin.index.json"
 # What a hub fetch takes: config, weights, tokenizer files and the chat template, which recent transformers
 # save as chat_template.jinja beside tokenizer_config.json. consolidated*.safetensors is a second
 # copy of the weights in Mistral's native names (its official repos ship both): doubling the download for
@@ -74,32 +79,58 @@ class Checkpoint:
 
 
 def weight_files(path: Path) -> list[Path]:
-    """The safetensors files that hold the model in ``path``, as transformers picks them: the shards
-    that ``model.safetensors.index.json`` names where it exists, else ``model.safetensors``, else the
-    folder's one ``*.safetensors`` file. Hub repos may keep other copies of the same weights beside
-    them (Mistral's ``consolidated.safetensors``, in its native tensor names), which are neither
-    loaded nor hashed."""
-    index = path / INDEX_FILE
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ModelError(f"cannot read the shard index {index}: {exc!r}") from exc
+    """The files that hold the model in ``path``, as transformers picks them, safetensors before
+    pickled PyTorch weights: the shards ``model.safetensors.index.json`` names, else
+    ``model.safetensors``, else the folder's one ``*.safetensors`` file; without any safetensors the
+    shards ``pytorch_model.bin.index.json`` names, else ``pytorch_model.bin``. Hub repos may keep
+    other copies of the same weights beside them (Mistral's ``consolidated.safetensors``, in its
+    native tensor names; the ``.bin`` twins of safetensors), which are neither loaded nor hashed."""
+    index = _weight_index(path)
+    if index is not None:
+        file, weight_map = index
+        shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (path / s).is_file()]
         if missing:
             raise ModelError(
-                f"{len(missing)} of the {len(shards)} shard files {index} names are missing, e.g. {missing[0]}"
+                f"{len(missing)} of the {len(shards)} shard files {file} names are missing, e.g. {missing[0]}"
             )
         return [path / s for s in shards]
     if (path / "model.safetensors").is_file():
         return [path / "model.safetensors"]
     files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelError(f"no *.safetensors files in {path}")
     if len(files) > 1:
         raise ModelError(f"{path} holds {len(files)} *.safetensors files but neither model.safetensors nor "
                          f"{INDEX_FILE}: cannot tell which of them hold the model")
+    if not files and (path / PICKLE_FILE).is_file():
+        return [path / PICKLE_FILE]
+    if not files:
+        raise ModelError(f"no *.safetensors files and no {PICKLE_FILE} in {path}")
     return files
+
+
+def weight_map(path: Path) -> dict[str, str] | None:
+    """tensor name -> shard file of a sharded checkpoint (its index's ``weight_map``); None where the
+    weights are one file."""
+    index = _weight_index(path)
+    return None if index is None else index[1]
+
+
+def _weight_index(path: Path) -> tuple[Path, dict[str, str]] | None:
+    """The shard index that ``weight_files`` follows and its ``weight_map``: the safetensors one,
+    or without any safetensors the pickled one; None where the checkpoint is not sharded."""
+    file = path / INDEX_FILE
+    if not file.is_file():
+        pickled = path / PICKLE_INDEX_FILE
+        if not pickled.is_file() or any(path.glob("*.safetensors")):
+            return None
+        file = pickled
+    try:
+        mapping = json.loads(file.read_text(encoding="utf-8"))["weight_map"]
+        if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
+            raise TypeError(f"weight_map is not an object of file names: {type(mapping).__name__}")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ModelError(f"cannot read the shard index {file}: {exc!r}") from exc
+    return file, mapping
 
 
 def cache_root() -> Path:
@@ -169,19 +200,14 @@ def resolve(model: str) -> Checkpoint:
     if path.is_file() and path.suffix == ".gguf":
         return _from_gguf(path, name=path.stem)
     if path.is_dir():
-        if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        weights = any(path.glob("*.safetensors")) or any((path / f).is_file() for f in (PICKLE_FILE, PICKLE_INDEX_FILE))
+        if (path / "config.json").is_file() and weights:
             return Checkpoint(name=path.name, path=path)
         ggufs = sorted(path.glob("*.gguf"))
         if ggufs:
             return _from_gguf(ggufs[0], name=ggufs[0].stem)
-        pickled = sorted(p.name for p in path.glob("pytorch_model*.bin"))
-        if pickled:  # a folder with config.json and pickled weights: say what is missing and how to get it
-            raise ModelError(
-                f"model directory {path} holds PyTorch weights ({pickled[0]}) but ragfuse reads only safetensors: "
-                f"convert them once with transformers (AutoModelForCausalLM.from_pretrained(path)"
-                f".save_pretrained(path, safe_serialization=True))"
-            )
-        raise ModelError(f"model directory {path} has no config.json + *.safetensors and no .gguf file")
+        raise ModelError(f"model directory {path} has no config.json with *.safetensors or {PICKLE_FILE} weights, "
+                         "and no .gguf file")
     if path.is_file():
         raise ModelError(
             f"model {model} is a file, not a checkpoint: pass the folder that holds it with its config.json "

@@ -9,14 +9,16 @@ are accepted.
 from __future__ import annotations
 
 import json
+import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .errors import ModelError
+from .weights import stored_tensor_names
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # the max_position_embeddings of transformers' config classes, which a config.json without the key gets
@@ -26,7 +28,12 @@ _DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """RoPE settings; ``scaling`` holds Llama-3.1-style frequency scaling when present."""
+    """RoPE settings: the base ``theta`` and a frequency scaling (linear, Llama-3.1's llama3, YaRN, or
+    dynamic NTK, which equals none within ``original_max_position``, the context the engine allows).
+
+    ``attention_factor`` is YaRN's factor on cos and sin, 1 for the other types. It multiplies every
+    q·k by its square and is applied there (``ModelConfig.attention_scale``), never in the rotation
+    tables: stored K is moved by rotating it again, which must not scale it again."""
 
     theta: float = 10000.0
     scaling_type: str = "default"
@@ -34,6 +41,21 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+
+    def inv_frequencies(self, head_dim: int) -> torch.Tensor:
+        """The rotation's inverse frequencies, float32 [head_dim / 2], for positions below
+        ``original_max_position`` where the scaling is dynamic (there it leaves them unscaled)."""
+        from ragfuse.kernels.rope import inv_frequencies
+
+        kind = "default" if self.scaling_type == "dynamic" else self.scaling_type
+        return inv_frequencies(
+            head_dim, self.theta, kind, self.factor, self.low_freq_factor, self.high_freq_factor,
+            self.original_max_position, beta_fast=self.beta_fast, beta_slow=self.beta_slow, truncate=self.truncate,
+        )
 
 
 @dataclass(frozen=True)
@@ -58,6 +80,10 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...]
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # the weights store an lm_head.weight although the config ties the head to the embedding: unless it
+    # equals the embedding the model holds it as its own head (``LlamaForCausalLM._settle_tied_head``),
+    # and loading holds it beside the embedding in any case (``from_dir`` finds it, ``num_params`` counts it)
+    head_stored: bool = False
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -74,11 +100,19 @@ class ModelConfig:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
+    @property
+    def attention_scale(self) -> float:
+        """The factor on q·k before the softmax: 1/sqrt(head_dim), times the square of YaRN's attention
+        factor, which transformers puts on both q's and k's cos and sin (``RopeConfig``)."""
+        return self.head_dim**-0.5 * self.rope.attention_factor**2
+
     def num_params(self) -> int:
-        """Weights the model holds (embeddings, projections, MLPs; biases and norms are too few to count)."""
+        """Weights the model holds (embeddings, projections, MLPs; biases and norms are too few to count),
+        the output head counted apart from the embedding wherever the weights store one."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         layer = self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        own_head = self.head_stored or not self.tie_word_embeddings
+        embeddings = self.vocab_size * self.hidden_size * (2 if own_head else 1)
         return self.num_layers * layer + embeddings
 
     @classmethod
@@ -146,8 +180,9 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
-        """The config of the checkpoint in ``path``; an unreadable or malformed ``config.json`` is a
-        ModelError naming it."""
+        """The config of the checkpoint in ``path``, and where it ties the output head whether the
+        weights store one anyway (``head_stored``: read from their index or header, no tensor loaded).
+        An unreadable or malformed ``config.json`` is a ModelError naming it."""
         file = Path(path) / "config.json"
         try:
             cfg = json.loads(file.read_text(encoding="utf-8"))
@@ -155,7 +190,10 @@ class ModelConfig:
             raise ModelError(f"cannot read {file}: {exc.strerror or exc}") from exc
         except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
             raise ModelError(f"{file} is not valid JSON: {exc}") from exc
-        return cls.from_dict(cfg, source=str(file))
+        config = cls.from_dict(cfg, source=str(file))
+        if config.tie_word_embeddings and "lm_head.weight" in stored_tensor_names(Path(path)):
+            config = replace(config, head_stored=True)
+        return config
 
 
 def _check_heads(heads: int, kv_heads: int, head_dim: int, source: str) -> None:
@@ -218,8 +256,10 @@ def rope_config(cfg: dict[str, Any]) -> RopeConfig:
     config that transformers 5 saved with ``rope_parameters`` and that a user then gave a
     ``rope_scaling`` runs scaled there), and its theta falls back to the top-level ``rope_theta``,
     never to the replaced dict's. A scaling type missing a field transformers requires is refused
-    rather than run with a guessed value; llama3's ``original_max_position_embeddings`` defaults to
-    ``max_position_embeddings`` as there."""
+    rather than run with a guessed value; llama3's and yarn's ``original_max_position_embeddings``
+    defaults to ``max_position_embeddings`` as there. Dynamic NTK scaling changes the frequencies
+    once a sequence outgrows ``max_position_embeddings``, which cached KV could not follow; the
+    engine's context ends there, where it equals plain RoPE, so it runs as that."""
     params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if not isinstance(params, dict):
         raise ModelError(f"rope_scaling/rope_parameters must be a JSON object, got {params!r}")
@@ -229,21 +269,48 @@ def rope_config(cfg: dict[str, Any]) -> RopeConfig:
                          "rope_parameters object for every layer")
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind not in ("default", "llama3", "linear"):
-        raise ModelError(f"unsupported rope scaling {kind!r} (default, linear and llama3 are supported)")
-    required = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
-    missing = [key for key in required[kind] if params.get(key) is None]
+    if kind not in _ROPE_REQUIRED:
+        raise ModelError(f"unsupported rope scaling {kind!r} ({', '.join(_ROPE_REQUIRED)} are supported)")
+    missing = [key for key in _ROPE_REQUIRED[kind] if params.get(key) is None]
     if missing:
         raise ModelError(f"rope scaling {kind!r} lacks {', '.join(missing)}: cannot rotate as the model was trained")
-    default_original = max_positions(cfg)
+    factor = float(params.get("factor", 1.0))
+    original = max_positions(cfg)  # dynamic: equal to no scaling up to there, where the engine's context ends
+    if kind != "dynamic":
+        original = int(params.get("original_max_position_embeddings") or original)
     return RopeConfig(
         theta=theta,
         scaling_type=kind,
-        factor=float(params.get("factor", 1.0)),
+        factor=factor,
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position=int(params.get("original_max_position_embeddings") or default_original),
+        original_max_position=original,
+        beta_fast=float(params.get("beta_fast") or 32.0),  # transformers' defaults, for 0 and null too
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=_yarn_attention_factor(params, factor) if kind == "yarn" else 1.0,
     )
+
+
+# the fields each supported scaling needs, which transformers refuses a config without
+_ROPE_REQUIRED: dict[str, tuple[str, ...]] = {
+    "default": (), "linear": ("factor",), "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": ("factor",),
+}
+
+
+def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
+    """YaRN's factor on cos and sin: the config's ``attention_factor``, else 0.1 ln(factor) + 1 (the
+    paper's), or where both ``mscale`` and ``mscale_all_dim`` are set (DeepSeek's form) the ratio of
+    that expression taken with each as the factor on the log."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+
+    def mscale(weight: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    scale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    return mscale(float(scale)) / mscale(float(all_dim)) if scale and all_dim else mscale(1.0)
 
 
 @dataclass

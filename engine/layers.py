@@ -11,6 +11,7 @@ from torch import nn
 
 from . import ops
 from .config import ModelConfig, RopeConfig
+from .errors import ModelError
 
 
 class Linear(nn.Linear):
@@ -40,21 +41,21 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int) -> None:
         super().__init__()
+        if rope.scaling_type == "dynamic" and max_positions > rope.original_max_position:
+            raise ModelError(f"dynamic NTK RoPE scaling changes the frequencies past {rope.original_max_position} "
+                             f"positions, which cached KV cannot follow: the context must end there, not at "
+                             f"{max_positions}")
         self.head_dim, self.rope, self.max_positions = head_dim, rope, max_positions
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self.build_tables(self.cos.device)  # on "meta" while the model is built without memory
 
     def build_tables(self, device: torch.device) -> None:
-        """(Re)compute the tables on ``device`` in float32, whatever dtype the model is cast to."""
-        from ragfuse.kernels.rope import cos_sin_table, inv_frequencies
+        """(Re)compute the tables on ``device`` in float32, whatever dtype the model is cast to. Pure
+        rotations: YaRN's attention factor is in the attention scale (``ModelConfig.attention_scale``)."""
+        from ragfuse.kernels.rope import cos_sin_table
 
-        r = self.rope
-        inv = inv_frequencies(
-            self.head_dim, r.theta, r.scaling_type, r.factor, r.low_freq_factor, r.high_freq_factor,
-            r.original_max_position,
-        )
-        cos, sin = cos_sin_table(inv, self.max_positions)
+        cos, sin = cos_sin_table(self.rope.inv_frequencies(self.head_dim), self.max_positions)
         self.cos, self.sin = cos.to(device), sin.to(device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

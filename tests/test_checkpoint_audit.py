@@ -145,22 +145,11 @@ def test_16_bit_weights_run_on_the_cpu_as_transformers_runs_them(tmp_path, dtype
 # ---- refused clearly ------------------------------------------------------------------------------
 
 
-def test_a_folder_with_only_pytorch_weights_says_to_convert_them(tmp_path):
-    """The folder has config.json and pytorch_model.bin: the error said it had no config.json +
-    *.safetensors, naming neither what it found nor how to make what it wants."""
-    torch.manual_seed(0)
-    path = _save(tmp_path, HFLlama(LlamaConfig(**TINY)))
-    torch.save(load_file(path / "model.safetensors"), path / "pytorch_model.bin")
-    (path / "model.safetensors").unlink()
-    with pytest.raises(ModelError, match=r"pytorch_model\.bin.*only safetensors.*safe_serialization=True"):
-        _engine(path)
-
-
 @pytest.mark.parametrize(("edit", "message"), [
     ({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}, "unsupported architecture.*GemmaForCausalLM"),
-    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "unsupported rope scaling 'dynamic'"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
-     "unsupported rope scaling 'yarn'"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8}},
+     "unsupported rope scaling 'longrope'"),
+    ({"rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 64}}, "'yarn' lacks factor"),
 ])
 def test_configs_the_engine_cannot_run_are_refused_naming_why(edit, message):
     raw = {**LlamaConfig(**TINY).to_dict(), "architectures": ["LlamaForCausalLM"], **edit}

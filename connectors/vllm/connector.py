@@ -278,9 +278,11 @@ class RagfuseKVConnector(KVConnectorBase_V1):
         if float(getattr(cfg, "partial_rotary_factor", 1.0)) != 1.0:
             raise ValueError("ragfuse connector: partial rotary embeddings are not supported")
         head_dim = vllm_config.model_config.get_head_size()
+        # vLLM's dynamic NTK uses one enlarged base at every length, not the engine's plain RoPE below
+        # max_position_embeddings: the scaling type as read, which inv_frequencies refuses for dynamic
         inv = inv_frequencies(
             head_dim, rope.theta, rope.scaling_type, rope.factor, rope.low_freq_factor, rope.high_freq_factor,
-            rope.original_max_position,
+            rope.original_max_position, beta_fast=rope.beta_fast, beta_slow=rope.beta_slow, truncate=rope.truncate,
         )
         self._cos, self._sin = cos_sin_table(inv, vllm_config.model_config.max_model_len + 1)
         self._num_kv_heads = vllm_config.model_config.get_num_kv_heads(vllm_config.parallel_config)

@@ -65,13 +65,16 @@ def cudnn_prefill(
 
 class Attention(nn.Module):
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None
+        self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None,
+        scale: float | None = None,
     ) -> None:
+        """``scale``: the factor on q·k, by default 1/sqrt(head_dim); a model whose RoPE scales cos and
+        sin (YaRN) passes that factor's square folded in (``ModelConfig.attention_scale``)."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
         self.backend = "auto"  # "auto" (by device, per call), "triton" or "torch"; see set_attention_backend
 

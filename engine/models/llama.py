@@ -43,7 +43,8 @@ class LlamaAttentionBlock(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.rotary = rotary
-        self.attn = Attention(config.num_heads, config.num_kv_heads, config.head_dim, config.layer_windows[layer_idx])
+        self.attn = Attention(config.num_heads, config.num_kv_heads, config.head_dim, config.layer_windows[layer_idx],
+                              scale=config.attention_scale)
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H, D], k [T, KVH, D] (before RoPE), v [T, KVH, D]."""
