@@ -75,6 +75,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 
 def test_cli_profile_caches_a_profile(tmp_path, capsys, engine):
     store = tmp_path / "store"
+    store.mkdir()  # profile refuses a --store that does not exist
     assert main(["profile", "--store", str(store), "--device", "cpu", "--lengths", "64,128", "--entries", "2",
                  "--entry-tokens", "64", "--context", "1024", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -87,6 +87,7 @@ class RagAnswer:
 class Backend(Protocol):
     name: str  # "ragfuse" or "vllm"
     model_id: str
+    context_length: int  # tokens the model attends over: prompt and completion together
 
     def generate(self, prompt: ChatPrompt | TextPrompt, sampling: Sampling, request_id: str) -> AsyncIterator[Delta]:
         """Stream a completion; closing the iterator early aborts the request."""

@@ -87,6 +87,7 @@ class EngineBackend:
         self.pipeline = pipeline
         self.model_id = model_id
         engine = pipeline.engine
+        self.context_length = engine.max_model_len
         root = Path(sessions_dir) if sessions_dir is not None else pipeline.store.root / "sessions"
         self._engine_sessions = engine.sessions  # put back on close (an engine shared with other front ends)
         self.sessions = SessionStore(root, engine.fingerprint, engine.dtype, session_cpu_bytes, session_disk_bytes)

@@ -67,7 +67,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+        # the routing's headers kept: a 405 must say which methods are allowed (``Allow``)
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(RagfuseError)
     async def _ragfuse(_: Request, exc: RagfuseError) -> JSONResponse:
@@ -91,13 +92,20 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str | None, str]:
     tries joined ("a valid string or a valid list"), not the first try shown as if it were the rule."""
     if not errors:
         return None, "invalid request"
+    if errors[0].get("type") == "json_invalid":  # located at the character offset, which is no field
+        return None, f"the request body is not valid JSON: {errors[0].get('ctx', {}).get('error', 'unreadable')}"
 
     def field_path(error: dict[str, Any]) -> str | None:
         parts = [str(p) for p in error.get("loc", ()) if p not in _PLACES and not _is_type_tag(p)]
         return ".".join(parts) or None
 
-    param = field_path(errors[0])
-    tries = dict.fromkeys(str(e.get("msg", "invalid value")) for e in errors if field_path(e) == param)
+    paths = [field_path(e) for e in errors]
+    if paths[0] is None and errors[0].get("type") in ("model_attributes_type", "dict_type", "model_type", "missing"):
+        return None, "the request body must be a JSON object, sent as Content-Type: application/json"
+    # a try that got past the field's type (a list, one of whose items is wrong) tells what to fix;
+    # "a valid string" for a list of token ids with a bad id in it would not
+    param = next((p for p in paths if p and paths[0] and p.startswith(paths[0] + ".")), paths[0])
+    tries = dict.fromkeys(str(e.get("msg", "invalid value")) for e, p in zip(errors, paths, strict=True) if p == param)
     return param, " or ".join(m if i == 0 else m.removeprefix("Input should be ") for i, m in enumerate(tries))
 
 

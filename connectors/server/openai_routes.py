@@ -29,7 +29,7 @@ def make_router(state: ServerState) -> APIRouter:
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card()]}
 
-    @router.get("/models/{model}")
+    @router.get("/models/{model:path}")  # a model id may hold slashes ("org/name", a checkpoint's path)
     async def get_model(model: str) -> dict[str, Any]:
         state.check_model(model)
         return model_card()
@@ -40,8 +40,8 @@ def make_router(state: ServerState) -> APIRouter:
         state.check_model(body.model)
         sampling = state.sampling(body, body.max_tokens)
         rid, created = new_id("cmpl"), int(time.time())
-        deltas = state.metrics.metered(state.backend.generate(TextPrompt(body.prompt), sampling, rid),
-                                       "completions", t0)
+        generated = state.backend.generate(TextPrompt(body.prompt), sampling, rid)
+        deltas = state.metrics.metered(state.within_context(generated, body.max_tokens), "completions", t0)
 
         def chunk(text: str, reason: str | None) -> dict[str, Any]:
             return {"id": rid, "object": "text_completion", "created": created, "model": body.model,
@@ -67,16 +67,17 @@ def make_router(state: ServerState) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict[str, Any] | StreamingResponse:
         t0 = time.perf_counter()
         state.check_model(body.model)
-        if body.max_completion_tokens is not None:  # OpenAI's newer name for max_tokens, which it wins over
-            sampling = state.sampling(body, body.max_completion_tokens, "max_completion_tokens")
-        else:
-            sampling = state.sampling(body, body.max_tokens)
+        # OpenAI's newer name for max_tokens, which it wins over
+        max_tokens, param = ((body.max_completion_tokens, "max_completion_tokens")
+                             if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
+        sampling = state.sampling(body, max_tokens, param)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": message_text(m)}
                     for m in body.messages]
         rid, created = new_id("chatcmpl"), int(time.time())
         relay = state.settings.relay if body.relay is None else body.relay
         prompt = ChatPrompt(messages, body.session_id, relay)
-        deltas = state.metrics.metered(state.backend.generate(prompt, sampling, rid), "chat", t0)
+        generated = state.backend.generate(prompt, sampling, rid)
+        deltas = state.metrics.metered(state.within_context(generated, max_tokens, param), "chat", t0)
 
         def chunk(delta: dict[str, str], reason: str | None) -> dict[str, Any]:
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,

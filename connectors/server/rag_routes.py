@@ -73,7 +73,8 @@ def make_router(state: ServerState) -> APIRouter:
         first_at: list[float] = []
 
         async def items() -> AsyncIterator[Delta | RagAnswer]:
-            async with aclosing(state.backend.rag(body.question, options, sampling, rid)) as answer:
+            answer = state.within_context(state.backend.rag(body.question, options, sampling, rid), body.max_tokens)
+            async with aclosing(answer):
                 async for item in answer:
                     if isinstance(item, Delta) and not first_at:
                         first_at.append(time.perf_counter())

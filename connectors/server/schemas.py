@@ -16,8 +16,13 @@ SessionId = Annotated[str, Field(pattern=SESSION_ID_PATTERN)]  # the session sto
 
 
 class _Body(BaseModel):
-    # unknown fields are ignored, as OpenAI clients send options this server does not implement
-    model_config = ConfigDict(extra="ignore")
+    """Unknown fields are ignored, as OpenAI clients send options this server does not implement.
+    Known ones are strict about JSON types, as OpenAI's API is: in pydantic's lax mode ``true`` would
+    pass as the integer 1, ``"yes"`` as a boolean and ``"0.5"`` as a number, a client's mistake served
+    as if it had asked for something (numbers still take integers: ``"temperature": 1`` is valid).
+    Python's JSON reader takes ``NaN`` and ``Infinity``, which JSON has not: refused as not finite."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 def _unsupported(neutral: str) -> Any:
@@ -36,10 +41,16 @@ class _Refusing(_Body):
     @classmethod
     def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         neutral = cls.NEUTRAL.get(info.field_name or "")
-        if neutral is not None and value not in neutral:
+        if neutral is not None and not any(_same_json(value, n) for n in neutral):
             raise PydanticCustomError("unsupported", "ragfuse does not support {option}: leave it out",
                                       {"option": info.field_name})
         return value
+
+
+def _same_json(value: Any, neutral: Any) -> bool:
+    """``value`` is ``neutral`` as JSON sees it: Python's ``==`` takes ``false`` for ``0`` and ``1.0``
+    for ``1``, so ``"logprobs": 0`` or ``"best_of": true`` would pass as the option left alone."""
+    return type(value) is type(neutral) and value == neutral
 
 
 class SamplingFields(_Refusing):
@@ -53,7 +64,7 @@ class SamplingFields(_Refusing):
     presence_penalty: Any = _unsupported("0")
     frequency_penalty: Any = _unsupported("0")
     logit_bias: Any = _unsupported("empty")
-    NEUTRAL = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {})}
+    NEUTRAL = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {})}
 
     @field_validator("temperature", "top_p", "n", "stream", mode="before")
     @classmethod
@@ -125,6 +136,19 @@ class CompletionRequest(SamplingFields):
     suffix: Any = _unsupported("empty")
     NEUTRAL = {**SamplingFields.NEUTRAL, "logprobs": (None,), "echo": (None, False), "best_of": (None, 1),
                "suffix": (None, "")}
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        """OpenAI's ``prompt`` may be a batch (a list of strings or of token-id lists), which clients
+        send for one prompt too (``["Hello"]``): a batch of one is that prompt. A longer one is refused
+        as such, not blamed on its first item ("prompt.0: should be a valid integer")."""
+        if not (isinstance(value, list) and value and all(isinstance(v, str | list) for v in value)):
+            return value
+        if len(value) > 1:
+            raise PydanticCustomError("one_prompt", "ragfuse answers one prompt per request, got a batch of {count}",
+                                      {"count": len(value)})
+        return value[0]
 
 
 class RagQueryRequest(SamplingFields):

@@ -56,6 +56,7 @@ class VLLMServeBackend(PromptBuilder):
         from ragfuse.retrieval import Retriever
 
         self.llm, self.settings, self.store, self.model_id = llm, settings, store, model_id
+        self.context_length: int = llm.model_config.max_model_len
         self.tokenizer = llm.get_tokenizer()
         self.retriever = Retriever(store)
         tokenizing = _Tokenizing(self.tokenizer, settings.fingerprint, settings.kv_dtype)

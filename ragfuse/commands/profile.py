@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from ragfuse.engine.kvstore.entry import dtype_name
     from ragfuse.engine.kvstore.profile import synthetic_entry
-    from ragfuse.store_dir import resolve_store_dir
+    from ragfuse.store_dir import StoreError, resolve_store_dir
 
     try:
         lengths = sorted({int(x) for x in args.lengths.split(",") if x.strip()})
@@ -81,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
     # the profile's folder is made and checked before the model loads and the measurement runs: a
     # store path that is a file, or a profiles/ that is one, would otherwise fail only at the save
     root = resolve_store_dir(args.store)
+    named = args.store or os.environ.get("RAGFUSE_STORE")
+    if named and not root.exists():  # a mistyped store would get a new folder holding nothing but the profile
+        raise StoreError(f"no store at {root} (pass an existing --store, or run `ragfuse ingest` first)")
     prepare_out_dir(root / "profiles", "--store")
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
     if lengths[-1] > engine.max_model_len:
