@@ -146,6 +146,12 @@ class DocStore:
         return [(r[0], _tokens(r[1])) for p in paths
                 for r in self.db.execute("SELECT kv_key, token_ids FROM chunks WHERE file=?", (p,))]
 
+    def iter_kv_refs(self) -> Iterator[tuple[str | None, tuple[int, ...]]]:
+        """(stored KV key, token ids) of every chunk, read one at a time (a store's chunks may not fit
+        in memory at once), from one snapshot of the docstore."""
+        for kv_key, token_ids in self.db.cursor().execute("SELECT kv_key, token_ids FROM chunks"):
+            yield kv_key, _tokens(token_ids)
+
     def chunk_heads(self, n: int) -> list[tuple[int, str]]:
         """(id, first ``n`` characters) of every chunk at least ``n`` characters long."""
         return self.db.execute("SELECT id, substr(text, 1, ?) FROM chunks WHERE length(text) >= ?", (n, n)).fetchall()

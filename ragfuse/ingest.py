@@ -107,11 +107,12 @@ class Ingestor:
         texts = [t for p in pending for t in p.texts]
         vectors = self.embedder.encode(texts, progress=self.progress and bool(texts))
         chunk_kv = self.chunk_kv
-        if chunk_kv is not None:
-            t1 = time.perf_counter()
-            self._precompute(chunk_kv, [ids for p in pending for ids in p.token_ids], report)
-            report.kv_seconds = time.perf_counter() - t1
-        self.on_engine(lambda: self._commit(pending, vectors, report))
+        with self.store.ingesting():  # its new KV is no chunk's until the commit: `store gc` must keep it
+            if chunk_kv is not None:
+                t1 = time.perf_counter()
+                self._precompute(chunk_kv, [ids for p in pending for ids in p.token_ids], report)
+                report.kv_seconds = time.perf_counter() - t1
+            self.on_engine(lambda: self._commit(pending, vectors, report))
         report.seconds = time.perf_counter() - t0
         return report
 

@@ -5,30 +5,43 @@ the docstore serializes their commits, and an index is updated in place only whe
 committed since it was loaded; otherwise it is replaced by the saved index of the docstore's current
 generation, or rebuilt (``apply_changes``). Index loads and saves hold a lock file (``index.lock``),
 so two writers never save over each other.
+
+An ingest holds ``ingest.lock`` shared from its first KV write to its commit (``ingesting``): until
+then no chunk references its new entries, and ``gc``, which removes entries no chunk references,
+takes it exclusively.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+import os
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from filelock import FileLock
+from tqdm.auto import tqdm
 
 from ragfuse.docstore import DocStore
-from ragfuse.engine.kvstore import DiskTier, KVStoreError, RedisTier, TieredKVStore
+from ragfuse.engine.kvstore import DiskTier, KVStoreError, RedisTier, TieredKVStore, kv_key
+from ragfuse.engine.kvstore.disk import untouched_for
 from ragfuse.store_dir import StoreConfig, StoreError, ingested_store
 from ragfuse.vector_index import VectorIndex
 
 if TYPE_CHECKING:
     from ragfuse.chunk_kv import ChunkKV
+    from ragfuse.prompt import RagPromptBuilder
 
 DEFAULT_KV_CAPACITY_GB = 200.0
+# a temp file untouched this long is a dead writer's: every writer (a KV put, ``write_atomic``, an index
+# save) writes its temp file in one go and renames it at once
+DEAD_TEMP_AGE_S = 3600.0
 log = logging.getLogger("ragfuse.store")
 
 
@@ -40,13 +53,32 @@ class _KeyingEngine:
     dtype: torch.dtype
 
 
+@dataclass
+class GcReport:
+    """What ``RagStore.gc`` removed (or, in a dry run, would remove)."""
+
+    dry_run: bool
+    unreferenced_entries: int = 0
+    unreferenced_bytes: int = 0
+    leftover_files: list[str] = field(default_factory=list)  # crash leftovers, relative to the store
+    leftover_bytes: int = 0
+    corrupt_entries: list[str] = field(default_factory=list)  # keys failing their checksum (``verify``)
+    corrupt_bytes: int = 0
+    verified_entries: int = 0
+
+    @property
+    def bytes(self) -> int:
+        return self.unreferenced_bytes + self.leftover_bytes + self.corrupt_bytes
+
+
 class RagStore:
     def __init__(self, root: Path, config: StoreConfig, kv_capacity_gb: float = DEFAULT_KV_CAPACITY_GB,
                  redis_url: str | None = None, redis_capacity_gb: float = 4.0,
-                 memory_tiers: list | None = None) -> None:
+                 memory_tiers: list | None = None, sweep_kv: bool = True) -> None:
         """``memory_tiers`` (GPU/CPU pools, fastest first) sit above the disk tier: a long-running
         process keeps hot chunks there; a one-shot command needs none. A new store's settings are
-        recorded last, once everything opened: a store that fails to open records none."""
+        recorded last, once everything opened: a store that fails to open records none.
+        ``sweep_kv=False``: leave crash leftovers in the disk tier to ``gc``, which reports them."""
         self.root = root
         self.config = config
         try:
@@ -59,7 +91,7 @@ class RagStore:
         self._index_lock = FileLock(str(root / "index.lock"))
         self.docs = DocStore(root / "docstore.sqlite")
         try:
-            tiers: list = [*(memory_tiers or []), DiskTier(root / "kv", int(kv_capacity_gb * 2**30))]
+            tiers: list = [*(memory_tiers or []), DiskTier(root / "kv", int(kv_capacity_gb * 2**30), sweep=sweep_kv)]
             if redis_url:
                 tiers.append(RedisTier(redis_url, int(redis_capacity_gb * 2**30)))
             self.kv = TieredKVStore(tiers)
@@ -177,31 +209,37 @@ class RagStore:
         keys = {k for k, _ in refs if k} | {k for ks in derived.values() for k in ks}
         return self.forget_kv(keys - in_use)
 
-    @functools.cached_property
-    def _chunk_kvs(self) -> list[ChunkKV]:
-        """How ingest and ``ask`` key this store's chunks, once for every dtype an engine may run in
-        (the store records its model and chunk KV context, not the dtype). Resolving the model reads
-        its config and weights' headers, and for the instruction context its tokenizer, not its weights."""
-        from ragfuse.chunk_kv import ChunkKV
+    @functools.cache  # noqa: B019 - one per store, which lives as long as its process uses it
+    def _keying(self) -> tuple[str, RagPromptBuilder | None]:
+        """The store model's fingerprint and RAG prompt builder (None: the model has no tokenizer, so
+        no RAG prompt was ever built with it): what ingest and ``ask`` key the store's KV by. Reads the
+        model's config, its weights' headers and its tokenizer, not its weights. Raises ModelError or
+        OSError where the model is not found."""
         from ragfuse.engine.checkpoint import resolve
-        from ragfuse.engine.errors import ModelError
-        from ragfuse.engine.kvstore.entry import DTYPES
         from ragfuse.engine.llm_engine import _load_tokenizer  # the engine's loader: the prefix it tokenizes
         from ragfuse.prompt import RagPromptBuilder
 
-        builder = None
+        checkpoint = resolve(self.config.model)
+        tokenizer = _load_tokenizer(checkpoint.path)
+        return checkpoint.fingerprint, RagPromptBuilder(tokenizer) if tokenizer is not None else None
+
+    @functools.cached_property
+    def _chunk_kvs(self) -> list[ChunkKV]:
+        """How ingest and ``ask`` key this store's chunks, once for every dtype an engine may run in
+        (the store records its model and chunk KV context, not the dtype); none where the model is not
+        found (with a warning) or an instruction context cannot be built."""
+        from ragfuse.chunk_kv import ChunkKV
+        from ragfuse.engine.errors import ModelError
+        from ragfuse.engine.kvstore.entry import DTYPES
+
         try:
-            checkpoint = resolve(self.config.model)
-            fingerprint = checkpoint.fingerprint
-            if self.config.chunk_kv_context == "instruction":
-                tokenizer = _load_tokenizer(checkpoint.path)
-                if tokenizer is None:  # no RAG prompt can be built: neither ingest nor ask ran with it
-                    return []
-                builder = RagPromptBuilder(tokenizer)
+            fingerprint, builder = self._keying()
         except (ModelError, OSError) as exc:
             log.warning("model %s not found (%s): KV that `ask` stored for removed chunks is left to the KV "
                         "tiers' LRU", self.config.model, exc)
             return []
+        if self.config.chunk_kv_context == "instruction" and builder is None:
+            return []  # neither ingest nor ask ran with it
         return [ChunkKV.for_context(_KeyingEngine(fingerprint, dtype), self.config.chunk_kv_context, builder)
                 for dtype in DTYPES.values()]
 
@@ -251,9 +289,114 @@ class RagStore:
         _forget_settings(root)
         return 0, 0, 0
 
+    @contextlib.contextmanager
+    def ingesting(self) -> Iterator[None]:
+        """Held by an ingest from before it writes its first KV entry until its chunks are committed:
+        its new entries are referenced by no chunk until then, and ``gc`` must not take them for
+        garbage. Shared: ingests run side by side; ``gc`` takes it exclusively. Waits for a running gc."""
+        with _flock(self.root / "ingest.lock", fcntl.LOCK_SH):
+            yield
+
+    def gc(self, dry_run: bool = False, verify: bool = False, progress: bool = True) -> GcReport:
+        """Remove what nothing needs from the store's disk KV tier and folder; return what went.
+
+        - KV entries no stored chunk references: neither a chunk's stored key, nor the key ``ask``
+          computes a chunk's KV under in any dtype (``forget_chunk_kv``), nor the instruction prefix's.
+          That is KV of chunks removed while the model could not be found (``store rm``, ingest's
+          removals), of a crash between an ingest's KV writes and its commit, of passages ``ask``
+          was given rather than retrieved, of entries whose rows another process removed, of other
+          settings left behind. Done holding ``ingest.lock`` exclusively, so no ingest is between
+          writing KV and committing the chunks that reference it (an ingest running is a StoreError:
+          run gc when it is done; an ingest starting waits for gc). An ``ask`` running meanwhile is
+          no risk: what it stores is a referenced chunk's KV, or a passage's, which is garbage anyway.
+        - Crash leftovers: the disk tier's (``DiskTier.remove_leftovers``: unlisted entry files, temp
+          files of dead writers, listed entries whose file is gone) and temp files of ``write_atomic`` and
+          index saves in the store folder. Temp files carry no owner the lock could tell about, so
+          only dead ones go: the pid in a KV temp file's name runs no process, or a temp file was
+          last written ``DEAD_TEMP_AGE_S`` ago (a live writer renames its temp file as soon as written).
+        - With ``verify``: entries failing their checksum (read whole, which takes as long as reading
+          the tier), which ``ask`` would otherwise meet, drop and recompute.
+
+        ``dry_run`` removes nothing and reports what would go. A store opened with ``sweep_kv=False``
+        reports the disk tier's leftovers; another has swept them when it opened."""
+        from ragfuse.engine.errors import ModelError
+        from ragfuse.engine.kvstore.entry import DTYPES
+
+        try:
+            fingerprint, builder = self._keying()
+        except (ModelError, OSError) as exc:
+            raise StoreError(f"cannot tell which KV entries the store's chunks use: model {self.config.model} is "
+                             f"not found ({exc})") from exc
+        report = GcReport(dry_run)
+        disk: DiskTier = self.kv.tier("disk")  # type: ignore[assignment]
+        sizes = disk.entry_sizes()
+        if verify:
+            for key in tqdm(list(sizes), desc="verifying KV", unit="entry", disable=not progress):
+                ok = disk.intact(key)
+                report.verified_entries += ok is not None
+                if ok is False:
+                    report.corrupt_entries.append(key)
+                    report.corrupt_bytes += sizes.pop(key)
+                    if not dry_run:
+                        disk.drop(key)
+        self._remove_leftovers(disk, report)
+        with _flock(self.root / "ingest.lock", fcntl.LOCK_EX | fcntl.LOCK_NB,
+                    busy="an ingest is running on this store (another process): run gc once it is done"):
+            unused = dict(sizes)
+            if builder is not None:
+                for dtype in DTYPES.values():
+                    unused.pop(kv_key(fingerprint, dtype, builder.prefix), None)
+            for stored_key, token_ids in tqdm(self.docs.iter_kv_refs(), total=self.docs.counts()["chunks"],
+                                              desc="finding unused KV", unit="chunk", disable=not progress):
+                unused.pop(stored_key, None)  # type: ignore[arg-type]
+                for chunk_kv in self._chunk_kvs:
+                    unused.pop(chunk_kv.key(token_ids), None)
+            for key, nbytes in unused.items():
+                if dry_run or disk.delete(key):
+                    report.unreferenced_entries += 1
+                    report.unreferenced_bytes += nbytes
+        return report
+
+    def _remove_leftovers(self, disk: DiskTier, report: GcReport) -> None:
+        """The crash leftovers part of ``gc``: the disk tier's, then the store folder's temp files
+        (``write_atomic``'s ``.NAME.*.tmp``; an index save's ``index.tmp``, dead outside the index lock)."""
+        files, gone = disk.remove_leftovers(temp_max_age=DEAD_TEMP_AGE_S, dry_run=report.dry_run)
+        report.leftover_files += [str(path.relative_to(self.root)) for path, _ in files]
+        report.leftover_files += [f"KV entry {key} (listed, its file gone)" for key in gone]
+        report.leftover_bytes += sum(nbytes for _, nbytes in files)
+        profiles = self.root / "profiles"
+        folders = [self.root, profiles, *(p for p in profiles.rglob("*") if p.is_dir())]
+        temps = [p for folder in folders for p in folder.glob(".*.tmp") if untouched_for(p) > DEAD_TEMP_AGE_S]
+        with self._index_lock:
+            for path in [*temps, self.index_path.with_suffix(".tmp")]:
+                with contextlib.suppress(FileNotFoundError):
+                    report.leftover_bytes += path.stat().st_size
+                    report.leftover_files.append(str(path.relative_to(self.root)))
+                    if not report.dry_run:
+                        path.unlink()
+
     def close(self) -> None:
         self.docs.close()
         self.kv.close()
+
+
+@contextlib.contextmanager
+def _flock(path: Path, how: int, busy: str = "") -> Iterator[None]:
+    """``flock`` on ``path`` (created where missing): shared or exclusive; with ``LOCK_NB``, a lock
+    held elsewhere is a StoreError saying ``busy``. Released when the block ends or the process dies,
+    so a crashed ingest never leaves a lock behind (a lock file's mere existence would)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise StoreError(f"cannot open the lock file {path}: {exc.strerror}") from exc
+    try:
+        try:
+            fcntl.flock(fd, how)
+        except BlockingIOError as exc:
+            raise StoreError(busy) from exc
+        yield
+    finally:
+        os.close(fd)
 
 
 def _forget_settings(root: Path) -> None:

@@ -41,7 +41,7 @@ from filelock import FileLock
 from safetensors.torch import save as safetensors_save
 
 from .buffer_pool import HostBufferPool, shared_pool
-from .entry import CorruptEntryError, EntryMeta, KVStoreError, StoredKV, tensor_bytes
+from .entry import CorruptEntryError, EntryMeta, KVStoreError, StoredKV, UnreadableEntryError, tensor_bytes
 from .tier import Tier, TierStats
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
@@ -153,8 +153,10 @@ class DiskTier(Tier):
 
     def __init__(
         self, root: str | Path, capacity_bytes: int, name: str = "disk", reserve_bytes: int = 64 << 20,
-        read_pool: HostBufferPool | None = None,
+        read_pool: HostBufferPool | None = None, sweep: bool = True,
     ) -> None:
+        """``sweep=False`` opens the tier without removing what crashed writers left (``remove_leftovers``):
+        for ``ragfuse store gc``, which reports what it removes and, with ``--dry-run``, removes nothing."""
         self.name = name
         self.read_pool = read_pool if read_pool is not None else shared_pool()
         self.root = Path(root)
@@ -170,11 +172,11 @@ class DiskTier(Tier):
         self._staging: list[torch.Tensor] | None = None  # page-locked buffers for reads to a GPU
         self._staging_lock = threading.Lock()  # one reader at a time in them (reads run on worker threads)
         with self._lock:
-            self._open_manifest()
+            self._open_manifest(sweep)
 
     # ---- housekeeping ------------------------------------------------------------------------
 
-    def _open_manifest(self) -> None:
+    def _open_manifest(self, sweep: bool) -> None:
         """Open the manifest (the caller holds the file lock) and sweep. One SQLite finds damaged (not
         a database, malformed) is set aside and rebuilt from the entry files; errors that say nothing
         of the file (locked, no permission, I/O) are a KVStoreError, and the manifest is left alone."""
@@ -195,7 +197,8 @@ class DiskTier(Tier):
                 self._relist()
         except (sqlite3.Error, OSError) as exc:
             raise KVStoreError(f"cannot open the KV manifest {path}: {exc}") from exc
-        self._sweep()
+        if sweep:
+            self.remove_leftovers()
 
     @staticmethod
     def _connect(path: Path) -> sqlite3.Connection:
@@ -232,19 +235,37 @@ class DiskTier(Tier):
                       " VALUES (?, ?, ?, ?, ?, ?, ?)", (meta.key, str(path.relative_to(self.root)), st.st_size,
                                                         meta.checksum, meta.num_tokens, st.st_mtime, st.st_mtime))
 
-    def _sweep(self) -> None:
-        """Remove what crashed writers left: temp files of dead processes and files not in the manifest."""
-        listed = {row[0] for row in self._sql("SELECT file FROM entries")}
-        for path in (self.root / "data").glob("*/*"):
-            if path.name.endswith(".tmp"):
-                pid = int(path.name.split(".")[-3]) if path.name.count(".") >= 3 else -1
-                if not _pid_alive(pid):
-                    path.unlink(missing_ok=True)
-            elif str(path.relative_to(self.root)) not in listed:
-                path.unlink(missing_ok=True)
-        for (key, file) in list(self._sql("SELECT key, file FROM entries")):
-            if not (self.root / file).exists():
-                self._sql("DELETE FROM entries WHERE key=?", (key,))
+    def remove_leftovers(self, temp_max_age: float | None = None, dry_run: bool = False,
+                         ) -> tuple[list[tuple[Path, int]], list[str]]:
+        """Remove what crashed writers left, under the lock (a put holds it from its rename to its
+        listing, so nothing found here is a live put's); return the files removed with their sizes,
+        and the keys of rows whose file was gone. ``dry_run``: remove nothing, return what would go.
+
+        - entry files the manifest does not list (a crash between the rename and the listing);
+        - temp files of dead writers (a crash mid-write): the pid in the name runs no process here,
+          or, with ``temp_max_age``, the file was last written more than that many seconds ago. A put
+          writes its temp file in one go and renames it as soon as it has the lock, so an old one is
+          dead even where its pid now belongs to another process (the pid test alone keeps it forever);
+        - rows whose entry file is gone (removed behind the manifest's back)."""
+        removed: list[tuple[Path, int]] = []
+        with self._lock:
+            listed = {row[0] for row in self._sql("SELECT file FROM entries")}
+            for path in (self.root / "data").glob("*/*"):
+                if path.name.endswith(".tmp"):
+                    dead = not pid_alive(_writer_pid(path.name)) or (
+                        temp_max_age is not None and untouched_for(path) > temp_max_age)
+                else:
+                    dead = str(path.relative_to(self.root)) not in listed
+                if dead:
+                    with contextlib.suppress(FileNotFoundError):
+                        removed.append((path, path.stat().st_size))
+                        if not dry_run:
+                            path.unlink()
+            gone = [key for key, file in self._sql("SELECT key, file FROM entries") if not (self.root / file).exists()]
+            if not dry_run:
+                for key in gone:
+                    self._sql("DELETE FROM entries WHERE key=?", (key,))
+        return removed, gone
 
     def _sql(self, query: str, args: tuple = ()) -> list[tuple]:
         with self._db_lock:
@@ -409,6 +430,31 @@ class DiskTier(Tier):
     def entry_keys(self) -> list[str]:
         return [k for (k,) in self._sql("SELECT key FROM entries ORDER BY last_access")]
 
+    def entry_sizes(self) -> dict[str, int]:
+        """Bytes of each listed entry's file, by key."""
+        return dict(self._sql("SELECT key, nbytes FROM entries"))
+
+    def intact(self, key: str) -> bool | None:
+        """Whether every layer of ``key`` reads and matches its checksum (None: no such entry, e.g.
+        evicted meanwhile). Reads it all, without counting a hit or refreshing its last access: a scan
+        of the whole tier must not make every entry look recently used."""
+        rows = self._sql("SELECT file, checksum FROM entries WHERE key=?", (key,))
+        if not rows:
+            return None
+        try:
+            with DiskEntryReader(self.root / rows[0][0], rows[0][1]) as reader:
+                layer = torch.empty(reader.meta.layer_shape, dtype=reader.meta.dtype)
+                for i in range(reader.meta.num_layers):
+                    reader.read_layer(i, layer)
+        except FileNotFoundError:
+            return None
+        except CorruptEntryError:
+            return False
+        except OSError as exc:  # the disk failing is no verdict on the entry: the caller is told, the entry kept
+            raise UnreadableEntryError(f"cannot read KV entry {key} in {self.root}: {exc.strerror or exc}",
+                                       key) from exc
+        return True
+
     def path_of(self, key: str) -> Path | None:
         rows = self._sql("SELECT file FROM entries WHERE key=?", (key,))
         return self.root / rows[0][0] if rows else None
@@ -451,7 +497,22 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _pid_alive(pid: int) -> bool:
+def _writer_pid(name: str) -> int:
+    """The pid in a temp file's name (``.{key}.{pid}.{random}.tmp``), or -1 where it holds none."""
+    parts = name.split(".")
+    return int(parts[-3]) if len(parts) >= 5 and parts[-3].isdigit() else -1
+
+
+def untouched_for(path: Path) -> float:
+    """Seconds since ``path`` was last written; 0 where it is already gone (nothing left to remove)."""
+    try:
+        return time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (one of another user counts)."""
     if pid <= 0:
         return False
     try:

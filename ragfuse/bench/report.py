@@ -9,6 +9,8 @@ import json
 import math
 import os
 import platform
+import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -17,6 +19,9 @@ from typing import Any
 
 from ragfuse.engine.atomic_file import write_atomic
 
+# a staging folder untouched this long is a dead writer's whatever its name says: a writer fills its
+# folder and renames the files out within seconds (its longest step draws one plot)
+STALE_STAGE_S = 3600.0
 
 def machine_info(device: str) -> dict[str, Any]:
     import torch
@@ -105,14 +110,17 @@ def write_report(
     between leaves no results.json rather than a new one beside an older table or plot, so a
     results.json always stands beside the results.md and results.png of its own run. A run that draws
     no plot removes the previous run's results.png. (Swapping a whole folder would be one rename, but
-    ``out`` is the user's folder and may hold other files; the files stay where readers look.)
+    ``out`` is the user's folder and may hold other files; the files stay where readers look.) A
+    writer killed before its renames (SIGKILL, a power cut) leaves its staging folder behind: the
+    next write into ``out`` removes it (``_remove_dead_stages``).
     """
     from ragfuse.engine.errors import RagfuseError
 
     out = prepare_out_dir(out)
+    _remove_dead_stages(out)
     failed: Exception | None = None
     try:
-        with tempfile.TemporaryDirectory(dir=out, prefix=".results-") as tmp:
+        with tempfile.TemporaryDirectory(dir=out, prefix=_stage_prefix()) as tmp:
             stage = Path(tmp)
             head = f"# {title}\n\n"
             if results.get("interrupted"):
@@ -138,6 +146,33 @@ def write_report(
     if failed is not None and not results.get("interrupted"):
         raise failed
     return out
+
+
+def _stage_prefix() -> str:
+    """Name of a staging folder: its writer's pid and host, so a later writer can tell whether it is alive."""
+    return f".results-{os.getpid()}@{socket.gethostname()}."
+
+
+def _remove_dead_stages(out: Path) -> None:
+    """Remove the staging folders in ``out`` that no live writer owns: those of this host whose pid
+    runs no process, and any untouched for ``STALE_STAGE_S``. The pid tells at once and for certain on
+    this host; the age covers what it cannot: a folder of another host sharing ``out`` (a network
+    folder, whose pids mean nothing here), a pid reused since its writer died, and folders of
+    versions that named none. Age alone would keep a dead writer's folder for an hour; the pid alone
+    would remove a live writer's folder of another host. A folder that will not go stays for the next
+    writer: it holds no results, and this write's own are what matters now."""
+    from ragfuse.engine.kvstore.disk import pid_alive  # the KV tier's temp files are told apart the same way
+
+    host = socket.gethostname()
+    for stage in out.glob(".results-*"):
+        pid, _, rest = stage.name.removeprefix(".results-").partition("@")
+        try:
+            age = time.time() - stage.stat().st_mtime
+        except FileNotFoundError:
+            continue  # another writer removed it meanwhile
+        mine = rest.rpartition(".")[0] == host and pid.isdigit()
+        if (mine and not pid_alive(int(pid))) or age > STALE_STAGE_S:
+            shutil.rmtree(stage, ignore_errors=True)
 
 
 def _draw(path: Path, plot: Callable[[Any], None]) -> Exception | None:

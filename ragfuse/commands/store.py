@@ -1,9 +1,11 @@
-"""``ragfuse store stats|rm``: what a store holds, and removing files from it."""
+"""``ragfuse store stats|rm|gc``: what a store holds, removing files from it, and removing what
+nothing needs (KV no chunk uses, crash leftovers, with ``--verify`` damaged KV)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 from ragfuse.commands.ingest import add_store_arg
@@ -22,6 +24,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="remove every file and all stored KV, and reset the settings (the next ingest sets them)")
     add_store_arg(r)
     r.set_defaults(func=rm)
+    g = ssub.add_parser("gc", help="remove KV no stored chunk uses and what crashed writers left")
+    add_store_arg(g)
+    g.add_argument("--dry-run", action="store_true", help="remove nothing; report what would be removed")
+    g.add_argument("--verify", action="store_true",
+                   help="also read every KV entry and remove those failing their checksum (reads the whole tier)")
+    g.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    g.set_defaults(func=gc)
 
 
 def stats(args: argparse.Namespace) -> int:
@@ -70,3 +79,32 @@ def rm(args: argparse.Namespace) -> int:
         store.close()
     print(f"removed {len(targets)} files, {chunks} chunks, {kv} KV entries")
     return 0
+
+
+def gc(args: argparse.Namespace) -> int:
+    from ragfuse.rag_store import RagStore
+    from ragfuse.store_dir import resolve_store_dir
+
+    store = RagStore.open_existing(resolve_store_dir(args.store), sweep_kv=False)
+    try:
+        report = store.gc(dry_run=args.dry_run, verify=args.verify)
+    finally:
+        store.close()
+    if args.json:
+        print(json.dumps({**asdict(report), "bytes": report.bytes}))
+        return 0
+    verb = "would remove" if report.dry_run else "removed"
+    print(f"{verb} {report.unreferenced_entries} KV entries no chunk uses ({_mib(report.unreferenced_bytes)}), "
+          f"{len(report.leftover_files)} crash leftovers ({_mib(report.leftover_bytes)})"
+          + (f", {len(report.corrupt_entries)} of {report.verified_entries} KV entries failing their checksum "
+             f"({_mib(report.corrupt_bytes)})" if args.verify else "")
+          + f"; {_mib(report.bytes)} in all")
+    for name in report.leftover_files:
+        print(f"  leftover {name}")
+    for key in report.corrupt_entries:
+        print(f"  damaged KV entry {key}")
+    return 0
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
