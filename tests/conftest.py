@@ -83,3 +83,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, llm):
+    """A live ``ragfuse serve`` app over the demo documents (``serve_lighthouses``), one per test module;
+    a module that needs another server defines its own ``served``, which ``client`` then talks to."""
+    from tests.server_helpers import serve_lighthouses
+
+    with serve_lighthouses(tmp_path_factory.mktemp("store"), llm) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(served):
+    """The official ``openai`` client for ``served``, authorised, without retries that hide errors."""
+    import openai
+
+    from tests.server_helpers import KEY
+
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key=KEY, max_retries=0, timeout=120)

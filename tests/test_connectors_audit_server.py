@@ -10,17 +10,11 @@ import time
 import httpx
 import pytest
 
-from tests.server_helpers import KEY, serve_lighthouses
+from tests.server_helpers import KEY
 
 pytestmark = pytest.mark.slow
 QUESTION = "When was the Hollowpoint lighthouse electrified?"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, llm):
-    with serve_lighthouses(tmp_path_factory.mktemp("store"), llm) as srv:
-        yield srv
 
 
 def events(served, body: dict) -> list[str]:

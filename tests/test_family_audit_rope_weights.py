@@ -5,7 +5,6 @@ against transformers' own reading of the same files, or must be refused with a M
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,10 +16,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralC
 from transformers import LlamaForCausalLM as HFLlama
 from transformers import MistralForCausalLM as HFMistral
 
-from ragfuse.engine import EngineConfig, LLMEngine
 from ragfuse.engine.config import ModelConfig
 from ragfuse.engine.errors import ModelError
 from ragfuse.engine.fusion import Segment, SelectionPolicy, TensorKV
+from tests.checkpoint_helpers import save_edited, tiny_engine
 
 TINY: dict[str, Any] = dict(
     vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -31,17 +30,7 @@ TINY: dict[str, Any] = dict(
 def _save(path: Path, cls: type, cfg: Any, edit: Callable[[dict[str, Any]], None] | None = None) -> Path:
     """A tiny random model saved by transformers, its config.json then edited as a user might."""
     torch.manual_seed(0)
-    cls(cfg).eval().save_pretrained(path)
-    if edit is not None:
-        file = path / "config.json"
-        raw = json.loads(file.read_text())
-        edit(raw)
-        file.write_text(json.dumps(raw))
-    return path
-
-
-def _engine(path: Path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(path), device="cpu", block_size=8, kv_cache_bytes=1 << 24))
+    return save_edited(path, cls(cfg), edit)
 
 
 def _ids(n: int) -> list[int]:
@@ -71,7 +60,7 @@ EDITS: dict[str, Callable[[dict[str, Any]], None]] = {
 def test_rope_settings_are_read_as_transformers_reads_them(case, tmp_path):
     path = _save(tmp_path, HFLlama, LlamaConfig(**TINY), EDITS[case])
     ids = _ids(120)  # well past 32 and 64 positions, where the scalings differ from plain RoPE
-    ours = _engine(path).score(ids)
+    ours = tiny_engine(path).score(ids)
     ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = ref(torch.tensor([ids])).logits[0].float()
@@ -135,7 +124,7 @@ def test_weights_disagreeing_with_the_config_are_a_model_error_naming_the_tensor
     """A config with fewer KV heads than the weights used to fail with a bare torch size error."""
     path = _save(tmp_path, HFLlama, LlamaConfig(**TINY), lambda c: c.update(num_key_value_heads=1))
     with pytest.raises(ModelError, match=r"k_proj\.weight has shape \(32, 64\) but the config makes it \(16, 64\)"):
-        _engine(path)
+        tiny_engine(path)
 
 
 def test_a_weight_that_would_broadcast_is_refused_not_copied(tmp_path):
@@ -145,7 +134,7 @@ def test_a_weight_that_would_broadcast_is_refused_not_copied(tmp_path):
     weights["model.norm.weight"] = torch.full((1,), 2.0)
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelError, match=r"model\.norm\.weight has shape \(1,\)"):
-        _engine(path)
+        tiny_engine(path)
 
 
 def test_reuse_moves_stored_k_exactly_under_llama3_scaling(tmp_path):
@@ -155,7 +144,7 @@ def test_reuse_moves_stored_k_exactly_under_llama3_scaling(tmp_path):
     ``original_max_position_embeddings``."""
     cfg = LlamaConfig(**{**TINY, "num_hidden_layers": 1}, rope_parameters={
         **_LLAMA3, "rope_theta": 500000.0, "original_max_position_embeddings": 16})
-    eng = _engine(_save(tmp_path, HFLlama, cfg))
+    eng = tiny_engine(_save(tmp_path, HFLlama, cfg))
     g = torch.Generator().manual_seed(3)
     parts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (20, 37, 41, 9)]
     kvs = eng.compute_kv(parts[:3])

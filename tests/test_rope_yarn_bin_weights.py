@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from transformers import LlamaForCausalLM as HFLlama
 from transformers import Qwen2ForCausalLM as HFQwen2
 
-from ragfuse.engine import EngineConfig, LLMEngine
+from ragfuse.engine import LLMEngine
 from ragfuse.engine.checkpoint import Checkpoint, weight_files
 from ragfuse.engine.config import ModelConfig, RopeConfig
 from ragfuse.engine.errors import ModelError
@@ -24,6 +24,7 @@ from ragfuse.engine.fusion import Segment, SelectionPolicy, TensorKV
 from ragfuse.engine.layers import RotaryEmbedding
 from ragfuse.engine.sessions.snapshot import unrotate
 from ragfuse.kernels.rope import apply_rope_ref
+from tests.checkpoint_helpers import save_edited, tiny_engine
 
 VOCAB = 300
 TINY: dict[str, Any] = dict(
@@ -44,17 +45,7 @@ def _save(path: Path, model: torch.nn.Module, edit: Callable[[dict[str, Any]], N
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0, 0.5)
-    model.eval().save_pretrained(path)
-    if edit is not None:
-        file = path / "config.json"
-        raw = json.loads(file.read_text())
-        edit(raw)
-        file.write_text(json.dumps(raw))
-    return path
-
-
-def _engine(path: Path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(path), device="cpu", block_size=8, kv_cache_bytes=1 << 24))
+    return save_edited(path, model, edit)
 
 
 def _ids(n: int, seed: int = 1) -> list[int]:
@@ -63,7 +54,7 @@ def _ids(n: int, seed: int = 1) -> list[int]:
 
 def _assert_logits_match(path: Path, n: int = 200) -> LLMEngine:
     """All-position logits of a prompt of ``n`` tokens, the engine's against transformers' loading."""
-    engine = _engine(path)
+    engine = tiny_engine(path)
     ids = _ids(n)
     ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     with torch.no_grad():
@@ -85,7 +76,7 @@ YARN_CHECKPOINTS: dict[str, Callable[[Path], Path]] = {
 def yarn_engine(request, tmp_path_factory) -> tuple[str, Path, LLMEngine]:
     torch.manual_seed(0)
     path = YARN_CHECKPOINTS[request.param](tmp_path_factory.mktemp(request.param))
-    return request.param, path, _engine(path)
+    return request.param, path, tiny_engine(path)
 
 
 # ---- YaRN ------------------------------------------------------------------------------------------
@@ -138,7 +129,7 @@ def test_one_layer_chunks_computed_alone_move_exactly_under_yarn(tmp_path):
     moved to its offset must give full prefill's logits (the llama3 test of
     test_family_audit_rope_weights.py, with YaRN)."""
     torch.manual_seed(0)
-    engine = _engine(_save(tmp_path, HFQwen2(Qwen2Config(**{**TINY, "num_hidden_layers": 1})),
+    engine = tiny_engine(_save(tmp_path, HFQwen2(Qwen2Config(**{**TINY, "num_hidden_layers": 1})),
                            lambda c: c.update(rope_scaling=dict(QWEN_YARN))))
     g = torch.Generator().manual_seed(3)
     parts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (20, 37, 41, 9)]
@@ -237,7 +228,7 @@ def test_a_damaged_pickled_weights_file_is_a_one_line_model_error_naming_it(tmp_
     _to_pickled(path, 1)
     DAMAGE[damage](path / "pytorch_model.bin")
     with pytest.raises(ModelError) as err:
-        _engine(path)
+        tiny_engine(path)
     assert str(path / "pytorch_model.bin") in str(err.value) and "\n" not in str(err.value)
 
 
@@ -256,6 +247,6 @@ def test_num_params_counts_a_stored_head_of_a_tied_config(tmp_path, head):
         tensors = load_file(path / "model.safetensors")
         tensors["lm_head.weight"] = torch.randn(VOCAB, 64)
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    model = _engine(path).runner.model
+    model = tiny_engine(path).runner.model
     held = sum(p.numel() for p in model.parameters() if p.dim() == 2)  # biases and norms are not counted
     assert ModelConfig.from_dir(path).num_params() == held

@@ -42,11 +42,6 @@ def served(tmp_path_factory, llm):
         yield SimpleNamespace(url=srv.url, backend=backend, expected=expected, engine=llm.engine, store=store)
 
 
-@pytest.fixture
-def client(served):
-    return openai.OpenAI(base_url=f"{served.url}/v1", api_key=KEY, max_retries=0, timeout=120)
-
-
 def metric(served, name: str, **labels: str) -> float:
     text = httpx.get(f"{served.url}/metrics", headers=AUTH).text
     want = ",".join(f'{k}="{v}"' for k, v in labels.items())

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_helpers import DEMO, KEY, MODEL, serve_lighthouses
+from tests.server_helpers import DEMO, KEY, MODEL
 
 pytestmark = pytest.mark.slow
 CHAT = [{"role": "user", "content": "Name three colours."}]
@@ -41,17 +41,6 @@ def test_demo_refuses_two_uploads_of_one_name(tmp_path, engine):
         assert backend.stored_files() == []
     finally:
         backend.close()
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, llm):
-    with serve_lighthouses(tmp_path_factory.mktemp("store"), llm) as srv:
-        yield srv
-
-
-@pytest.fixture
-def client(served):
-    return openai.OpenAI(base_url=f"{served.url}/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
 def chat(served, **options: object) -> httpx.Response:

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_helpers import KEY, MODEL, LiveServer, serve_lighthouses
+from tests.server_helpers import KEY, MODEL, LiveServer
 
 pytestmark = pytest.mark.slow
 CHAT = [{"role": "user", "content": "Name three colours."}]
@@ -28,17 +28,6 @@ def test_profile_refuses_a_store_that_does_not_exist(tmp_path, capsys) -> None:
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"no store at {missing}" in err, err
     assert not (tmp_path / "nowhere").exists()
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, llm):
-    with serve_lighthouses(tmp_path_factory.mktemp("store"), llm) as srv:
-        yield srv
-
-
-@pytest.fixture
-def client(served):
-    return openai.OpenAI(base_url=f"{served.url}/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
 def post(served, path: str, body: object) -> httpx.Response:
