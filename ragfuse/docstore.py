@@ -1,4 +1,5 @@
-"""The SQLite docstore: ingested files (with content hashes), their chunks, and chunk embeddings.
+"""The SQLite docstore: ingested files (with content hashes), their chunks, chunk embeddings, and
+the ingest roots (paths given to ``ragfuse ingest``) under which each file was found.
 
 It is the source of truth of a store: the faiss index is rebuilt from it, and a file's chunks are
 replaced in one transaction, so a crash leaves either the old chunks or the new ones.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -21,6 +22,9 @@ T = TypeVar("T")
 # bound values per statement: SQLite's smallest default limit (builds differ, from 999 to 250,000), so
 # an IN list of any length is sent in pieces every build accepts
 SQL_VARIABLES = 999
+# the root of the files stored before roots were recorded: which paths reached them is not known, so
+# they keep this root, which no ingest walks, and are never removed for a root no longer reaching them
+UNKNOWN_ROOT = ""
 
 
 def batches(items: Sequence[T]) -> Iterator[Sequence[T]]:
@@ -76,10 +80,31 @@ class DocStore:
                 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
                 """
             )
+            self._add_file_roots()
             self.generation  # noqa: B018 - a first read, so a damaged file fails here, named
         except sqlite3.Error as exc:
             self.db.close()
             raise StoreError(f"cannot open the docstore {path}: {exc}") from exc
+
+    def _add_file_roots(self) -> None:
+        """Create the table of the roots each file was found under; in a store made before it (its
+        files stored, but not which roots reached them), each file gets ``UNKNOWN_ROOT``, so it is
+        kept as before: removed by a re-ingest only once deleted from a folder walked (or by
+        ``store rm``), never because a linked folder no longer reaches it. Checked again inside the
+        transaction: another process may have added the table and recorded roots since."""
+        if self._has_file_roots():
+            return
+        with self._tx(bump=False):
+            if self._has_file_roots():
+                return
+            self.db.execute("CREATE TABLE file_roots (file TEXT NOT NULL, root TEXT NOT NULL,"
+                            " PRIMARY KEY (file, root))")
+            self.db.execute("CREATE INDEX file_roots_root ON file_roots(root)")
+            self.db.execute("INSERT INTO file_roots SELECT path, ? FROM files", (UNKNOWN_ROOT,))
+
+    def _has_file_roots(self) -> bool:
+        return self.db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='file_roots'"
+                               ).fetchone() is not None
 
     @property
     def generation(self) -> int:
@@ -114,6 +139,11 @@ class DocStore:
         return removed, new_ids
 
     def remove_files(self, paths: Sequence[str]) -> list[int]:
+        """Remove ``paths`` with their chunks; return the chunk ids removed. None to remove commits
+        nothing: a generation bumped with no chunk changed would leave the saved index stale, to be
+        rebuilt by the next open (an ingest that finds every file unchanged did that)."""
+        if not paths:
+            return []
         with self._tx():
             return [i for p in paths for i in self._remove(p)]
 
@@ -124,10 +154,36 @@ class DocStore:
         ids = [r[0] for r in self.db.execute("SELECT id FROM chunks WHERE file=?", (path,))]
         self.db.execute("DELETE FROM chunks WHERE file=?", (path,))
         self.db.execute("DELETE FROM files WHERE path=?", (path,))
+        self.db.execute("DELETE FROM file_roots WHERE file=?", (path,))
         return ids
 
-    def _tx(self) -> _Transaction:
-        return _Transaction(self)
+    def record_roots(self, found: Mapping[str, Collection[str]]) -> None:
+        """Record that the walk of each root found exactly the files ``found[root]``: the stored ones
+        among them get the root, and stored files it no longer finds lose it. Chunks are untouched, so
+        the generation (which the index follows) stays."""
+        with self._tx(bump=False):
+            for root, files in found.items():
+                had = {r[0] for r in self.db.execute("SELECT file FROM file_roots WHERE root=?", (root,))}
+                now = set(files)
+                self.db.executemany("DELETE FROM file_roots WHERE file=? AND root=?", [(f, root) for f in had - now])
+                self.db.executemany("INSERT INTO file_roots SELECT path, ? FROM files WHERE path=?",
+                                    [(root, f) for f in now - had])
+
+    def file_roots(self, roots: Collection[str]) -> dict[str, set[str]]:
+        """Every recorded root of each stored file recorded under one of ``roots`` (a file stored before
+        roots were recorded has ``UNKNOWN_ROOT`` among them; one with no root row at all, which a crash
+        between its commit and ``record_roots`` leaves, is not listed, so an ingest keeps it)."""
+        found: dict[str, set[str]] = {}
+        for part in batches(list(roots)):
+            for file, root in self.db.execute(
+                    "SELECT file, root FROM file_roots WHERE file IN"
+                    f" (SELECT file FROM file_roots WHERE root IN ({_marks(part)}))", part):
+                found.setdefault(file, set()).add(root)
+        return found
+
+    def _tx(self, bump: bool = True) -> _Transaction:
+        """A write transaction; ``bump``: it changes chunks, so the generation moves on."""
+        return _Transaction(self, bump)
 
     def files(self, prefix: str | None = None) -> list[tuple[str, int]]:
         """(path, chunk count) of stored files, under ``prefix`` when given."""
@@ -213,11 +269,12 @@ def _marks(values: Sequence[object]) -> str:
 
 
 class _Transaction:
-    """BEGIN IMMEDIATE ... COMMIT, with the generation bumped inside, so the index can tell; the
-    generation committed is recorded as the docstore's own."""
+    """BEGIN IMMEDIATE ... COMMIT, with the generation bumped inside (unless ``bump`` is false: no
+    chunk changed, and an index saved at the generation must stay current), so the index can tell;
+    the generation committed is recorded as the docstore's own."""
 
-    def __init__(self, docs: DocStore) -> None:
-        self.docs, self.db = docs, docs.db
+    def __init__(self, docs: DocStore, bump: bool) -> None:
+        self.docs, self.db, self.bump = docs, docs.db, bump
 
     def __enter__(self) -> None:
         self.db.execute("BEGIN IMMEDIATE")
@@ -225,6 +282,9 @@ class _Transaction:
     def __exit__(self, exc_type: object, *_: object) -> None:
         if exc_type is not None:
             self.db.execute("ROLLBACK")
+            return
+        if not self.bump:
+            self.db.execute("COMMIT")
             return
         self.db.execute("INSERT INTO meta VALUES ('generation', '1') ON CONFLICT(k) DO UPDATE SET v = v + 1")
         generation = self.docs.generation

@@ -55,29 +55,51 @@ class FoundFiles:
     # the real folders the walk went through (a linked folder's target among them): a folder ingest
     # mirrors each, since its files are stored by their resolved paths
     folders: list[Path]
+    # each path given that exists, resolved (an ingest root), with the resolved files found under it:
+    # the store records which roots reached a file, so one that no root reaches any more (its linked
+    # folder removed or re-pointed) can go, and one another root still reaches stays
+    roots: dict[Path, list[Path]]
+    # roots whose walk met a folder it could not list (permissions, a folder removed meanwhile): what
+    # they reach is not known in full, so nothing is removed or recorded for them as out of their reach
+    incomplete: set[Path] = field(default_factory=set)
 
 
 def find_files(paths: Iterable[str | Path]) -> FoundFiles:
     """Expand directories (recursively, supported suffixes only); name paths that do not exist."""
-    found: list[Path] = []
     missing: list[SkippedFile] = []
     folders: dict[str, None] = {}
+    roots: dict[Path, dict[Path, None]] = {}
+    incomplete: set[Path] = set()
     for p in map(Path, paths):
         if p.is_dir():
-            found += _walk_dir(p, folders)
+            found, walked, unlisted = _walk_dir(p)
+            folders.update(walked)
+            missing += [SkippedFile(_display_path(e.filename), f"cannot list folder: {e.strerror or e}")
+                        for e in unlisted]
+            if unlisted:
+                incomplete.add(p.resolve())
         elif p.is_file():
-            found.append(p)
+            found = [p]
         else:
             missing.append(SkippedFile(_display_path(p), "no such file or directory"))
-    return FoundFiles(list(dict.fromkeys(f.resolve() for f in found)), missing, [Path(f) for f in folders])
+            continue
+        roots.setdefault(p.resolve(), {}).update(dict.fromkeys(f.resolve() for f in found))
+    files = dict.fromkeys(f for under in roots.values() for f in under)  # a file two roots reach: once
+    return FoundFiles(list(files), missing, [Path(f) for f in folders],
+                      {root: list(under) for root, under in roots.items()}, incomplete)
 
 
-def _walk_dir(root: Path, seen: dict[str, None]) -> list[Path]:
-    """The supported files below ``root``, sorted, hidden files and folders left out. Linked folders
-    are followed (a docs tree assembled from links is common), each real folder once: a link back up
-    the tree would otherwise recurse without end. Adds the real folders walked to ``seen``."""
+def _walk_dir(root: Path) -> tuple[list[Path], dict[str, None], list[OSError]]:
+    """The supported files below ``root``, sorted, hidden files and folders left out, and the real
+    folders walked. Linked folders are followed (a docs tree assembled from links is common), each
+    real folder once: a link back up the tree would otherwise recurse without end. Each root is
+    walked whole, even through folders another root of the same ingest went through: what a root
+    reaches is recorded per root. Also the errors of the folders it could not list, which
+    ``os.walk`` would otherwise pass over in silence."""
     found: list[Path] = []
-    for folder, dirs, names in os.walk(root, followlinks=True):
+    seen: dict[str, None] = {}
+    unlisted: list[OSError] = []
+    for folder, dirs, names in os.walk(root, followlinks=True, onerror=unlisted.append):
         real = os.path.realpath(folder)
         if real in seen:
             dirs.clear()
@@ -86,17 +108,13 @@ def _walk_dir(root: Path, seen: dict[str, None]) -> list[Path]:
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         found += [Path(folder, n) for n in names if not n.startswith(".") and Path(n).suffix.lower() in SUFFIXES
                   and os.path.isfile(os.path.join(folder, n))]
-    return sorted(found)
+    return sorted(found), seen, unlisted
 
 
 def load_file(path: Path, max_bytes: int = DEFAULT_MAX_BYTES, text_field: str = "text",
               title_field: str | None = "title") -> LoadedFile | SkippedFile:
     """Read ``path`` into documents, or say why it was skipped."""
-    try:
-        str(path).encode("utf-8")
-    except UnicodeEncodeError:
-        # Python hands such a name over with surrogate escapes, which the docstore (SQLite, UTF-8)
-        # cannot hold, and which a UTF-8 terminal cannot print
+    if not utf8_name(path):
         return SkippedFile(_display_path(path), "file name is not valid UTF-8 (rename the file)")
     try:
         size = path.stat().st_size
@@ -132,6 +150,16 @@ def load_file(path: Path, max_bytes: int = DEFAULT_MAX_BYTES, text_field: str = 
         # asking for other fields must read the file again, not find it unchanged
         digest.update(b"\0" + json.dumps([text_field, title_field]).encode())
     return LoadedFile(str(path), digest.hexdigest(), docs)
+
+
+def utf8_name(path: Path) -> bool:
+    """Whether ``path`` is valid UTF-8. Python hands any other name over with surrogate escapes,
+    which the docstore (SQLite, UTF-8) cannot hold, and which a UTF-8 terminal cannot print."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _display_path(path: str | Path) -> str:

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from ragfuse.chunk_kv import ChunkKV
 from ragfuse.chunking import TokenChunker
 from ragfuse.docstore import NewChunk
-from ragfuse.documents import DEFAULT_MAX_BYTES, LoadedFile, SkippedFile, find_files, load_file
+from ragfuse.documents import DEFAULT_MAX_BYTES, FoundFiles, LoadedFile, SkippedFile, find_files, load_file, utf8_name
 from ragfuse.embeddings import Embedder
 from ragfuse.engine.kvstore import StoredKV
 from ragfuse.rag_store import RagStore
@@ -45,7 +45,7 @@ def run_here(fn: Callable[[], T]) -> T:
 class IngestReport:
     new_files: list[str] = field(default_factory=list)
     replaced_files: list[str] = field(default_factory=list)
-    removed_files: list[str] = field(default_factory=list)  # gone from an ingested folder
+    removed_files: list[str] = field(default_factory=list)  # gone from an ingested folder, or no root reaches it
     unchanged_files: list[str] = field(default_factory=list)
     skipped: list[SkippedFile] = field(default_factory=list)
     chunks_added: int = 0
@@ -87,14 +87,19 @@ class Ingestor:
 
     def ingest(self, paths: Iterable[str | Path]) -> IngestReport:
         """Add, replace or keep each file found under ``paths``. A folder is mirrored: its files
-        stored before and deleted since are removed, so a deleted document stops being retrieved
-        (a file named alone, or one that is now skipped, is never removed: ``store rm`` does that)."""
+        stored before and deleted since are removed, so a deleted document stops being retrieved,
+        and so are files it no longer reaches (a linked folder removed or re-pointed) unless another
+        ingest root still holds them (a folder or file ingested on its own). A file named alone, one
+        that is now skipped, or one stored before roots were recorded is never removed for being
+        out of reach: ``store rm`` does that. A path that does not exist changes nothing stored."""
         t0 = time.perf_counter()
         report = IngestReport()
         paths = [Path(p) for p in paths]
         found = find_files(paths)
         report.skipped = found.missing
-        report.removed_files = self.on_engine(lambda: self._deleted_files(found.folders))
+        # a root whose walk could not list every folder neither removes nor records what it missed
+        roots = _storable_roots({root: files for root, files in found.roots.items() if root not in found.incomplete})
+        report.removed_files = self.on_engine(lambda: self._gone_files(found, roots))
         pending: list[_Pending] = []
         for path in tqdm(found.files, desc="reading", unit="file", disable=not self.progress):
             loaded = load_file(path, self.max_bytes, self.text_field, self.title_field)
@@ -112,21 +117,30 @@ class Ingestor:
                 t1 = time.perf_counter()
                 self._precompute(chunk_kv, [ids for p in pending for ids in p.token_ids], report)
                 report.kv_seconds = time.perf_counter() - t1
-            self.on_engine(lambda: self._commit(pending, vectors, report))
+            self.on_engine(lambda: self._commit(pending, vectors, report, roots))
         report.seconds = time.perf_counter() - t0
         return report
 
-    def _deleted_files(self, folders: list[Path]) -> list[str]:
-        """Stored files below the real ``folders`` a folder ingest walked (a linked folder's target
-        among them: its files are stored by their resolved paths) that no longer exist."""
-        walked = {str(f) for f in folders}
-        if not walked:  # files named alone (a server upload): no scan of the stored list on the engine thread
-            return []
-        return [f for f, _ in self.store.docs.files()
-                if any(str(parent) in walked for parent in Path(f).parents) and not os.path.lexists(f)]
+    def _gone_files(self, found: FoundFiles, roots: dict[str, list[str]]) -> list[str]:
+        """Stored files below the real folders a folder ingest walked (a linked folder's target among
+        them: its files are stored by their resolved paths) that no longer exist, then those the walk
+        of every root recorded for them no longer reached (a root not walked now, or the unknown
+        root of a file stored before roots were recorded, keeps a file)."""
+        walked = {str(f) for f in found.folders}
+        if not walked:  # files named alone (a server upload), each its own root and found under it:
+            return []   # no scan of the stored list on the engine thread
+        deleted = [f for f, _ in self.store.docs.files()
+                   if any(str(parent) in walked for parent in Path(f).parents) and not os.path.lexists(f)]
+        walked_roots = set(roots)
+        reached = {str(f) for f in found.files}
+        unreached = [f for f, had in self.store.docs.file_roots(walked_roots).items()
+                     if f not in reached and had <= walked_roots]
+        return list(dict.fromkeys(deleted + sorted(unreached)))
 
-    def _commit(self, pending: list[_Pending], vectors: Any, report: IngestReport) -> None:
-        """Swap each file's chunks in, update the index once, then forget KV no chunk uses."""
+    def _commit(self, pending: list[_Pending], vectors: Any, report: IngestReport,
+                roots: dict[str, list[str]]) -> None:
+        """Swap each file's chunks in, record what each root reached, update the index once, then
+        forget KV no chunk uses."""
         chunk_kv = self.chunk_kv
         offset = 0
         all_removed: list[int] = []
@@ -150,6 +164,7 @@ class Ingestor:
             report.chunks_removed += len(removed)
             report.tokens += sum(len(ids) for ids in p.token_ids)
             offset += n
+        self.store.docs.record_roots(roots)
         if pending or all_removed:  # one index update (and save) for the whole ingest; until then the saved
             # index is behind the docstore's generation and a crash would make the next open rebuild it
             self.store.apply_changes(all_removed, all_added, vectors)
@@ -197,6 +212,12 @@ class Ingestor:
     def _store_kv(self, chunk_kv: ChunkKV, batch: list[tuple[str, tuple[int, ...]]]) -> None:
         for (key, _), (k, v) in zip(batch, chunk_kv.compute([list(ids) for _, ids in batch])):
             self.store.kv.put(StoredKV.from_kv(key, k, v))
+
+
+def _storable_roots(roots: dict[Path, list[Path]]) -> dict[str, list[str]]:
+    """``FoundFiles.roots`` as the docstore records them, less names that are not UTF-8: SQLite
+    cannot hold them, and no such file is ever stored (``load_file`` skips it), so none has a root."""
+    return {str(root): [str(f) for f in files if utf8_name(f)] for root, files in roots.items() if utf8_name(root)}
 
 
 def token_batches(items: list[tuple[str, tuple[int, ...]]], limit: int) -> list[list[tuple[str, tuple[int, ...]]]]:
