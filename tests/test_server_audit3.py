@@ -75,8 +75,7 @@ def test_strict_types_keep_what_json_allows(served):
     """Integers stay numbers, ``null`` stays the default, and an explicit neutral value (``false``,
     ``0.0``) for an unsupported option stays accepted."""
     r = post(served, "/v1/chat/completions", {**CHAT_BODY, "temperature": 0, "top_p": 1, "stream": None,
-                                              "logprobs": False, "presence_penalty": 0.0,
-                                              "stream_options": {"include_usage": False}})
+                                              "logprobs": False, "presence_penalty": 0.0})
     assert r.status_code == 200, r.text
     r = post(served, "/v1/rag/query", {**RAG_BODY, "recompute_ratio": 1, "relay": False})
     assert r.status_code == 200, r.text
@@ -84,6 +83,20 @@ def test_strict_types_keep_what_json_allows(served):
     refused(r, "stream_options.include_usage", "valid boolean")
     r = post(served, "/v1/documents", {"documents": [{"name": 5, "text": "x"}]})
     refused(r, "documents.0.name", "valid string")
+
+
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT_BODY),
+                                        ("/v1/completions", COMPLETION_BODY)])
+def test_stream_options_need_a_stream(served, path, body):
+    """``stream_options`` without ``stream: true`` (left out, false or null) was served as a plain
+    request, its usage chunk never sent; OpenAI's API refuses it. With a stream it stays valid."""
+    for stream in ({}, {"stream": False}, {"stream": None}):
+        r = post(served, path, {**body, **stream, "stream_options": {"include_usage": True}})
+        refused(r, "stream_options", "only allowed when stream is true")
+    with httpx.stream("POST", f"{served.url}{path}", headers=AUTH, timeout=120,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]" and '"usage"' in lines[-2], lines[-3:]
 
 
 @pytest.mark.parametrize("content, error", [(b"{not json", "not valid JSON"), (b"[1, 2]", "must be a JSON object"),

@@ -73,6 +73,15 @@ class SamplingFields(_Refusing):
         option send ``null`` for the ones left unset: a 400 for that would refuse a plain request."""
         return cls.model_fields[info.field_name or ""].default if value is None else value
 
+    @field_validator("stream_options", check_fields=False)
+    @classmethod
+    def _only_when_streaming(cls, value: Any, info: ValidationInfo) -> Any:
+        """``stream_options`` (chat, completions) shape a stream: sent without ``stream: true`` it asks
+        for usage in chunks that never come, which OpenAI's API refuses rather than ignores."""
+        if value is not None and not info.data.get("stream", False):
+            raise PydanticCustomError("stream_options", "stream_options is only allowed when stream is true")
+        return value
+
 
 class StreamOptions(_Body):
     include_usage: bool = False
