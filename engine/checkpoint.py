@@ -52,7 +52,8 @@ PICKLE_INDEX_FILE = "pytorch_model.bin.index.json"
 # What a hub fetch takes: config, weights, tokenizer files and the chat template, which recent transformers
 # save as chat_template.jinja beside tokenizer_config.json. consolidated*.safetensors is a second
 # copy of the weights in Mistral's native names (its official repos ship both): doubling the download for
-# nothing the engine reads (``weight_files``).
+# nothing the engine reads (``weight_files``). Pickled weights are fetched only from a repository
+# without safetensors, in a second fetch (``_from_hub``): repos often keep both, and both would double it.
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 HUB_IGNORE_PATTERNS = ["consolidated*"]
 
@@ -236,15 +237,33 @@ def _from_hub(repo_id: str) -> Checkpoint:
         raise ModelError(
             f"unknown model {repo_id!r}: not an alias ({', '.join(_ALIASES)}), a local path, or a hub id"
         )
+    local = _snapshot(repo_id, HUB_ALLOW_PATTERNS)
+    if not any(local.glob("*.safetensors")):
+        local = _snapshot(repo_id, _pickled_weight_names(local))
+    return Checkpoint(name=repo_id, path=local)
+
+
+def _snapshot(repo_id: str, allow_patterns: list[str]) -> Path:
+    """The repository's snapshot folder with the files ``allow_patterns`` match fetched into it (a
+    cached snapshot where the hub cannot be reached or HF_HUB_OFFLINE is set)."""
     try:
         from huggingface_hub import snapshot_download
 
-        local = snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS, ignore_patterns=HUB_IGNORE_PATTERNS)
+        return Path(snapshot_download(repo_id, allow_patterns=allow_patterns, ignore_patterns=HUB_IGNORE_PATTERNS))
     except Exception as exc:  # offline, unknown repo, gated repo: all the same to the user
         raise ModelError(
             f"model {repo_id!r} is not available locally and could not be fetched ({exc.__class__.__name__})"
         ) from exc
-    return Checkpoint(name=repo_id, path=Path(local))
+
+
+def _pickled_weight_names(snapshot: Path) -> list[str]:
+    """The pickled weights of a snapshot that holds no safetensors, as ``weight_files`` reads them:
+    the shards its ``pytorch_model.bin.index.json`` names (fetched with the other JSON files), else
+    ``pytorch_model.bin``. The snapshot's file listing decided it (every ``*.safetensors`` the repo
+    has is fetched first), so a repo with both formats is never fetched twice over, and other
+    ``*.bin`` files (optimizer or training state) are left on the hub."""
+    shards = weight_map(snapshot)
+    return [PICKLE_FILE] if shards is None else sorted(set(shards.values()))
 
 
 def _gguf_cache_dir(gguf: Path) -> Path:

@@ -257,7 +257,8 @@ def rope_config(cfg: dict[str, Any]) -> RopeConfig:
     ``rope_scaling`` runs scaled there), and its theta falls back to the top-level ``rope_theta``,
     never to the replaced dict's. A scaling type missing a field transformers requires is refused
     rather than run with a guessed value; llama3's and yarn's ``original_max_position_embeddings``
-    defaults to ``max_position_embeddings`` as there. Dynamic NTK scaling changes the frequencies
+    is read as there (``_original_max_position``), and a yarn ``factor`` given as null is derived from
+    it as there. Dynamic NTK scaling changes the frequencies
     once a sequence outgrows ``max_position_embeddings``, which cached KV could not follow; the
     engine's context ends there, where it equals plain RoPE, so it runs as that."""
     params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
@@ -271,13 +272,19 @@ def rope_config(cfg: dict[str, Any]) -> RopeConfig:
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind not in _ROPE_REQUIRED:
         raise ModelError(f"unsupported rope scaling {kind!r} ({', '.join(_ROPE_REQUIRED)} are supported)")
-    missing = [key for key in _ROPE_REQUIRED[kind] if params.get(key) is None]
+    missing = [key for key in _ROPE_REQUIRED[kind]
+               if key not in params or (params[key] is None and key not in _ROPE_NULLABLE.get(kind, ()))]
     if missing:
         raise ModelError(f"rope scaling {kind!r} lacks {', '.join(missing)}: cannot rotate as the model was trained")
-    factor = float(params.get("factor", 1.0))
-    original = max_positions(cfg)  # dynamic: equal to no scaling up to there, where the engine's context ends
-    if kind != "dynamic":
-        original = int(params.get("original_max_position_embeddings") or original)
+    context = max_positions(cfg)
+    # dynamic: equal to no scaling up to the context, where the engine's context ends
+    original = _original_max_position(cfg, params, context) if kind in ("llama3", "yarn") else context
+    # a yarn factor given as null transformers derives (DeepSeek-V3's configs rely on this): the context the
+    # model runs at over the one it was trained at
+    null_yarn = kind == "yarn" and params["factor"] is None
+    factor = context / original if null_yarn else float(params.get("factor", 1.0))
+    if not factor > 0:  # transformers runs it into NaN or infinite frequencies: refused here
+        raise ModelError(f"rope scaling {kind!r} has factor {factor!r}: it must be a positive number")
     return RopeConfig(
         theta=theta,
         scaling_type=kind,
@@ -297,6 +304,23 @@ _ROPE_REQUIRED: dict[str, tuple[str, ...]] = {
     "default": (), "linear": ("factor",), "dynamic": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": ("factor",),
 }
+# required fields that transformers accepts as null (the key must still be there): it derives them
+_ROPE_NULLABLE: dict[str, tuple[str, ...]] = {"yarn": ("factor",)}
+_ORIGINAL_KEY = "original_max_position_embeddings"
+
+
+def _original_max_position(cfg: dict[str, Any], params: dict[str, Any], max_position: int) -> int:
+    """The context llama3 and yarn scaling were trained at, from where transformers takes it: a
+    top-level ``original_max_position_embeddings`` (Phi-3 keeps it there) over the scaling's own,
+    else ``max_position_embeddings``. A null or non-positive one is refused: transformers fails on
+    it (a division by None or by zero) rather than running it."""
+    if _ORIGINAL_KEY in cfg:
+        where, value = "the config", cfg[_ORIGINAL_KEY]
+    else:
+        where, value = "the rope scaling", params.get(_ORIGINAL_KEY, max_position)
+    if value is None or float(value) <= 0:
+        raise ModelError(f"{_ORIGINAL_KEY} in {where} must be a positive number of positions, got {value!r}")
+    return int(value)
 
 
 def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:

@@ -5,7 +5,6 @@ left that head out). Tiny random models, compared with transformers' own reading
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from ragfuse.engine.fusion import Segment, SelectionPolicy, TensorKV
 from ragfuse.engine.layers import RotaryEmbedding
 from ragfuse.engine.sessions.snapshot import unrotate
 from ragfuse.kernels.rope import apply_rope_ref
-from tests.checkpoint_helpers import save_edited, tiny_engine
+from tests.checkpoint_helpers import save_edited, tiny_engine, to_pickled
 
 VOCAB = 300
 TINY: dict[str, Any] = dict(
@@ -167,33 +166,12 @@ def test_dynamic_rope_past_max_position_embeddings_is_refused():
 # ---- pickled weights --------------------------------------------------------------------------------
 
 
-def _to_pickled(path: Path, shards: int) -> None:
-    """Replace the folder's safetensors with the pickled layout transformers wrote before safetensors
-    (and still reads): ``pytorch_model.bin``, or numbered shards and ``pytorch_model.bin.index.json``."""
-    from safetensors.torch import load_file
-
-    tensors = load_file(path / "model.safetensors")
-    (path / "model.safetensors").unlink()
-    if shards == 1:
-        torch.save(tensors, path / "pytorch_model.bin")
-        return
-    names = sorted(tensors)
-    weight_map = {}
-    for i in range(shards):
-        file = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
-        part = names[i::shards]
-        torch.save({n: tensors[n] for n in part}, path / file)
-        weight_map.update(dict.fromkeys(part, file))
-    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
-    (path / "pytorch_model.bin.index.json").write_text(json.dumps(index))
-
-
 @pytest.mark.parametrize("shards", [1, 3])
 def test_pickled_weights_load_as_transformers_loads_them(tmp_path, shards):
     """A folder of pytorch_model.bin weights was refused with advice to convert it."""
     torch.manual_seed(0)
     path = _save(tmp_path, HFQwen2(Qwen2Config(**TINY)))
-    _to_pickled(path, shards)
+    to_pickled(path, shards)
     assert len(weight_files(path)) == shards
     _assert_logits_match(path, n=60)
 
@@ -225,7 +203,7 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
 def test_a_damaged_pickled_weights_file_is_a_one_line_model_error_naming_it(tmp_path, damage):
     torch.manual_seed(0)
     path = _save(tmp_path, HFLlama(LlamaConfig(**TINY)))
-    _to_pickled(path, 1)
+    to_pickled(path, 1)
     DAMAGE[damage](path / "pytorch_model.bin")
     with pytest.raises(ModelError) as err:
         tiny_engine(path)
