@@ -65,18 +65,19 @@ class FoundFiles:
 
 
 def find_files(paths: Iterable[str | Path]) -> FoundFiles:
-    """Expand directories (recursively, supported suffixes only); name paths that do not exist."""
+    """Expand directories (recursively, supported suffixes only); name paths that do not exist.
+    Roots that overlap (``docs docs/sub``, or a folder one root reaches through a link and another
+    names) share one listing of each folder: each file is listed, and read, once."""
     missing: list[SkippedFile] = []
     folders: dict[str, None] = {}
     roots: dict[Path, dict[Path, None]] = {}
     incomplete: set[Path] = set()
+    lister = _FolderLister()
     for p in map(Path, paths):
         if p.is_dir():
-            found, walked, unlisted = _walk_dir(p)
+            found, walked, complete = lister.walk(p)
             folders.update(walked)
-            missing += [SkippedFile(_display_path(e.filename), f"cannot list folder: {e.strerror or e}")
-                        for e in unlisted]
-            if unlisted:
+            if not complete:
                 incomplete.add(p.resolve())
         elif p.is_file():
             found = [p]
@@ -84,31 +85,79 @@ def find_files(paths: Iterable[str | Path]) -> FoundFiles:
             missing.append(SkippedFile(_display_path(p), "no such file or directory"))
             continue
         roots.setdefault(p.resolve(), {}).update(dict.fromkeys(f.resolve() for f in found))
+    missing += [SkippedFile(_display_path(e.filename), f"cannot list folder: {e.strerror or e}")
+                for e in lister.unlisted]
     files = dict.fromkeys(f for under in roots.values() for f in under)  # a file two roots reach: once
     return FoundFiles(list(files), missing, [Path(f) for f in folders],
                       {root: list(under) for root, under in roots.items()}, incomplete)
 
 
-def _walk_dir(root: Path) -> tuple[list[Path], dict[str, None], list[OSError]]:
-    """The supported files below ``root``, sorted, hidden files and folders left out, and the real
-    folders walked. Linked folders are followed (a docs tree assembled from links is common), each
-    real folder once: a link back up the tree would otherwise recurse without end. Each root is
-    walked whole, even through folders another root of the same ingest went through: what a root
-    reaches is recorded per root. Also the errors of the folders it could not list, which
-    ``os.walk`` would otherwise pass over in silence."""
-    found: list[Path] = []
-    seen: dict[str, None] = {}
-    unlisted: list[OSError] = []
-    for folder, dirs, names in os.walk(root, followlinks=True, onerror=unlisted.append):
-        real = os.path.realpath(folder)
-        if real in seen:
-            dirs.clear()
-            continue
-        seen[real] = None
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        found += [Path(folder, n) for n in names if not n.startswith(".") and Path(n).suffix.lower() in SUFFIXES
-                  and os.path.isfile(os.path.join(folder, n))]
-    return sorted(found), seen, unlisted
+class _FolderLister:
+    """Walks the roots of one ``find_files``, listing each real folder once across them all.
+
+    Linked folders are followed (a docs tree assembled from links is common), each real folder once
+    per root: a link back up the tree would otherwise recurse without end. Each root is walked whole,
+    through folders another root went through too, since what a root reaches is recorded per root;
+    but such a folder's listing is the one taken before, so overlapping roots cost no second pass
+    over the disk. Hidden files and folders are left out."""
+
+    def __init__(self) -> None:
+        # by real path: the supported files' and the visible subfolders' names, None if it cannot be listed
+        self._listings: dict[str, tuple[list[str], list[str]] | None] = {}
+        # the errors of the folders that could not be listed, each once, which ``os.walk`` would
+        # otherwise pass over in silence
+        self.unlisted: list[OSError] = []
+
+    def walk(self, root: Path) -> tuple[list[Path], dict[str, None], bool]:
+        """The supported files below ``root`` (by their paths through ``root``, sorted), the real
+        folders walked, and whether every one of them could be listed."""
+        found: list[Path] = []
+        seen: dict[str, None] = {}
+        complete = True
+        todo = [str(root)]
+        while todo:
+            folder = todo.pop()
+            real = os.path.realpath(folder)
+            if real in seen:
+                continue
+            seen[real] = None
+            if real not in self._listings:
+                self._listings[real] = self._list(folder)
+            listing = self._listings[real]
+            if listing is None:
+                complete = False
+                continue
+            names, subfolders = listing
+            found += [Path(folder, n) for n in names]
+            todo += [os.path.join(folder, d) for d in reversed(subfolders)]
+        return sorted(found), seen, complete
+
+    def _list(self, folder: str) -> tuple[list[str], list[str]] | None:
+        """``folder``'s supported files and visible subfolders (linked ones included), by name; None,
+        with the error kept, where it cannot be listed."""
+        names: list[str] = []
+        subfolders: list[str] = []
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    if entry.name.startswith("."):
+                        continue
+                    if _is_folder(entry):
+                        subfolders.append(entry.name)
+                    elif Path(entry.name).suffix.lower() in SUFFIXES and os.path.isfile(entry.path):
+                        names.append(entry.name)
+        except OSError as exc:
+            self.unlisted.append(exc)
+            return None
+        return names, sorted(subfolders)
+
+
+def _is_folder(entry: os.DirEntry[str]) -> bool:
+    """Whether ``entry`` is a folder or a link to one (a link to nothing is neither)."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
 
 
 def load_file(path: Path, max_bytes: int = DEFAULT_MAX_BYTES, text_field: str = "text",

@@ -18,10 +18,11 @@ import fcntl
 import functools
 import logging
 import os
+import uuid
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -54,21 +55,48 @@ class _KeyingEngine:
 
 
 @dataclass
-class GcReport:
-    """What ``RagStore.gc`` removed (or, in a dry run, would remove)."""
+class TierGc:
+    """What ``RagStore.gc`` removed (or, in a dry run, would remove) from one persistent KV tier."""
 
-    dry_run: bool
     unreferenced_entries: int = 0
     unreferenced_bytes: int = 0
-    leftover_files: list[str] = field(default_factory=list)  # crash leftovers, relative to the store
-    leftover_bytes: int = 0
     corrupt_entries: list[str] = field(default_factory=list)  # keys failing their checksum (``verify``)
     corrupt_bytes: int = 0
     verified_entries: int = 0
 
     @property
     def bytes(self) -> int:
-        return self.unreferenced_bytes + self.leftover_bytes + self.corrupt_bytes
+        return self.unreferenced_bytes + self.corrupt_bytes
+
+
+@dataclass(kw_only=True)
+class GcReport(TierGc):
+    """What ``RagStore.gc`` removed (or, in a dry run, would remove). The disk tier's part is the
+    report's own fields (as before gc covered Redis: a script reading them reads the same); the Redis
+    tier's is ``redis``, None where the store was opened without one."""
+
+    dry_run: bool
+    leftover_files: list[str] = field(default_factory=list)  # crash leftovers, relative to the store
+    leftover_bytes: int = 0
+    redis: TierGc | None = None
+
+    @property
+    def bytes(self) -> int:
+        return super().bytes + self.leftover_bytes + (self.redis.bytes if self.redis is not None else 0)
+
+
+class _CollectableTier(Protocol):
+    """What ``gc`` uses of a persistent tier (``DiskTier``, ``RedisTier``)."""
+
+    name: str
+
+    def entry_sizes(self) -> dict[str, int]: ...
+
+    def intact(self, key: str) -> bool | None: ...
+
+    def drop(self, key: str) -> None: ...
+
+    def delete(self, key: str) -> bool: ...
 
 
 class RagStore:
@@ -93,7 +121,7 @@ class RagStore:
         try:
             tiers: list = [*(memory_tiers or []), DiskTier(root / "kv", int(kv_capacity_gb * 2**30), sweep=sweep_kv)]
             if redis_url:
-                tiers.append(RedisTier(redis_url, int(redis_capacity_gb * 2**30)))
+                tiers.append(RedisTier(redis_url, int(redis_capacity_gb * 2**30), prefix=_redis_namespace(root)))
             self.kv = TieredKVStore(tiers)
         except BaseException:
             self.docs.close()
@@ -298,7 +326,8 @@ class RagStore:
             yield
 
     def gc(self, dry_run: bool = False, verify: bool = False, progress: bool = True) -> GcReport:
-        """Remove what nothing needs from the store's disk KV tier and folder; return what went.
+        """Remove what nothing needs from the store's disk KV tier, its Redis tier where it was opened
+        with one (the store's own namespace there: ``_redis_namespace``), and its folder; return what went.
 
         - KV entries no stored chunk references: neither a chunk's stored key, nor the key ``ask``
           computes a chunk's KV under in any dtype (``forget_chunk_kv``), nor the instruction prefix's.
@@ -315,7 +344,7 @@ class RagStore:
           only dead ones go: the pid in a KV temp file's name runs no process, or a temp file was
           last written ``DEAD_TEMP_AGE_S`` ago (a live writer renames its temp file as soon as written).
         - With ``verify``: entries failing their checksum (read whole, which takes as long as reading
-          the tier), which ``ask`` would otherwise meet, drop and recompute.
+          the tiers), which ``ask`` would otherwise meet, drop and recompute.
 
         ``dry_run`` removes nothing and reports what would go. A store opened with ``sweep_kv=False``
         reports the disk tier's leftovers; another has swept them when it opened."""
@@ -327,35 +356,41 @@ class RagStore:
         except (ModelError, OSError) as exc:
             raise StoreError(f"cannot tell which KV entries the store's chunks use: model {self.config.model} is "
                              f"not found ({exc})") from exc
-        report = GcReport(dry_run)
         disk: DiskTier = self.kv.tier("disk")  # type: ignore[assignment]
-        sizes = disk.entry_sizes()
+        report = GcReport(dry_run=dry_run, redis=TierGc() if self._has_tier("redis") else None)
+        parts: list[tuple[_CollectableTier, TierGc]] = [(disk, report)]
+        if report.redis is not None:
+            parts.append((self.kv.tier("redis"), report.redis))  # type: ignore[arg-type]
+        sizes = [tier.entry_sizes() for tier, _ in parts]
         if verify:
-            for key in tqdm(list(sizes), desc="verifying KV", unit="entry", disable=not progress):
-                ok = disk.intact(key)
-                report.verified_entries += ok is not None
-                if ok is False:
-                    report.corrupt_entries.append(key)
-                    report.corrupt_bytes += sizes.pop(key)
-                    if not dry_run:
-                        disk.drop(key)
+            for (tier, part), held in zip(parts, sizes):
+                _drop_corrupt(tier, part, held, dry_run, progress)
         self._remove_leftovers(disk, report)
         with _flock(self.root / "ingest.lock", fcntl.LOCK_EX | fcntl.LOCK_NB,
                     busy="an ingest is running on this store (another process): run gc once it is done"):
-            unused = dict(sizes)
+            unused = [dict(held) for held in sizes]
+
+            def in_use(key: str | None) -> None:
+                for entries in unused:
+                    entries.pop(key, None)  # type: ignore[arg-type]
+
             if builder is not None:
                 for dtype in DTYPES.values():
-                    unused.pop(kv_key(fingerprint, dtype, builder.prefix), None)
+                    in_use(kv_key(fingerprint, dtype, builder.prefix))
             for stored_key, token_ids in tqdm(self.docs.iter_kv_refs(), total=self.docs.counts()["chunks"],
                                               desc="finding unused KV", unit="chunk", disable=not progress):
-                unused.pop(stored_key, None)  # type: ignore[arg-type]
+                in_use(stored_key)
                 for chunk_kv in self._chunk_kvs:
-                    unused.pop(chunk_kv.key(token_ids), None)
-            for key, nbytes in unused.items():
-                if dry_run or disk.delete(key):
-                    report.unreferenced_entries += 1
-                    report.unreferenced_bytes += nbytes
+                    in_use(chunk_kv.key(token_ids))
+            for (tier, part), entries in zip(parts, unused):
+                for key, nbytes in entries.items():
+                    if dry_run or tier.delete(key):
+                        part.unreferenced_entries += 1
+                        part.unreferenced_bytes += nbytes
         return report
+
+    def _has_tier(self, name: str) -> bool:
+        return any(t.name == name for t in self.kv.tiers)
 
     def _remove_leftovers(self, disk: DiskTier, report: GcReport) -> None:
         """The crash leftovers part of ``gc``: the disk tier's, then the store folder's temp files
@@ -404,3 +439,43 @@ def _forget_settings(root: Path) -> None:
         (root / "store.json").unlink(missing_ok=True)
     except OSError as exc:
         raise StoreError(f"cannot remove {root / 'store.json'}: {exc.strerror}") from exc
+
+
+def _drop_corrupt(tier: _CollectableTier, part: TierGc, sizes: dict[str, int], dry_run: bool,
+                  progress: bool) -> None:
+    """``gc --verify`` on one tier: read every entry of ``sizes`` whole; those failing their checksum
+    are reported (and taken out of ``sizes``), and dropped unless ``dry_run``."""
+    for key in tqdm(list(sizes), desc=f"verifying KV ({tier.name})", unit="entry", disable=not progress):
+        ok = tier.intact(key)
+        part.verified_entries += ok is not None
+        if ok is False:
+            part.corrupt_entries.append(key)
+            part.corrupt_bytes += sizes.pop(key)
+            if not dry_run:
+                tier.drop(key)
+
+
+def _redis_namespace(root: Path) -> str:
+    """The store's own key prefix in a Redis server: ``ragfuse:kv:`` and an id the store records the
+    first time it is opened with Redis. Entries are keyed by content, so on a server several stores
+    share, one store's ``gc`` would take every other store's entries for unused; in its own namespace
+    it sees only its own. An id, not the store's path: a store may be moved, or reached at other paths
+    from other hosts sharing the server. Two processes recording it at once agree (a link, not a
+    rename, puts it in place: the second one finds the first one's)."""
+    path = root / "redis_namespace"
+    try:
+        if not path.exists():
+            tmp = root / f".redis_namespace.{uuid.uuid4().hex}.tmp"
+            tmp.write_text(uuid.uuid4().hex)
+            try:
+                with contextlib.suppress(FileExistsError):
+                    os.link(tmp, path)
+            finally:
+                tmp.unlink()
+        namespace = path.read_text().strip()
+    except OSError as exc:
+        raise StoreError(f"cannot record the store's Redis namespace in {path}: {exc.strerror or exc}") from exc
+    if not namespace.isalnum():
+        raise StoreError(f"{path} does not hold a Redis namespace id ({namespace!r}): remove it, and the store's "
+                         "entries in Redis are left to its LRU")
+    return f"ragfuse:kv:{namespace}"

@@ -66,6 +66,7 @@ return 1
 
 ASIDE_TTL_S = 600  # an evicted entry set aside for demotion, should its reader die before deleting it
 DEFAULT_MAX_BULK = 512 << 20  # Redis's proto-max-bulk-len when the server will not say (CONFIG disabled)
+_SCAN_BATCH = 1000  # entries' sizes asked in one round trip
 
 
 class RedisTier(Tier):
@@ -209,6 +210,35 @@ class RedisTier(Tier):
     def delete(self, key: str) -> bool:
         with self._talking():
             return self._remove(key)
+
+    def entry_sizes(self) -> dict[str, int]:
+        """Bytes of each entry of this tier's namespace, by key: those its LRU lists, which every put
+        adds to and every removal takes from in the same script (entries set aside for demotion are
+        no longer listed and expire by themselves). Other namespaces on the server are never read."""
+        with self._talking():
+            keys = [k.decode() for k in self._r.zrange(self._lru, 0, -1)]
+            sizes: dict[str, int] = {}
+            for start in range(0, len(keys), _SCAN_BATCH):
+                part = keys[start:start + _SCAN_BATCH]
+                with self._r.pipeline(transaction=False) as pipe:
+                    for key in part:
+                        pipe.hget(self._hkey(key), "nbytes")
+                    sizes.update((k, int(n)) for k, n in zip(part, pipe.execute()) if n is not None)
+        return sizes
+
+    def intact(self, key: str) -> bool | None:
+        """Whether every layer of ``key`` matches its checksum (None: no such entry, e.g. evicted
+        meanwhile). Reads it whole without counting a hit or refreshing its LRU position: a scan of the
+        whole tier must not make every entry look recently used."""
+        with self._talking():
+            fields = self._r.hgetall(self._hkey(key))
+        if not fields:
+            return None
+        try:
+            _parse_entry(key, fields)
+        except CorruptEntryError:
+            return False
+        return True
 
     def stats(self) -> TierStats:
         with self._talking():

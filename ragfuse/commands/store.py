@@ -29,6 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--dry-run", action="store_true", help="remove nothing; report what would be removed")
     g.add_argument("--verify", action="store_true",
                    help="also read every KV entry and remove those failing their checksum (reads the whole tier)")
+    g.add_argument("--redis", metavar="URL",
+                   help="also collect the store's entries in this Redis server (the URL its ingests and asks use)")
     g.add_argument("--json", action="store_true", help="print the report as one JSON object")
     g.set_defaults(func=gc)
 
@@ -85,7 +87,7 @@ def gc(args: argparse.Namespace) -> int:
     from ragfuse.rag_store import RagStore
     from ragfuse.store_dir import resolve_store_dir
 
-    store = RagStore.open_existing(resolve_store_dir(args.store), sweep_kv=False)
+    store = RagStore.open_existing(resolve_store_dir(args.store), sweep_kv=False, redis_url=args.redis)
     try:
         report = store.gc(dry_run=args.dry_run, verify=args.verify)
     finally:
@@ -99,9 +101,14 @@ def gc(args: argparse.Namespace) -> int:
           + (f", {len(report.corrupt_entries)} of {report.verified_entries} KV entries failing their checksum "
              f"({_mib(report.corrupt_bytes)})" if args.verify else "")
           + f"; {_mib(report.bytes)} in all")
+    if report.redis is not None:
+        print(f"  Redis: {verb} {report.redis.unreferenced_entries} KV entries no chunk uses "
+              f"({_mib(report.redis.unreferenced_bytes)})"
+              + (f", {len(report.redis.corrupt_entries)} of {report.redis.verified_entries} failing their checksum "
+                 f"({_mib(report.redis.corrupt_bytes)})" if args.verify else ""))
     for name in report.leftover_files:
         print(f"  leftover {name}")
-    for key in report.corrupt_entries:
+    for key in report.corrupt_entries + (report.redis.corrupt_entries if report.redis is not None else []):
         print(f"  damaged KV entry {key}")
     return 0
 
