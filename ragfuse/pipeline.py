@@ -360,7 +360,7 @@ class RagPipeline:
         # preparing may open stored KV or compute missing KV on the engine: under the engine's lock
         with self.router.lock:
             t0 = time.perf_counter()
-            started = self.engine.when_room(lambda: self._start_prepared(prepare(), mode, params, t0, 0.0))
+            started = self.engine.when_room(lambda: self.start_prepared(prepare(), mode, params, t0, 0.0))
             self.router.track(started.request_id)
         yield from self._follow(started)
 
@@ -473,12 +473,13 @@ class RagPipeline:
         ``session_id`` and ``relay``: as in ``stream``."""
         t0 = time.perf_counter()
         prep, retrieve_s = self.prepare(question, top_k, mode, ratio)
-        return self._start_prepared(prep, mode, params, t0, retrieve_s, session_id, relay)
+        return self.start_prepared(prep, mode, params, t0, retrieve_s, session_id, relay)
 
-    def _start_prepared(
+    def start_prepared(
         self, prep: Prepared, mode: str, params: SamplingParams | None, t0: float, retrieve_s: float,
         session_id: str | None = None, relay: bool | None = None,
     ) -> Started:
+        """``start`` for a prompt already ``prepare``d: a caller can look at it (its length) first."""
         rid, stats = self._fuse(prep, mode, params or SamplingParams(max_tokens=64), session_id, relay)
         return Started(rid, prep, stats, mode, t0, retrieve_s, time.perf_counter() - t0 - retrieve_s)
 

@@ -7,14 +7,41 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .errors import APIError
+
 
 @dataclass(frozen=True)
 class Sampling:
-    max_tokens: int
+    """A request's sampling settings. ``max_tokens``: the client's limit on the completion; None
+    (left out) lets it run to what the context leaves after the prompt, up to ``limit`` (the server's
+    ``--max-tokens``), on every backend alike. ``param``: the option ``max_tokens`` came from, which
+    a refusal names. The limit is settled by ``completion_tokens`` once the backend has the prompt's
+    tokens, before the engine sees the request."""
+
+    max_tokens: int | None
+    limit: int
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    param: str = "max_tokens"
+
+    def completion_tokens(self, prompt_tokens: int, context: int) -> int:
+        """The completion's token limit for a prompt of ``prompt_tokens`` in a ``context``-token model.
+        An explicit ``max_tokens`` past what the context leaves is a 400 naming every number (context,
+        total, prompt, completion), raised before any prefill: the engine would otherwise prefill the
+        prompt and cut the completion to a ``length`` the client never set. A prompt that fills the
+        context by itself is left to the engine, whose refusal names only the prompt (at least one
+        token is asked for, so the request reaches that refusal)."""
+        if self.max_tokens is None:
+            return max(min(self.limit, context - prompt_tokens), 1)
+        total = prompt_tokens + self.max_tokens
+        if prompt_tokens < context < total:
+            raise APIError(400, f"the model's context is {context} tokens, but this request needs {total}: "
+                                f"{prompt_tokens} for the prompt and {self.max_tokens} for the completion "
+                                f"({self.param}); shorten the prompt or lower {self.param}",
+                           param=self.param, code="context_length_exceeded")
+        return self.max_tokens
 
 
 @dataclass(frozen=True)

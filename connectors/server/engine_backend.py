@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from pathlib import Path
@@ -24,6 +25,7 @@ from ragfuse.engine.sessions import SessionStore
 from ragfuse.pipeline import RagPipeline, Started
 
 from .backend import REUSE_KEYS, ChatPrompt, Delta, RagAnswer, RagOptions, Sampling, TextPrompt
+from .errors import APIError
 from .library import DocumentLibrary
 
 T = TypeVar("T")
@@ -55,9 +57,16 @@ def open_store_pipeline(store: str | None, model: str, device: str = "auto", dty
     return open_pipeline(str(ensure_store(store, model)), model, device, dtype, engine=engine, gate=gate)
 
 
-def engine_params(s: Sampling) -> SamplingParams:
-    return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+def engine_params(s: Sampling, max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
                           stop=list(s.stop))
+
+
+def session_reserve(s: Sampling) -> int:
+    """A session turn's ``max_tokens``: the engine fits the stored history to it (oldest turns cut)
+    and refuses, before any prefill, a new turn that cannot fit, so the prompt's length is its to
+    settle; left out, the room kept for the answer is the server's limit."""
+    return s.limit if s.max_tokens is None else s.max_tokens
 
 
 def to_delta(out: RequestOutput) -> Delta:
@@ -104,13 +113,18 @@ class EngineBackend:
 
     async def generate(self, prompt: ChatPrompt | TextPrompt, sampling: Sampling,
                        request_id: str) -> AsyncIterator[Delta]:
-        params = engine_params(sampling)
-
         def start(engine: LLMEngine) -> str:
-            if isinstance(prompt, ChatPrompt):
-                return LLM.from_engine(engine).add_chat_request(
-                    prompt.messages, params, session_id=prompt.session_id, relay=prompt.relay, request_id=request_id)
-            return engine.add_request(prompt.text, params, request_id)
+            # the prompt is rendered and counted before the engine takes it: a request past the context
+            # is refused here, without a prefill
+            if isinstance(prompt, TextPrompt):
+                ids = engine.tokenize(prompt.text, start=True)
+                params = engine_params(sampling, sampling.completion_tokens(len(ids), engine.max_model_len))
+                return engine.add_request(ids, params, request_id)
+            llm = LLM.from_engine(engine)
+            max_tokens = (session_reserve(sampling) if prompt.session_id is not None else
+                          sampling.completion_tokens(len(llm.chat_ids(prompt.messages)), engine.max_model_len))
+            return llm.add_chat_request(prompt.messages, engine_params(sampling, max_tokens),
+                                        session_id=prompt.session_id, relay=prompt.relay, request_id=request_id)
 
         async with aclosing(self.loop.generate_with(start)) as outputs:
             async for out in outputs:
@@ -118,12 +132,22 @@ class EngineBackend:
 
     async def rag(self, question: str, options: RagOptions, sampling: Sampling,
                   request_id: str) -> AsyncIterator[Delta | RagAnswer]:
-        params = engine_params(sampling)
         started: list[Started] = []
 
-        def start(_: LLMEngine) -> str:
-            started.append(self.pipeline.start(question, options.mode, options.recompute_ratio, options.top_k,
-                                               params, options.session_id, options.relay))
+        def start(engine: LLMEngine) -> str:
+            # retrieval tells the prompt's length; a request past the context is refused before its prefill
+            t0 = time.perf_counter()
+            prep, retrieve_s = self.pipeline.prepare(question, options.top_k, options.mode, options.recompute_ratio)
+            prompt_tokens = sum(len(seg.token_ids) for seg in prep.segments)
+            try:
+                max_tokens = (session_reserve(sampling) if options.session_id is not None
+                              else sampling.completion_tokens(prompt_tokens, engine.max_model_len))
+            except APIError:
+                for source in prep.sources:  # the stored KV the prompt would have read
+                    source.finish()
+                raise
+            started.append(self.pipeline.start_prepared(prep, options.mode, engine_params(sampling, max_tokens), t0,
+                                                        retrieve_s, options.session_id, options.relay))
             return started[0].request_id
 
         last: RequestOutput | None = None

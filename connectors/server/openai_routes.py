@@ -41,7 +41,7 @@ def make_router(state: ServerState) -> APIRouter:
         sampling = state.sampling(body, body.max_tokens)
         rid, created = new_id("cmpl"), int(time.time())
         generated = state.backend.generate(TextPrompt(body.prompt), sampling, rid)
-        deltas = state.metrics.metered(state.within_context(generated, body.max_tokens), "completions", t0)
+        deltas = state.metrics.metered(generated, "completions", t0)
 
         def chunk(text: str, reason: str | None) -> dict[str, Any]:
             return {"id": rid, "object": "text_completion", "created": created, "model": body.model,
@@ -77,7 +77,7 @@ def make_router(state: ServerState) -> APIRouter:
         relay = state.settings.relay if body.relay is None else body.relay
         prompt = ChatPrompt(messages, body.session_id, relay)
         generated = state.backend.generate(prompt, sampling, rid)
-        deltas = state.metrics.metered(state.within_context(generated, max_tokens, param), "chat", t0)
+        deltas = state.metrics.metered(generated, "chat", t0)
 
         def chunk(delta: dict[str, str], reason: str | None) -> dict[str, Any]:
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,

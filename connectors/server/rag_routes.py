@@ -73,7 +73,7 @@ def make_router(state: ServerState) -> APIRouter:
         first_at: list[float] = []
 
         async def items() -> AsyncIterator[Delta | RagAnswer]:
-            answer = state.within_context(state.backend.rag(body.question, options, sampling, rid), body.max_tokens)
+            answer = state.backend.rag(body.question, options, sampling, rid)
             async with aclosing(answer):
                 async for item in answer:
                     if isinstance(item, Delta) and not first_at:

@@ -102,9 +102,12 @@ class VLLMServeBackend(PromptBuilder):
 
         if not prompt.token_ids:
             raise RequestError("empty prompt")
+        # settled here, before vLLM takes the request: a request past the context costs no prefill, and a
+        # left-out max_tokens runs to what the context leaves, as on ragfuse's engine
+        max_tokens = sampling.completion_tokens(len(prompt.token_ids), self.context_length)
         try:
             params = SamplingParams(
-                max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                 seed=sampling.seed, stop=list(sampling.stop) or None, output_kind=RequestOutputKind.DELTA,
                 extra_args={"kv_transfer_params": {"ragfuse": transfer}} if transfer else None)
         except (ValueError, VLLMClientError) as exc:
@@ -178,7 +181,7 @@ class VLLMServeBackend(PromptBuilder):
 
     async def _store_chunk(self, token_ids: list[int]) -> None:
         """Have vLLM compute one chunk's KV alone and the connector store it under the chunk key."""
-        sampling = Sampling(max_tokens=1, temperature=0.0)
+        sampling = Sampling(max_tokens=1, limit=1, temperature=0.0)
         async for _ in self._stream(Prompt(token_ids), sampling, {"store_as_chunk": True},
                                     f"store-{uuid.uuid4().hex}"):
             pass

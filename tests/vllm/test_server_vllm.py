@@ -91,3 +91,17 @@ def test_rag_query_loads_uploaded_chunks_through_the_connector(server):
     assert ans["fusion"]["mode"] == "full-reuse" and ans["answer"]
     full = httpx.post(f"{server}/v1/rag/query", json={**body, "mode": "full"}, headers=AUTH, timeout=300).json()
     assert full["fusion"]["mode"] == "full" and full["kv_tiers"] == ["computed"]
+
+
+def test_context_refusal_and_left_out_max_tokens_as_on_ragfuses_engine(server):
+    """Both backends settle ``max_tokens`` from the prompt's length before the engine takes the request:
+    past the context it is the same 400 (no prefill), and left out it is what the context leaves, up to
+    the server's --max-tokens (this server's 32); it was a fixed 256 sent to vLLM."""
+    r = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": [1] * 2030, "max_tokens": 32},
+                   headers=AUTH, timeout=300)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "context_length_exceeded", r.text
+    assert "context is 2048 tokens, but this request needs 2062: 2030 for the prompt and 32" in error["message"]
+    r = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": [1] * 2040, "temperature": 0},
+                   headers=AUTH, timeout=300)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 8, r.text
