@@ -103,3 +103,15 @@ def client(served):
     from tests.server_helpers import KEY
 
     return openai.OpenAI(base_url=f"{served.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    """A private ``redis-server`` on loopback for a module's tests (``start_redis``: skips where none
+    is installed, fails in CI, which installs one)."""
+    from tests.kvstore_helpers import start_redis
+
+    proc, url = start_redis()
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)

@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
-import shutil
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -25,37 +20,7 @@ from ragfuse.engine.kvstore import (
     UnreadableEntryError,
     open_source,
 )
-from tests.kvstore_helpers import make_entry, same
-
-
-def _start_redis(*options: str) -> tuple[subprocess.Popen, str]:
-    """A private ``redis-server`` (with ``options``) on a free loopback port, and its URL, once it
-    accepts connections."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        if os.environ.get("CI"):
-            pytest.fail("redis-server is not installed (scripts/setup.sh installs it in CI)")
-        pytest.skip("redis-server is not installed")
-    port = free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             *options],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    return proc, f"redis://127.0.0.1:{port}/0"
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    proc, url = _start_redis()
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+from tests.kvstore_helpers import make_entry, same, start_redis
 
 
 @pytest.fixture
@@ -121,7 +86,7 @@ def test_unreachable_server_is_a_clear_error():
 def test_redis_gone_mid_read_is_unreadable_not_corrupt():
     """The server stops between two layer reads of one entry: the reader says which entry could
     not be read (the fusor's caller recomputes it) and does not call it corrupt (nothing is dropped)."""
-    proc, url = _start_redis()
+    proc, url = start_redis()
     try:
         tier = RedisTier(url, 1 << 30)
         entry = make_entry(3)
@@ -229,7 +194,7 @@ def test_damaged_metadata_is_corrupt_dropped_and_a_miss(tier, damage):
 @pytest.fixture(scope="module")
 def small_bulk_redis_url():
     """A server taking values of at most 1 MiB (the least proto-max-bulk-len; the default is 512 MiB)."""
-    proc, url = _start_redis("--proto-max-bulk-len", "1mb")
+    proc, url = start_redis("--proto-max-bulk-len", "1mb")
     yield url
     proc.terminate()
     proc.wait(timeout=10)

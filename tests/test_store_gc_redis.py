@@ -8,23 +8,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import redis
 import torch
 
 from ragfuse.cli import main
 from ragfuse.engine.kvstore import RedisTier, StoredKV
 from ragfuse.rag_store import RagStore
-from tests.test_kvstore_redis import _start_redis
 from tests.tiny_store import add_file, put_kv, tiny_config
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    proc, url = _start_redis()
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
 
 
 def _open(root: Path, url: str) -> RagStore:
