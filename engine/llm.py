@@ -90,8 +90,12 @@ class LLM:
             self.router.track(rid)
         yield from self.router.outputs(rid)
 
-    def chat_ids(self, messages: list[dict[str, str]], system: str | None = None) -> list[int]:
-        return self._render(messages, system, generation_prompt=True)
+    def chat_ids(self, messages: list[dict[str, str]], system: str | None = None, add_generation_prompt: bool = True,
+                 continue_final_message: bool = False) -> list[int]:
+        """The chat's prompt ids: a new assistant turn opened after it (``add_generation_prompt``), or
+        its last message left open for the model to continue (``continue_final_message``, "assistant
+        prefill"; then ``add_generation_prompt`` must be False, as in transformers and vLLM)."""
+        return self._render(messages, system, add_generation_prompt, continue_final_message)
 
     def relay_chat_ids(self, messages: list[dict[str, str]], system: str) -> tuple[int | None, list[int]]:
         """(registered system prompt id, the chat's remaining token ids): the chat template renders
@@ -128,13 +132,19 @@ class LLM:
     def add_chat_request(
         self, messages: list[dict[str, str]], params: SamplingParams | None = None, system: str | None = None,
         session_id: str | None = None, relay: bool = False, request_id: str | None = None,
+        add_generation_prompt: bool = True, continue_final_message: bool = False,
     ) -> str:
         """Queue a chat without stepping the engine (for a caller whose own loop steps it, like the
         server's); returns the request id. ``relay``: a system prompt (``system``, or the chat's
         leading system message) is registered once and followed by relay attention. A session turn
         never uses relay: the session's stored KV holds the system prompt with the rest of the
-        history, and the whole of it is one stored prefix, loaded as such."""
-        ids = self.chat_ids(messages, system)
+        history, and the whole of it is one stored prefix, loaded as such.
+
+        ``add_generation_prompt``/``continue_final_message``: as in ``chat_ids``. A continued message
+        needs nothing more of relay (the system prompt is still checked to be a token prefix of the
+        prompt) or of a session: the stored KV is matched by common prefix, so the next turn, which
+        renders the continued message closed, reuses everything up to where the template closes it."""
+        ids = self.chat_ids(messages, system, add_generation_prompt, continue_final_message)
         if session_id is not None:
             if self.engine.sessions is None:
                 self.enable_sessions()
@@ -191,7 +201,8 @@ class LLM:
         b = self._render([*sys_msgs, {"role": "user", "content": "b"}], system, generation_prompt=False)
         return max(common_prefix(a, b), 1)
 
-    def _render(self, messages: list[dict[str, str]], system: str | None, generation_prompt: bool) -> list[int]:
+    def _render(self, messages: list[dict[str, str]], system: str | None, generation_prompt: bool,
+                continue_final_message: bool = False) -> list[int]:
         if system is not None:
             messages = [{"role": "system", "content": system}, *[m for m in messages if m["role"] != "system"]]
-        return self.engine.chat_token_ids(messages, add_generation_prompt=generation_prompt)
+        return self.engine.chat_token_ids(messages, generation_prompt, continue_final_message)

@@ -164,14 +164,17 @@ class LLMEngine:
             raise RequestError("prompt holds token ids outside the model's vocabulary")
         return ids
 
-    def chat_token_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a chat, rendered with the checkpoint's own chat template (``render_chat``)."""
+    def chat_token_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                       continue_final_message: bool = False) -> list[int]:
+        """Token ids of a chat, rendered with the checkpoint's own chat template (``render_chat``;
+        ``continue_final_message``: the last message left open, for the model to continue)."""
         if self.tokenizer is None:
             raise RequestError("this engine has no tokenizer")
         if not messages:
             raise RequestError("empty chat")
         ids = render_chat(
-            self.tokenizer, messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tokenize=True, return_dict=False
         )
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 

@@ -47,11 +47,21 @@ class Sampling:
 @dataclass(frozen=True)
 class ChatPrompt:
     """A chat; ``session_id``: continue that session (its stored KV reused); ``relay``: serve a
-    leading system message by relay attention (registered once, shared by every request with it)."""
+    leading system message by relay attention (registered once, shared by every request with it).
+    ``add_generation_prompt``, ``continue_final_message``: how the template renders the chat's end,
+    as vLLM's request fields of these names ask (a new assistant turn opened, or the final message
+    left open for the model to continue)."""
 
     messages: list[dict[str, str]]
     session_id: str | None = None
     relay: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def rendering(self) -> dict[str, bool]:
+        """The chat template options these ask for, as ``render_chat`` and ``LLM.chat_ids`` take them."""
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
 
 
 @dataclass(frozen=True)

@@ -120,11 +120,12 @@ class EngineBackend:
                 ids = engine.tokenize(prompt.text, start=True)
                 params = engine_params(sampling, sampling.completion_tokens(len(ids), engine.max_model_len))
                 return engine.add_request(ids, params, request_id)
-            llm = LLM.from_engine(engine)
-            max_tokens = (session_reserve(sampling) if prompt.session_id is not None else
-                          sampling.completion_tokens(len(llm.chat_ids(prompt.messages)), engine.max_model_len))
+            llm, rendering = LLM.from_engine(engine), prompt.rendering()
+            max_tokens = (session_reserve(sampling) if prompt.session_id is not None else sampling.completion_tokens(
+                len(llm.chat_ids(prompt.messages, **rendering)), engine.max_model_len))
             return llm.add_chat_request(prompt.messages, engine_params(sampling, max_tokens),
-                                        session_id=prompt.session_id, relay=prompt.relay, request_id=request_id)
+                                        session_id=prompt.session_id, relay=prompt.relay, request_id=request_id,
+                                        **rendering)
 
         async with aclosing(self.loop.generate_with(start)) as outputs:
             async for out in outputs:

@@ -75,7 +75,7 @@ def make_router(state: ServerState) -> APIRouter:
                     for m in body.messages]
         rid, created = new_id("chatcmpl"), int(time.time())
         relay = state.settings.relay if body.relay is None else body.relay
-        prompt = ChatPrompt(messages, body.session_id, relay)
+        prompt = ChatPrompt(messages, body.session_id, relay, body.add_generation_prompt, body.continue_final_message)
         generated = state.backend.generate(prompt, sampling, rid)
         deltas = state.metrics.metered(generated, "chat", t0)
 

@@ -119,6 +119,10 @@ class ChatCompletionRequest(SamplingFields):
         None, description="ragfuse: continue this session (its stored KV reused; send the whole conversation)")
     relay: bool | None = Field(None, description="ragfuse: serve a leading system message by relay attention "
                                                  "(default: the server's setting)")
+    add_generation_prompt: bool = Field(True, description="vLLM's: open a new assistant turn after the messages")
+    continue_final_message: bool = Field(
+        False, description="vLLM's: continue the final message, an assistant's, left open (send "
+                           "add_generation_prompt false with it); the response holds only the continuation")
     tools: Any = _unsupported("empty")
     tool_choice: Any = _unsupported('"none"')
     functions: Any = _unsupported("empty")
@@ -133,6 +137,25 @@ class ChatCompletionRequest(SamplingFields):
                "function_call": (None, "none"), "logprobs": (None, False), "top_logprobs": (None, 0),
                "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]), "audio": (None,),
                "web_search_options": (None,)}
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continuable(cls, value: bool, info: ValidationInfo) -> bool:
+        """vLLM's rules, so that a request behaves alike on both servers: the final message is left open
+        only where no new turn is opened after it (``add_generation_prompt`` defaults to true, and
+        transformers refuses the two together), and only an assistant's message is continued."""
+        if not value:
+            return value
+        if info.data.get("add_generation_prompt") is True:
+            raise PydanticCustomError("continue_final_message", "continue_final_message and add_generation_prompt "
+                                      "cannot both be true (add_generation_prompt defaults to true): send "
+                                      "add_generation_prompt false to continue the final message")
+        messages = info.data.get("messages")
+        if messages and messages[-1].role != "assistant":
+            raise PydanticCustomError("continue_final_message", "continue_final_message continues the final "
+                                      "message, which must be the assistant's: the last message's role is {role}",
+                                      {"role": messages[-1].role})
+        return value
 
 
 class CompletionRequest(SamplingFields):

@@ -87,7 +87,7 @@ class VLLMServeBackend(PromptBuilder):
                        request_id: str) -> AsyncIterator[Delta]:
         _no_sessions(prompt.session_id if isinstance(prompt, ChatPrompt) else None)
         if isinstance(prompt, ChatPrompt):
-            ids = self.chat_prompt(prompt.messages).token_ids
+            ids = self.chat_prompt(prompt.messages, **prompt.rendering()).token_ids
         else:
             ids = self.encode(prompt.text) if isinstance(prompt.text, str) else list(prompt.text)
         async for delta, _ in self._stream(Prompt(ids), sampling, None, request_id):

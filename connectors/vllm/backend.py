@@ -129,8 +129,12 @@ class PromptBuilder:
         ids += self.encode(f"Question: {question}") + tail
         return Prompt(ids, spans, chunk_ids)
 
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> Prompt:
-        text = render_chat(self.tokenizer, list(messages), tokenize=False)
+    def chat_prompt(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> Prompt:
+        """The chat through the model's template: a new assistant turn opened after it, or its final
+        message left open for the model to continue (``continue_final_message``; see ``render_chat``)."""
+        text = render_chat(self.tokenizer, list(messages), add_generation_prompt, continue_final_message,
+                           tokenize=False)
         return Prompt(self.encode(text))
 
 

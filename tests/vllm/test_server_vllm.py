@@ -105,3 +105,25 @@ def test_context_refusal_and_left_out_max_tokens_as_on_ragfuses_engine(server):
     r = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": [1] * 2040, "temperature": 0},
                    headers=AUTH, timeout=300)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 8, r.text
+
+
+def test_chat_continues_a_final_assistant_message(server):
+    """vLLM's ``continue_final_message``: the chat's final (assistant) message is rendered open and
+    continued, the response holding only the continuation: what vLLM generates greedily from that
+    rendering sent as token ids. Before, the fields were ignored and a new assistant turn opened."""
+    from transformers import AutoTokenizer
+
+    from ragfuse.engine.checkpoint import resolve
+
+    messages = [{"role": "user", "content": "Name three colours."},
+                {"role": "assistant", "content": "The three colours are"}]
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve(MODEL).path))
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True,
+                                        tokenize=True, return_dict=False)
+    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0,
+            "add_generation_prompt": False, "continue_final_message": True}
+    chat = httpx.post(f"{server}/v1/chat/completions", json=body, headers=AUTH, timeout=300).json()
+    plain = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": list(ids), "max_tokens": 8,
+                                                         "temperature": 0}, headers=AUTH, timeout=300).json()
+    assert chat["choices"][0]["message"]["content"] == plain["choices"][0]["text"], (chat, plain)
+    assert chat["usage"]["prompt_tokens"] == len(ids) and chat["usage"]["completion_tokens"] == 8
