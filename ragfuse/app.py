@@ -43,18 +43,21 @@ def open_pipeline(
         tiers.append(MemoryTier("gpu", engine.device, int(gpu_cache_gb * 2**30)))
     tiers.append(MemoryTier("cpu", "cpu", int(cpu_cache_gb * 2**30), pin=torch.cuda.is_available()))
     rag = RagStore(root, config, redis_url=redis_url, memory_tiers=tiers)
-    controller = None
-    prof_file = profile_path(root / "profiles", engine.fingerprint, str(engine.device), dtype_name(engine.dtype))
-    if prof_file.exists():
-        controller = LoadingController(DelayProfile.load(prof_file))
-    else:
-        log.info("no delay profile at %s (run `ragfuse profile`): recompute ratio r* without the controller",
-                 prof_file)
     r_star = None
     if gate:
         from ragfuse.gate import calibrated_r_star
 
         r_star = calibrated_r_star(engine, kv_context=config.chunk_kv_context)
+    controller = None
+    prof_file = profile_path(root / "profiles", engine.fingerprint, str(engine.device), dtype_name(engine.dtype))
+    if prof_file.exists():
+        # the controller's floor is the gate's r*: with its own default (15%) it raised every ratio the
+        # gate had measured safe below that, so profiling a store made its answers slower
+        profile = DelayProfile.load(prof_file)
+        controller = LoadingController(profile) if r_star is None else LoadingController(profile, r_star=r_star)
+    else:
+        log.info("no delay profile at %s (run `ragfuse profile`): recompute ratio r* without the controller",
+                 prof_file)
     return RagPipeline(engine, rag, r_star=r_star, controller=controller)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from ragfuse.engine import LLMEngine
 from ragfuse.engine.atomic_file import write_atomic
@@ -114,6 +115,19 @@ def _fitted(engine: LLMEngine, builder: RagPromptBuilder, prompt: dict[str, obje
         passages.pop()
 
 
+def gate_cache_path(engine: LLMEngine, policy: SelectionPolicy, target: float, prompts_name: str,
+                    kv_context: str) -> Path:
+    """Where r* is cached for this model, dtype, selection, calibration set, target and chunk KV context:
+    a change of any of them calibrates again instead of reusing an r* measured for something else."""
+    # every field but the ratio (which r* replaces) picks the selection, so every one is in the key
+    knobs = "-".join(f"{v:g}" if isinstance(v, float) else "_".join(map(str, v)) if isinstance(v, tuple) else str(v)
+                     for k, v in asdict(policy).items() if k != "ratio")
+    tag = f"{engine.fingerprint}-{str(engine.dtype).removeprefix('torch.')}-{knobs}-{prompts_name}-{target:g}"
+    if kv_context != "none":  # stores before the setting held alone chunk KV: their r* keeps its cache file
+        tag += f"-after-{kv_context}"
+    return cache_root() / "gate" / f"{tag}.json"
+
+
 def calibrated_r_star(
     engine: LLMEngine, policy: SelectionPolicy | None = None, target: float = DEFAULT_TARGET,
     prompts: tuple[str, list[dict[str, object]]] | None = None, kv_context: str = "instruction",
@@ -121,13 +135,7 @@ def calibrated_r_star(
     """r* for this model, policy and chunk KV context, from the cache or calibrated now (and cached)."""
     policy = policy or SelectionPolicy.default()
     prompts = prompts or calibration_prompts()
-    # every field but the ratio (which r* replaces) picks the selection, so every one is in the key
-    knobs = "-".join(f"{v:g}" if isinstance(v, float) else "_".join(map(str, v)) if isinstance(v, tuple) else str(v)
-                     for k, v in asdict(policy).items() if k != "ratio")
-    tag = f"{engine.fingerprint}-{str(engine.dtype).removeprefix('torch.')}-{knobs}-{prompts[0]}-{target:g}"
-    if kv_context != "none":  # stores before the setting held alone chunk KV: their r* keeps its cache file
-        tag += f"-after-{kv_context}"
-    path = cache_root() / "gate" / f"{tag}.json"
+    path = gate_cache_path(engine, policy, target, prompts[0], kv_context)
     if path.exists():
         try:
             return float(json.loads(path.read_text())["r_star"])

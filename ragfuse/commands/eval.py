@@ -35,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "default) or alone (as CacheBlend stores it)")
     add_model_args(q)
     add_policy_args(q)
-    q.add_argument("--out", default=None, help="write results.json, results.md and results.png here")
+    q.add_argument("--out", default=None,
+                   help="write results.json and results.md here (with --sweep also results.png, the sweep's plot)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=run_qa)
 

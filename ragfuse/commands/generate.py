@@ -28,7 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="no chat template: PROMPT is the whole prompt")
     p.add_argument("--session", metavar="ID", help="continue conversation ID (its KV is kept between calls)")
-    p.add_argument("--session-dir", default=None,
+    # `serve` spells it --sessions-dir: both spellings work here, so neither command refuses the other's
+    p.add_argument("--session-dir", "--sessions-dir", dest="session_dir", metavar="DIR", default=None,
                    help="where sessions live (default $RAGFUSE_SESSIONS, else the per-user data directory)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.set_defaults(func=run)
