@@ -117,17 +117,22 @@ class LLM:
 
     def chat(
         self, messages: list[dict[str, str]], params: SamplingParams | None = None, system: str | None = None,
-        session_id: str | None = None, relay: bool = False,
+        session_id: str | None = None, relay: bool = False, add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> RequestOutput:
         """Answer the conversation ``messages``. With ``session_id`` the conversation's KV is kept
         between calls (``enable_sessions``): send the whole conversation each turn, as with any
         chat API; only what is new since the stored KV is prefilled. ``metrics`` says how much was
         reused, from where, and how much of the loading was hidden. With ``relay`` a leading system
-        prompt is served by relay attention (see ``add_chat_request``)."""
+        prompt is served by relay attention (see ``add_chat_request``). ``continue_final_message``
+        (with ``add_generation_prompt=False``) continues the last, assistant's, message: its text is
+        then only the continuation (see ``chat_ids``)."""
         # a session turn reusing stored KV takes its cache blocks at once: with the cache full it waits
         # for room as the requests running beside it (other callers' streams, turns) finish
         return self._collect(lambda: [self.engine.when_room(
-            lambda: self.add_chat_request(messages, params, system, session_id, relay))])[0]
+            lambda: self.add_chat_request(messages, params, system, session_id, relay,
+                                          add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message))])[0]
 
     def add_chat_request(
         self, messages: list[dict[str, str]], params: SamplingParams | None = None, system: str | None = None,

@@ -37,6 +37,16 @@ def expected(llm) -> dict[str, tuple[int, str, int]]:
     return {name: (len(ids), out.text, len(out.token_ids)) for (name, ids), out in zip(prompts.items(), outs)}
 
 
+def test_llm_chat_continues_the_final_message(llm, expected):
+    """``LLM.chat`` takes the same two options as the server (it runs before the module's server takes
+    the engine): its text is the continuation the reference rendering gives. Before, ``chat`` had no
+    way to ask for it and opened a new assistant turn."""
+    from ragfuse.engine import SamplingParams
+
+    out = llm.chat(PREFILL, SamplingParams(max_tokens=TOKENS, temperature=0.0), **CONTINUE)
+    assert (out.prompt_tokens, out.text) == expected["continued"][:2]
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, llm, expected):
     from tests.server_helpers import serve_lighthouses
