@@ -294,9 +294,9 @@ def test_given_passages_are_prefilled_with_a_note_when_redis_is_gone(store, engi
     from ragfuse.engine import SamplingParams
     from ragfuse.passage import Passage
     from ragfuse.pipeline import final
-    from tests.test_kvstore_redis import _start_redis
+    from tests.kvstore_helpers import start_redis
 
-    proc, url = _start_redis()
+    proc, url = start_redis()
     pipe = open_pipeline(str(store), engine=engine, gate=False, redis_url=url)
     proc.terminate()
     proc.wait(timeout=10)
