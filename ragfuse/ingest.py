@@ -47,13 +47,17 @@ class IngestReport:
     replaced_files: list[str] = field(default_factory=list)
     removed_files: list[str] = field(default_factory=list)  # gone from an ingested folder, or no root reaches it
     unchanged_files: list[str] = field(default_factory=list)
+    # unchanged files read again only because their chunks' KV was missing (a --no-kv ingest, KV
+    # evicted) and computed now: listed among unchanged_files too, as their text did not change, so
+    # the counts of changed files and chunks keep meaning changed text
+    kv_filled_files: list[str] = field(default_factory=list)
     skipped: list[SkippedFile] = field(default_factory=list)
     chunks_added: int = 0
     chunks_removed: int = 0
     kv_computed: int = 0
     kv_reused: int = 0
     kv_removed: int = 0
-    tokens: int = 0
+    tokens: int = 0  # of the new and changed files' chunks
     seconds: float = 0.0
     kv_seconds: float = 0.0
 
@@ -155,15 +159,19 @@ class Ingestor:
                 for src, text, ids, vec in zip(p.sources, p.texts, p.token_ids, vectors[offset:offset + n])
             ]
             old_refs += self.store.docs.kv_refs([p.file.path])
-            was_there = self.store.docs.file_hash(p.file.path) is not None
+            stored_hash = self.store.docs.file_hash(p.file.path)
             removed, added = self.store.docs.replace_file(p.file.path, p.file.content_hash, chunks)
             all_removed += removed
             all_added += added
-            (report.replaced_files if was_there else report.new_files).append(p.file.path)
+            offset += n
+            if stored_hash == p.file.content_hash:  # same text, read again only for its chunks' KV
+                report.unchanged_files.append(p.file.path)
+                report.kv_filled_files.append(p.file.path)
+                continue
+            (report.replaced_files if stored_hash is not None else report.new_files).append(p.file.path)
             report.chunks_added += len(added)
             report.chunks_removed += len(removed)
             report.tokens += sum(len(ids) for ids in p.token_ids)
-            offset += n
         self.store.docs.record_roots(roots)
         if pending or all_removed:  # one index update (and save) for the whole ingest; until then the saved
             # index is behind the docstore's generation and a crash would make the next open rebuild it

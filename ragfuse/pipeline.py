@@ -492,17 +492,21 @@ class RagPipeline:
         self, prep: Prepared, stats: FusionStats, last: RequestOutput, mode: str, t0: float, ttft: float,
         retrieve_s: float,
     ) -> AskResult:
+        ratio, recomputed = stats.recompute_ratio, stats.recomputed_tokens
+        if _computes_passages(mode, prep.ratio):
+            # the fused pass counts only stored KV it loaded, and it loaded no chunk's: all were computed
+            ratio, recomputed = 1.0, sum(len(s.token_ids) for s in prep.segments if _is_stored_passage(s))
         return AskResult(
             answer=last.text.strip(),
             sources=prep.hits,
             mode=mode,
-            recompute_ratio=stats.recompute_ratio,
+            recompute_ratio=ratio,
             ttft_s=ttft,
             total_s=time.perf_counter() - t0,
             retrieve_s=retrieve_s,
             prompt_tokens=stats.prompt_tokens,
             reused_tokens=stats.reused_tokens,
-            recomputed_tokens=stats.recomputed_tokens,
+            recomputed_tokens=recomputed,
             load_s=stats.load_s,
             load_hidden=stats.load_hidden,
             recompute_s=stats.compute_s,
@@ -527,6 +531,19 @@ def _with_system(stats: FusionStats, system_tokens: int, computed: bool) -> Fusi
                    stored_tokens=stats.stored_tokens + reused, reused_tokens=stats.reused_tokens + reused,
                    computed_tokens=stats.computed_tokens + system_tokens - reused,
                    tiers=sorted({*stats.tiers, "relay"}))
+
+
+def _computes_passages(mode: str, ratio: float) -> bool:
+    """Whether the prefill computes every stored chunk rather than use its stored KV: ``full`` and
+    ``prefix`` by definition, and ``fuse`` at ratio 1, which loads none of it (it would recompute it
+    all). ``recompute_ratio`` and ``recomputed_tokens`` then say so alike: all of the chunks' tokens."""
+    return mode in (FusionMode.FULL.value, FusionMode.PREFIX.value) or (mode == FusionMode.FUSE.value and ratio >= 1.0)
+
+
+def _is_stored_passage(segment: Segment) -> bool:
+    """A retrieved or named chunk of the store, or a given passage found stored: what the recompute
+    figures count (the instruction prefix, given text not stored and the question are not)."""
+    return segment.label.startswith("chunk ") or segment.label == "stored passage"
 
 
 def final(items: Iterator[RequestOutput | AskResult]) -> AskResult:

@@ -276,9 +276,9 @@ def test_limits_and_bad_bodies(served, client):
     r = post("/v1/completions", json={"model": MODEL, "prompt": "x" * (2 << 20)})
     assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
     too_long = [1] * (served.engine.max_model_len + 10)
-    with pytest.raises(openai.BadRequestError, match="exceeds the context"):
+    with pytest.raises(openai.BadRequestError, match="the prompt alone takes"):
         client.completions.create(model=MODEL, prompt=too_long, max_tokens=4)
-    with pytest.raises(openai.BadRequestError, match="exceeds the context"):  # also before a stream starts
+    with pytest.raises(openai.BadRequestError, match="the prompt alone takes"):  # also before a stream starts
         client.completions.create(model=MODEL, prompt=too_long, max_tokens=4, stream=True)
     r = post("/v1/completions", json={"model": MODEL, "prompt": [10**9]})
     assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]

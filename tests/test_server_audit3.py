@@ -162,8 +162,8 @@ def test_method_not_allowed_says_what_is(served):
 
 
 def test_a_prompt_longer_than_the_context_is_refused(served):
-    refused(post(served, "/v1/completions", {**COMPLETION_BODY, "prompt": "word " * 9000}), None,
-            "exceeds the context of 8192")
+    refused(post(served, "/v1/completions", {**COMPLETION_BODY, "prompt": "word " * 9000}), "prompt",
+            "the model's context is 8192 tokens, but the prompt alone takes")
 
 
 @pytest.fixture(scope="module")

@@ -89,15 +89,18 @@ def test_max_tokens_left_out_runs_to_what_the_context_leaves(server):
 
 def test_completion_tokens_settles_the_limit():
     """The rule both backends apply to a prompt's length: explicit limits checked, left-out ones filled
-    up to the server's limit; a prompt filling the context alone is left to the engine's own refusal."""
+    up to the server's limit; a prompt filling the context alone is refused as its own field's."""
     from ragfuse.connectors.server.backend import Sampling
     from ragfuse.connectors.server.errors import APIError
 
-    assert Sampling(max_tokens=None, limit=1024).completion_tokens(100, CONTEXT) == CONTEXT - 100
-    assert Sampling(max_tokens=None, limit=64).completion_tokens(100, CONTEXT) == 64
-    assert Sampling(max_tokens=None, limit=64).completion_tokens(CONTEXT, CONTEXT) == 1
-    assert Sampling(max_tokens=12, limit=64).completion_tokens(CONTEXT - 12, CONTEXT) == 12
-    assert Sampling(max_tokens=12, limit=64).completion_tokens(CONTEXT + 5, CONTEXT) == 12
+    assert Sampling(max_tokens=None, limit=1024).completion_tokens(100, CONTEXT, "prompt") == CONTEXT - 100
+    assert Sampling(max_tokens=None, limit=64).completion_tokens(100, CONTEXT, "prompt") == 64
+    assert Sampling(max_tokens=12, limit=64).completion_tokens(CONTEXT - 12, CONTEXT, "prompt") == 12
+    for max_tokens, prompt in [(None, CONTEXT), (12, CONTEXT + 5)]:
+        with pytest.raises(APIError) as info:
+            Sampling(max_tokens=max_tokens, limit=64).completion_tokens(prompt, CONTEXT, "messages")
+        assert info.value.code == "context_length_exceeded" and info.value.param == "messages"
     with pytest.raises(APIError) as info:
-        Sampling(max_tokens=13, limit=64, param="max_completion_tokens").completion_tokens(CONTEXT - 12, CONTEXT)
+        Sampling(max_tokens=13, limit=64, param="max_completion_tokens").completion_tokens(
+            CONTEXT - 12, CONTEXT, "messages")
     assert info.value.code == "context_length_exceeded" and info.value.param == "max_completion_tokens"

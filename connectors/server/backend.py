@@ -26,22 +26,34 @@ class Sampling:
     stop: tuple[str, ...] = ()
     param: str = "max_tokens"
 
-    def completion_tokens(self, prompt_tokens: int, context: int) -> int:
-        """The completion's token limit for a prompt of ``prompt_tokens`` in a ``context``-token model.
-        An explicit ``max_tokens`` past what the context leaves is a 400 naming every number (context,
-        total, prompt, completion), raised before any prefill: the engine would otherwise prefill the
-        prompt and cut the completion to a ``length`` the client never set. A prompt that fills the
-        context by itself is left to the engine, whose refusal names only the prompt (at least one
-        token is asked for, so the request reaches that refusal)."""
+    def completion_tokens(self, prompt_tokens: int, context: int, prompt_param: str) -> int:
+        """The completion's token limit for a prompt of ``prompt_tokens`` in a ``context``-token model;
+        ``prompt_param``: the field the prompt came from (``messages``, ``prompt``, ``question``). A
+        prompt that fills the context by itself (``refuse_full_prompt``), or an explicit ``max_tokens``
+        past what the context leaves, is a 400 naming the numbers, raised before any prefill: the
+        engine would otherwise prefill the prompt and cut the completion to a ``length`` the client
+        never set."""
+        refuse_full_prompt(prompt_tokens, context, prompt_param)
         if self.max_tokens is None:
-            return max(min(self.limit, context - prompt_tokens), 1)
+            return min(self.limit, context - prompt_tokens)
         total = prompt_tokens + self.max_tokens
-        if prompt_tokens < context < total:
+        if total > context:
             raise APIError(400, f"the model's context is {context} tokens, but this request needs {total}: "
                                 f"{prompt_tokens} for the prompt and {self.max_tokens} for the completion "
                                 f"({self.param}); shorten the prompt or lower {self.param}",
                            param=self.param, code="context_length_exceeded")
         return self.max_tokens
+
+
+def refuse_full_prompt(prompt_tokens: int, context: int, prompt_param: str) -> None:
+    """Refuse a prompt that leaves no room in the context for even one completion token, as a 400
+    ``context_length_exceeded`` on ``prompt_param`` naming both numbers, as a prompt that only the
+    completion pushes past the context is refused: the engine's own refusal of it came as a plain
+    400 without a code, which clients that check the code (to trim and retry) did not recognise."""
+    if prompt_tokens >= context:
+        raise APIError(400, f"the model's context is {context} tokens, but the prompt alone takes {prompt_tokens} "
+                            f"({prompt_param}), leaving none for the completion; shorten the prompt",
+                       param=prompt_param, code="context_length_exceeded")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from ragfuse.engine import LLM, AsyncEngine, LLMEngine, RequestOutput, SamplingP
 from ragfuse.engine.sessions import SessionStore
 from ragfuse.pipeline import RagPipeline, Started
 
-from .backend import REUSE_KEYS, ChatPrompt, Delta, RagAnswer, RagOptions, Sampling, TextPrompt
+from .backend import REUSE_KEYS, ChatPrompt, Delta, RagAnswer, RagOptions, Sampling, TextPrompt, refuse_full_prompt
 from .errors import APIError
 from .library import DocumentLibrary
 
@@ -118,11 +118,11 @@ class EngineBackend:
             # is refused here, without a prefill
             if isinstance(prompt, TextPrompt):
                 ids = engine.tokenize(prompt.text, start=True)
-                params = engine_params(sampling, sampling.completion_tokens(len(ids), engine.max_model_len))
+                params = engine_params(sampling, sampling.completion_tokens(len(ids), engine.max_model_len, "prompt"))
                 return engine.add_request(ids, params, request_id)
             llm, rendering = LLM.from_engine(engine), prompt.rendering()
             max_tokens = (session_reserve(sampling) if prompt.session_id is not None else sampling.completion_tokens(
-                len(llm.chat_ids(prompt.messages, **rendering)), engine.max_model_len))
+                len(llm.chat_ids(prompt.messages, **rendering)), engine.max_model_len, "messages"))
             return llm.add_chat_request(prompt.messages, engine_params(sampling, max_tokens),
                                         session_id=prompt.session_id, relay=prompt.relay, request_id=request_id,
                                         **rendering)
@@ -141,8 +141,11 @@ class EngineBackend:
             prep, retrieve_s = self.pipeline.prepare(question, options.top_k, options.mode, options.recompute_ratio)
             prompt_tokens = sum(len(seg.token_ids) for seg in prep.segments)
             try:
-                max_tokens = (session_reserve(sampling) if options.session_id is not None
-                              else sampling.completion_tokens(prompt_tokens, engine.max_model_len))
+                if options.session_id is None:
+                    max_tokens = sampling.completion_tokens(prompt_tokens, engine.max_model_len, "question")
+                else:  # the whole prompt is the turn's new message, which no cut of the history makes fit
+                    refuse_full_prompt(prompt_tokens, engine.max_model_len, "question")
+                    max_tokens = session_reserve(sampling)
             except APIError:
                 for source in prep.sources:  # the stored KV the prompt would have read
                     source.finish()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
-from pydantic_core import PydanticCustomError, PydanticKnownError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError, PydanticKnownError
 
 from ragfuse.engine.sessions import SESSION_ID_PATTERN
 
@@ -33,18 +33,29 @@ class _Refusing(_Body):
     """A request body that refuses the OpenAI options this server cannot honour when they ask for
     something: ignoring ``tools`` or ``logprobs`` would hand back an answer the client did not ask for
     (no tool call, no log-probabilities) as if it were one. Harmless extras (``user``, ``metadata``)
-    stay ignored. ``NEUTRAL`` maps each such option to the values that ask for nothing."""
+    stay ignored. ``NEUTRAL`` maps each such option to the values that ask for nothing.
+
+    Every such option a request asks for is named in one refusal (located at the first, in the
+    request's order): refusing one at a time would have the client fix them over as many round trips."""
 
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
-    @field_validator("*", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        neutral = cls.NEUTRAL.get(info.field_name or "")
-        if neutral is not None and not any(_same_json(value, n) for n in neutral):
-            raise PydanticCustomError("unsupported", "ragfuse does not support {option}: leave it out",
-                                      {"option": info.field_name})
-        return value
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data  # not an object: the model's own validation says so
+        asked = [name for name, value in data.items()
+                 if name in cls.NEUTRAL and not any(_same_json(value, n) for n in cls.NEUTRAL[name])]
+        if not asked:
+            return data
+        options = asked[0] if len(asked) == 1 else f"{', '.join(asked[:-1])} and {asked[-1]}"
+        error = PydanticCustomError("unsupported", "ragfuse does not support {options}: leave {them} out",
+                                    {"options": options, "them": "it" if len(asked) == 1 else "them"})
+        # raised as a ValidationError, which pydantic passes on as it is, so that the refusal is located
+        # at an option (the error's ``param``), as one option's refusal is
+        raise ValidationError.from_exception_data(cls.__name__, [
+            InitErrorDetails(type=error, loc=(asked[0],), input=data[asked[0]])])
 
 
 def _same_json(value: Any, neutral: Any) -> bool:

@@ -90,12 +90,14 @@ class VLLMServeBackend(PromptBuilder):
             ids = self.chat_prompt(prompt.messages, **prompt.rendering()).token_ids
         else:
             ids = self.encode(prompt.text) if isinstance(prompt.text, str) else list(prompt.text)
-        async for delta, _ in self._stream(Prompt(ids), sampling, None, request_id):
+        async for delta, _ in self._stream(Prompt(ids), sampling, None, request_id,
+                                           "messages" if isinstance(prompt, ChatPrompt) else "prompt"):
             yield delta
 
     async def _stream(self, prompt: Prompt, sampling: Sampling, transfer: dict[str, Any] | None,
-                      request_id: str) -> AsyncIterator[tuple[Delta, Any]]:
-        """Deltas of one vLLM request (and its raw output, for the connector's report)."""
+                      request_id: str, prompt_param: str) -> AsyncIterator[tuple[Delta, Any]]:
+        """Deltas of one vLLM request (and its raw output, for the connector's report); ``prompt_param``:
+        the request field the prompt came from, which a refusal of its length names."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
@@ -104,7 +106,7 @@ class VLLMServeBackend(PromptBuilder):
             raise RequestError("empty prompt")
         # settled here, before vLLM takes the request: a request past the context costs no prefill, and a
         # left-out max_tokens runs to what the context leaves, as on ragfuse's engine
-        max_tokens = sampling.completion_tokens(len(prompt.token_ids), self.context_length)
+        max_tokens = sampling.completion_tokens(len(prompt.token_ids), self.context_length, prompt_param)
         try:
             params = SamplingParams(
                 max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
@@ -146,7 +148,7 @@ class VLLMServeBackend(PromptBuilder):
         last: Delta | None = None
         report: dict[str, Any] = {}
         text = []
-        async for delta, out in self._stream(prompt, sampling, transfer, request_id):
+        async for delta, out in self._stream(prompt, sampling, transfer, request_id, "question"):
             first = first or time.perf_counter()
             last = delta
             text.append(delta.text)
@@ -183,7 +185,7 @@ class VLLMServeBackend(PromptBuilder):
         """Have vLLM compute one chunk's KV alone and the connector store it under the chunk key."""
         sampling = Sampling(max_tokens=1, limit=1, temperature=0.0)
         async for _ in self._stream(Prompt(token_ids), sampling, {"store_as_chunk": True},
-                                    f"store-{uuid.uuid4().hex}"):
+                                    f"store-{uuid.uuid4().hex}", "documents"):
             pass
 
     async def list_documents(self) -> list[dict[str, Any]]:
