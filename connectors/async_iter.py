@@ -3,7 +3,8 @@
 The framework connectors' async methods stream from the pipeline, which drives the engine
 synchronously. The worker hands items over through the caller's event loop; when the caller stops
 early (a cancelled task, a closed stream), the worker closes the generator at its next item, which
-aborts the engine request.
+aborts the engine request, and the caller waits for that: once a cancelled call has returned, the
+engine no longer holds its request (it neither decodes the rest nor takes room from the next call).
 """
 
 from __future__ import annotations
@@ -22,18 +23,23 @@ async def iterate_in_thread(make: Callable[[], Iterator[T]]) -> AsyncIterator[T]
     """Yield what ``make()``'s generator yields; its exceptions are raised here."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[object] = asyncio.Queue()
+    ended: asyncio.Future[None] = loop.create_future()
     stop = threading.Event()
 
-    def put(item: object) -> None:
+    def call(fn: Callable[..., object], *args: object) -> None:
         with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is listening
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            loop.call_soon_threadsafe(fn, *args)
+
+    def mark_ended() -> None:
+        if not ended.done():  # a caller cancelled again while waiting for the worker cancels the future
+            ended.set_result(None)
 
     def work() -> None:
         try:
             gen = make()
             try:
                 for item in gen:
-                    put(item)
+                    call(queue.put_nowait, item)
                     if stop.is_set():
                         break
             finally:
@@ -41,9 +47,11 @@ async def iterate_in_thread(make: Callable[[], Iterator[T]]) -> AsyncIterator[T]
                 if close is not None:
                     close()
         except BaseException as exc:  # handed to the caller, raised there
-            put(exc)
-            return
-        put(_DONE)
+            call(queue.put_nowait, exc)
+        else:
+            call(queue.put_nowait, _DONE)
+        finally:
+            call(mark_ended)
 
     thread = threading.Thread(target=work, name="ragfuse-connector", daemon=True)
     thread.start()
@@ -57,3 +65,4 @@ async def iterate_in_thread(make: Callable[[], Iterator[T]]) -> AsyncIterator[T]
             yield item  # type: ignore[misc]
     finally:
         stop.set()
+        await ended  # the worker closes the generator at its next item (one engine step at most)

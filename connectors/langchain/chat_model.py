@@ -16,6 +16,7 @@ statistics (``response_metadata["ragfuse"]``) come with the last chunk.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import aclosing
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -144,10 +145,12 @@ class ChatRagfuse(BaseChatModel):
         self, messages: list[BaseMessage], stop: list[str] | None = None,
         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        async for chunk in iterate_in_thread(lambda: self._stream(messages, stop, None, **kwargs)):
-            if run_manager is not None and chunk.text:
-                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-            yield chunk
+        # closing this stream closes the worker's (aborting the engine request) before it returns
+        async with aclosing(iterate_in_thread(lambda: self._stream(messages, stop, None, **kwargs))) as chunks:
+            async for chunk in chunks:
+                if run_manager is not None and chunk.text:
+                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
 
     def _generate(
         self, messages: list[BaseMessage], stop: list[str] | None = None,

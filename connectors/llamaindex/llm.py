@@ -70,15 +70,16 @@ class RagfuseLLM(CustomLLM):
     # ---- one request --------------------------------------------------------------------------
 
     def _stream(self, turns: list[tuple[str, list[str | Passage]]] | None, text: str | None,
-                kwargs: dict[str, Any]) -> Iterator[tuple[str, AskResult | None]]:
-        """(text delta, None) as tokens come, then ("", result)."""
+                params: SamplingParams) -> Iterator[tuple[str, AskResult | None]]:
+        """(text delta, None) as tokens come, then ("", result). The engine is loaded at the first read
+        (on a worker thread for the async methods)."""
         pipe = self.pipeline()
         finder = pipe.finder if pipe.store is not None and self.find_stored_chunks else None
         if turns is not None:
             parts = chat_parts(pipe.engine.tokenizer, turns, finder)
         else:
             parts = finder.split(text or "") if finder is not None else [text or ""]
-        yield from _deltas(pipe.stream_parts(parts, self.mode, self.recompute_ratio, self._params(kwargs)))
+        yield from _deltas(pipe.stream_parts(parts, self.mode, self.recompute_ratio, params))
 
     def stream_answer(self, question: str, passages: list[Passage], **kwargs: Any) -> CompletionResponseGen:
         """ragfuse's RAG prompt over the caller's passages (what ``RagfuseSynthesizer`` asks), streamed as
@@ -107,16 +108,16 @@ class RagfuseLLM(CustomLLM):
     @llm_completion_callback()
     async def _astream_answer(self, prompt: str, question: str, passages: list[Passage],
                               **kwargs: Any) -> CompletionResponseAsyncGen:
-        return iterate_in_thread(lambda: self._answer_completions(question, passages, kwargs))
+        return _in_thread(self._answer_completions(question, passages, kwargs))
 
     def _answer_completions(self, question: str, passages: list[Passage],
                             kwargs: dict[str, Any]) -> CompletionResponseGen:
-        params = self._params(kwargs)
-        items = self.pipeline().stream_passages(question, passages, self.mode, self.recompute_ratio, params)
-        text = ""
-        for delta, result in _deltas(items):
-            text += delta
-            yield _completion(text, delta, result)
+        return _completions_of(self._answer_deltas(question, passages, self._params(kwargs)))
+
+    def _answer_deltas(self, question: str, passages: list[Passage],
+                       params: SamplingParams) -> Iterator[tuple[str, AskResult | None]]:
+        yield from _deltas(self.pipeline().stream_passages(question, passages, self.mode, self.recompute_ratio,
+                                                           params))
 
     def _params(self, kwargs: dict[str, Any]) -> SamplingParams:
         """The call's sampling options; any other keyword is refused, never dropped: a caller's ``top_k``
@@ -129,21 +130,17 @@ class RagfuseLLM(CustomLLM):
         stop = kwargs.get("stop")  # a string, a list of them, or None (SamplingParams takes a string as one)
         return SamplingParams(**opts, stop=stop if isinstance(stop, str) else list(stop or []))
 
+    # The request is checked when these are called, not at the stream's first read: a streaming call
+    # with a bad option or message raises where it is made (``await llm.astream_chat(...)`` included),
+    # as the non-streaming calls do, instead of handing back a stream that fails later.
+
     def _completions(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponseGen:
         turns = None if formatted else [("user", [prompt])]
-        text = ""
-        for delta, result in self._stream(turns, prompt if formatted else None, kwargs):
-            text += delta
-            yield _completion(text, delta, result)
+        return _completions_of(self._stream(turns, prompt if formatted else None, self._params(kwargs)))
 
     def _chats(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
         turns: list[tuple[str, list[str | Passage]]] = [(_role(m), [_text(m)]) for m in messages]
-        text = ""
-        for delta, result in self._stream(turns, None, kwargs):
-            text += delta
-            c = _completion(text, delta, result)
-            yield ChatResponse(message=ChatMessage(role="assistant", content=text), delta=delta,
-                               raw=c.raw, additional_kwargs=c.additional_kwargs)
+        return _chats_of(_completions_of(self._stream(turns, None, self._params(kwargs))))
 
     # ---- LlamaIndex's API ---------------------------------------------------------------------
 
@@ -165,20 +162,20 @@ class RagfuseLLM(CustomLLM):
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return await _alast(iterate_in_thread(lambda: self._completions(prompt, formatted, kwargs)))
+        return await _alast(_in_thread(self._completions(prompt, formatted, kwargs)))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False,
                                **kwargs: Any) -> CompletionResponseAsyncGen:
-        return iterate_in_thread(lambda: self._completions(prompt, formatted, kwargs))
+        return _in_thread(self._completions(prompt, formatted, kwargs))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return await _alast(iterate_in_thread(lambda: self._chats(messages, kwargs)))
+        return await _alast(_in_thread(self._chats(messages, kwargs)))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        return iterate_in_thread(lambda: self._chats(messages, kwargs))
+        return _in_thread(self._chats(messages, kwargs))
 
 
 # LlamaIndex's roles as chat templates know them: templates render a role's name verbatim (SmolLM's
@@ -206,6 +203,26 @@ def _deltas(items: Iterator[RequestOutput | AskResult]) -> Iterator[tuple[str, A
             yield "", item
         elif item.delta_text:
             yield item.delta_text, None
+
+
+def _completions_of(deltas: Iterator[tuple[str, AskResult | None]]) -> CompletionResponseGen:
+    """The responses of a stream of deltas, each with the text so far."""
+    text = ""
+    for delta, result in deltas:
+        text += delta
+        yield _completion(text, delta, result)
+
+
+def _chats_of(completions: CompletionResponseGen) -> ChatResponseGen:
+    for c in completions:
+        yield ChatResponse(message=ChatMessage(role="assistant", content=c.text), delta=c.delta,
+                           raw=c.raw, additional_kwargs=c.additional_kwargs)
+
+
+def _in_thread(responses: Iterator[Any]) -> AsyncIterator[Any]:
+    """A checked request's responses for async code: the engine (loaded on first use) runs on a worker
+    thread, so the caller's event loop keeps running while the model does."""
+    return iterate_in_thread(lambda: responses)
 
 
 def _completion(text: str, delta: str, result: AskResult | None) -> CompletionResponse:

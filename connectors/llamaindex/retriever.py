@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
@@ -29,3 +31,8 @@ class RagfuseRetriever(BaseRetriever):
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         return [chunk_node(h) for h in shared_retriever(self.store).search(query_bundle.query_str,
                                                                             self.similarity_top_k)]
+
+    async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        """On a worker thread: LlamaIndex's default runs ``_retrieve`` on the event loop, which would stall
+        every other task while the query is embedded (and, on first use, the embedding model loaded)."""
+        return await asyncio.to_thread(self._retrieve, query_bundle)

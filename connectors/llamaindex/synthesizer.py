@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Sequence
+from contextlib import aclosing
 from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.llms.types import CompletionResponse
+from llama_index.core.base.response.schema import AsyncStreamingResponse
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.response_synthesizers import BaseSynthesizer
 from llama_index.core.schema import NodeWithScore
@@ -31,6 +33,20 @@ class _Answer(str):
     """The answer text, carrying its statistics to ``_prepare_response_output``."""
 
     stats: dict[str, Any]
+
+
+class _AsyncAnswerStream(AsyncStreamingResponse):
+    """An async streaming answer whose reader stopping early (breaking out of ``async_response_gen()``, a
+    cancelled task) closes the answer's stream, aborting the engine request. LlamaIndex's own leaves it
+    decoding to the end for nothing: a stream read halfway never yields the rest (a later read gives the
+    text read so far)."""
+
+    async def _yield_response(self) -> AsyncGenerator[str, None]:
+        try:
+            async for text in super()._yield_response():
+                yield text
+        finally:
+            await self.response_gen.aclose()
 
 
 # a streaming answer's statistics, filled in when its stream ends (generators take weak references)
@@ -91,6 +107,8 @@ class RagfuseSynthesizer(BaseSynthesizer):
 
     def _prepare_response_output(self, response_str: Any, source_nodes: list[NodeWithScore]) -> Any:
         response = super()._prepare_response_output(response_str, source_nodes)
+        if type(response) is AsyncStreamingResponse:
+            response = _AsyncAnswerStream(response.response_gen, response.source_nodes, response.metadata)
         stats = response_str.stats if isinstance(response_str, _Answer) else _STREAM_STATS.get(response_str)
         if stats is not None:
             response.metadata = {**(response.metadata or {}), "ragfuse": stats}
@@ -132,11 +150,15 @@ def _text_stream(responses: Iterator[CompletionResponse], stats: dict[str, Any])
 
 async def _atext_stream(responses: AsyncIterator[CompletionResponse],
                         stats: dict[str, Any]) -> AsyncGenerator[str, None]:
-    async for response in responses:
-        if "ragfuse" in response.additional_kwargs:
-            stats.update(response.additional_kwargs["ragfuse"])
-        if response.delta:
-            yield response.delta
+    """Closing this stream closes the answer's (aborting the engine request) before it returns: LlamaIndex's
+    ``AsyncStreamingResponse`` does not close it when its reader stops, so ``response.response_gen.aclose()``
+    is how an app that stops reading frees the engine at once."""
+    async with aclosing(responses) as stream:
+        async for response in stream:
+            if "ragfuse" in response.additional_kwargs:
+                stats.update(response.additional_kwargs["ragfuse"])
+            if response.delta:
+                yield response.delta
 
 
 def ragfuse_query_engine(
