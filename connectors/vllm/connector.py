@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
@@ -111,6 +112,27 @@ class _RequestState:
     block_ids: list[int] = field(default_factory=list)
     saved_spans: int = 0
     save_done: bool = False
+    error: str | None = None  # why the request's ragfuse parameters were ignored, for its report
+
+
+def _request_chunks(transfer_params: object, num_tokens: int) -> tuple[bool, list[tuple[int, int]]]:
+    """``(store_as_chunk, chunk spans)`` from a request's ``kv_transfer_params``, which clients send
+    as JSON: anything malformed raises ``ValueError`` with the reason."""
+    if transfer_params is None:
+        return False, []
+    if not isinstance(transfer_params, dict):
+        raise ValueError(f"kv_transfer_params must be an object, got {type(transfer_params).__name__}")
+    params = transfer_params.get(PARAMS_KEY)
+    if params is None:
+        return False, []
+    if not isinstance(params, dict):
+        raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}] must be an object, got {type(params).__name__}")
+    store_as_chunk = params.get("store_as_chunk", False)
+    if not isinstance(store_as_chunk, bool):
+        raise ValueError(f"store_as_chunk must be true or false, got {store_as_chunk!r}")
+    if store_as_chunk:
+        return True, [(0, num_tokens)] if num_tokens else []
+    return False, normalise_chunks(params.get("chunks"), num_tokens)
 
 
 class RagfuseKVConnector(KVConnectorBase_V1):
@@ -154,13 +176,19 @@ class RagfuseKVConnector(KVConnectorBase_V1):
         state = self._states.get(request.request_id)
         if state is None:
             tokens = list(request.prompt_token_ids or [])
-            params = (request.kv_transfer_params or {}).get(PARAMS_KEY, {}) or {}
-            store_as_chunk = bool(params.get("store_as_chunk", False))
-            chunks = [(0, len(tokens))] if store_as_chunk else normalise_chunks(params.get("chunks"), len(tokens))
+            error = None
+            try:
+                store_as_chunk, chunks = _request_chunks(request.kv_transfer_params, len(tokens))
+            except ValueError as exc:
+                # raised here it would stop vLLM's engine for every request; the prompt is served exactly
+                # instead (no chunk reuse) and the report says why
+                error = f"ragfuse parameters ignored: {exc}"
+                logger.warning("ragfuse connector: request %s: %s", request.request_id, error)
+                store_as_chunk, chunks = False, []
             spans = plan_spans(tokens, chunks, self.settings.fingerprint, self.settings.kv_dtype,
                                self.settings.span_tokens)
             state = _RequestState(spans=spans, num_prompt=len(tokens), store_as_chunk=store_as_chunk,
-                                  chunk_spans=0 if store_as_chunk else len(chunks))
+                                  chunk_spans=0 if store_as_chunk else len(chunks), error=error)
             self._states[request.request_id] = state
         return state
 
@@ -172,7 +200,7 @@ class RagfuseKVConnector(KVConnectorBase_V1):
         """
         state = self._state(request)
         matched, contiguous = 0, True
-        state.chunk_hits = state.chunk_hits_loaded = 0
+        state.chunk_hits = 0
         for span in state.spans:
             found = self.pending.lookup(span.key, self._available)
             if found is SpanState.SAVING and (contiguous or span.kind == CHUNK):
@@ -180,7 +208,6 @@ class RagfuseKVConnector(KVConnectorBase_V1):
             available = found is SpanState.STORED
             if span.kind == CHUNK and not state.store_as_chunk:
                 state.chunk_hits += available
-                state.chunk_hits_loaded += available and contiguous
             if available and contiguous:
                 matched = span.end
             else:
@@ -190,13 +217,24 @@ class RagfuseKVConnector(KVConnectorBase_V1):
         # path, whose bf16 rounding differs and can flip a greedy near-tie).
         state.matched = (min(matched, state.num_prompt - 1) // self.block_size) * self.block_size
         state.load_from = num_computed_tokens  # vLLM's own prefix-cache hit, if enabled: load after it
-        return max(0, state.matched - num_computed_tokens), False
+        state.loaded = max(0, state.matched - num_computed_tokens)
+        self._count_loaded_chunks(state)
+        return state.loaded, False
+
+    def _count_loaded_chunks(self, state: _RequestState) -> None:
+        """Chunk hits whose KV is reused, at least from their start (loaded, or before the load in
+        vLLM's own prefix cache; every span before the reused end is stored). A chunk past the block
+        rounding or past a failed load is recomputed in context: a hit, but not loaded."""
+        reused_to = state.load_from + state.loaded
+        state.chunk_hits_loaded = 0 if state.store_as_chunk else sum(
+            1 for s in state.spans if s.kind == CHUNK and s.start < reused_to)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self._state(request)
+        state.loaded = num_external_tokens  # what vLLM granted (it may allocate less than was matched)
+        self._count_loaded_chunks(state)
         if num_external_tokens > 0:
             state.load_to = state.load_from + num_external_tokens
-            state.loaded = num_external_tokens
             state.load_pending = True
             state.block_ids = list(blocks.get_block_ids()[0])
 
@@ -214,11 +252,15 @@ class RagfuseKVConnector(KVConnectorBase_V1):
         precompute request, the chunk itself). Chunks seen in context are never saved under the
         chunk key: their in-context KV is not the chunk's standalone KV."""
         state.save_done = True
-        spans = [s for s in state.spans
-                 if (s.kind != CHUNK or state.store_as_chunk) and not self._available(s.key)]
+        missing = [s for s in state.spans
+                   if (s.kind != CHUNK or state.store_as_chunk) and not self._available(s.key)]
+        # marked here, before any later lookup can miss them; the worker clears them. A span whose mark
+        # cannot be written (disk full, read-only store) is not saved: a future miss, not a dead engine.
+        spans = [s for s in missing if self.pending.mark(s.key)]
+        if len(spans) < len(missing):
+            logger.warning("ragfuse connector: cannot mark %d span(s) of request %s in %s (disk full or "
+                           "read-only?); not saving them", len(missing) - len(spans), req_id, self.pending.dir)
         state.saved_spans = len(spans)
-        for span in spans:  # marked here, before any later lookup can miss them; the worker clears them
-            self.pending.mark(span.key)
         return SaveOp(req_id, list(state.block_ids), spans) if spans else None
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -253,17 +295,38 @@ class RagfuseKVConnector(KVConnectorBase_V1):
                     meta.saves.append(op)
         return meta
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Blocks the workers could not load (a corrupt or vanished entry): vLLM recomputes them, so
+        the report counts only the tokens before the first failed block as loaded. (The worker dropped
+        the save of the failed step, whose KV was computed over blocks never loaded; the next request
+        with this prefix saves those spans.)"""
+        super().update_connector_output(connector_output)
+        invalid = connector_output.invalid_block_ids
+        if not invalid:
+            return
+        for state in self._states.values():
+            if state.loaded <= 0:
+                continue
+            first = next((i for i, b in enumerate(state.block_ids) if b in invalid), None)
+            if first is None or first * self.block_size >= state.load_from + state.loaded:
+                continue
+            state.loaded = max(0, first * self.block_size - state.load_from)
+            self._count_loaded_chunks(state)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Blocks are freed at once (saves copy their data out during the step); the request's hit
         counts go back to the caller in the output's ``kv_transfer_params``."""
         state = self._states.pop(request.request_id, None)
         if state is None:
             return False, None
-        return False, {PARAMS_KEY: {
+        report: dict[str, Any] = {
             "mode": MODE, "prompt_tokens": state.num_prompt, "loaded_tokens": state.loaded,
             "chunk_spans": state.chunk_spans, "chunk_hits": state.chunk_hits,
             "chunk_hits_loaded": state.chunk_hits_loaded, "saved_spans": state.saved_spans,
-        }}
+        }
+        if state.error is not None:
+            report["error"] = state.error
+        return False, {PARAMS_KEY: report}
 
     # ------------------------------------------------------------------ worker side
 
@@ -427,7 +490,9 @@ class RagfuseKVConnector(KVConnectorBase_V1):
         num_layers = len(self._layer_index)
         for op in meta.saves:
             layers = [self._save_buffers.get((op.req_id, i)) for i in range(num_layers)]
-            if any(not entry for entry in layers):
+            # a load of this request failed in this step: its new KV attended to blocks never loaded
+            # (vLLM recomputes them next step); stored, it would be served as exact to later requests
+            if any(not entry for entry in layers) or op.req_id in self._failed_from:
                 self._clear_pending(op)
                 continue
             k = torch.stack([entry[0][0] for entry in layers])  # [layers, tokens, heads, dim]
@@ -437,7 +502,10 @@ class RagfuseKVConnector(KVConnectorBase_V1):
 
     def _clear_pending(self, op: SaveOp) -> None:
         for span in op.spans:
-            self.pending.clear(span.key)
+            try:
+                self.pending.clear(span.key)
+            except OSError:  # left to go stale (``PendingSaves.stale_s``), never a failed step
+                logger.exception("ragfuse connector: clearing the save mark of %s failed", span.key)
 
     def _write(self, op: SaveOp, k: torch.Tensor, v: torch.Tensor) -> None:
         """Put one entry per span: chunk K un-rotated (before RoPE, the engine's format, movable),

@@ -23,6 +23,7 @@ next turn, which extends the previous prompt, hits the same keys for its shared 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -58,18 +59,37 @@ def context_key(fingerprint: str, dtype: torch.dtype, prefix: Sequence[int],
     return kv_key(namespace, dtype, prefix)
 
 
-def normalise_chunks(chunks: Sequence[Sequence[int]] | None, num_tokens: int) -> list[tuple[int, int]]:
-    """Validate caller-supplied chunk spans: sorted, non-overlapping, inside the prompt, non-empty."""
+def _position(value: object) -> int:
+    """A token position from JSON: an integer (not a bool, float or string, which ``int()`` would
+    silently truncate or parse into a different span than the caller meant)."""
+    if isinstance(value, bool):
+        raise ValueError(f"chunk positions must be integers, got {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"chunk positions must be integers, got {value!r}") from None
+
+
+def normalise_chunks(chunks: object, num_tokens: int) -> list[tuple[int, int]]:
+    """Validate caller-supplied chunk spans (``[[start, end], ...]`` or None): integer pairs, inside
+    the prompt, non-empty, non-overlapping; returned sorted. Raises ``ValueError`` naming the first
+    bad span, since they arrive from clients and a wrong span would load KV at the wrong tokens."""
+    if chunks is None:
+        return []
+    if not isinstance(chunks, (list, tuple)):
+        raise ValueError(f"chunks must be a list of [start, end] pairs, got {type(chunks).__name__}")
     out: list[tuple[int, int]] = []
-    for item in chunks or ():
-        start, end = int(item[0]), int(item[1])
+    for item in chunks:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise ValueError(f"each chunk must be a [start, end] pair, got {item!r}")
+        start, end = _position(item[0]), _position(item[1])
         if not 0 <= start < end <= num_tokens:
-            raise ValueError(f"chunk span [{start}, {end}) is outside a prompt of {num_tokens} tokens")
+            raise ValueError(f"chunk span [{start}, {end}) is empty or outside a prompt of {num_tokens} tokens")
         out.append((start, end))
     out.sort()
-    for (_, e0), (s1, _) in zip(out, out[1:]):
+    for (s0, e0), (s1, e1) in zip(out, out[1:]):
         if s1 < e0:
-            raise ValueError("chunk spans overlap")
+            raise ValueError(f"chunk spans [{s0}, {e0}) and [{s1}, {e1}) overlap")
     return out
 
 

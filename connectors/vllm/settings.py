@@ -6,12 +6,13 @@ reaches the scheduler and every worker process through vLLM's config.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,11 +20,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ragfuse.engine.checkpoint import Checkpoint, cache_root
+from ragfuse.engine.errors import RagfuseError
 from ragfuse.engine.kvstore import DiskTier, MemoryTier, TieredKVStore
 from ragfuse.engine.kvstore.entry import DTYPES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+
+class SettingsError(RagfuseError, ValueError):
+    """Bad connector settings, reported when vLLM starts (a ``ValueError`` too, as vLLM's own config
+    checks raise), instead of a crash inside the scheduler at the first request."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,24 @@ class ConnectorSettings:
     span_tokens: int = 128
     memory_mb: int = 1024
     disk_gb: float = 8.0
+
+    def __post_init__(self) -> None:
+        """Check every value here: settings arrive as JSON from a command line, and a bad one would
+        otherwise surface only at the first request, inside vLLM's scheduler, and stop the engine."""
+        for name in ("store_dir", "fingerprint"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise SettingsError(f"ragfuse connector: {name} must be a non-empty string, got {value!r}")
+        if self.kv_dtype_name not in DTYPES:
+            raise SettingsError(f"ragfuse connector: kv_dtype_name must be one of {sorted(DTYPES)}, "
+                                f"got {self.kv_dtype_name!r}")
+        if not _is_int(self.span_tokens) or self.span_tokens <= 0:
+            raise SettingsError(f"ragfuse connector: span_tokens must be a positive integer, got {self.span_tokens!r}")
+        if not _is_int(self.memory_mb) or self.memory_mb < 0:
+            raise SettingsError(f"ragfuse connector: memory_mb must be an integer >= 0 (0: no memory tier), "
+                                f"got {self.memory_mb!r}")
+        if not (_is_int(self.disk_gb) or isinstance(self.disk_gb, float)) or not self.disk_gb > 0:
+            raise SettingsError(f"ragfuse connector: disk_gb must be a number > 0, got {self.disk_gb!r}")
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -58,16 +87,23 @@ class ConnectorSettings:
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> ConnectorSettings:
+        """Settings from ``kv_connector_extra_config``, checked at start-up; without a fingerprint the
+        model must be a local directory (the fingerprint is computed from it)."""
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-        if "fingerprint" not in extra:
-            model = Path(vllm_config.model_config.model)
-            if not (model / "config.json").is_file():
-                raise ValueError("ragfuse connector: give kv_connector_extra_config['fingerprint'] for a model "
-                                 "that is not a local directory")
-            return cls.for_model(model, **{k: v for k, v in extra.items() if k != "fingerprint"})
-        if extra.get("kv_dtype_name", "float32") not in DTYPES:
-            raise ValueError(f"ragfuse connector: kv_dtype_name must be one of {sorted(DTYPES)}")
-        return cls(**extra)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise SettingsError(f"ragfuse connector: unknown kv_connector_extra_config keys {unknown}; "
+                                f"known: {sorted(known)}")
+        if "fingerprint" in extra:
+            if "store_dir" not in extra:
+                raise SettingsError("ragfuse connector: kv_connector_extra_config needs 'store_dir'")
+            return cls(**extra)
+        model = Path(vllm_config.model_config.model)
+        if not (model / "config.json").is_file():
+            raise SettingsError("ragfuse connector: give kv_connector_extra_config['fingerprint'] for a model "
+                                "that is not a local directory")
+        return cls.for_model(model, **extra)
 
 
 class SpanState(Enum):
@@ -94,11 +130,24 @@ class PendingSaves:
 
     def __init__(self, root: str | Path, stale_s: float = 60.0) -> None:
         self.dir = Path(root) / "pending"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SettingsError(f"ragfuse connector: cannot create the store directory {self.dir}: {exc}") from exc
         self.stale_s = stale_s
 
-    def mark(self, key: str) -> None:
-        (self.dir / key).write_text(f"{socket.gethostname()} {os.getpid()}")
+    def mark(self, key: str) -> bool:
+        """Mark ``key`` as being saved; False where the mark cannot be written (disk full, folder made
+        read-only): the caller then skips that save, a future miss, rather than stopping the engine.
+        A half-written mark is removed, so it cannot hold requests back."""
+        path = self.dir / key
+        try:
+            path.write_text(f"{socket.gethostname()} {os.getpid()}")
+        except OSError:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+            return False
+        return True
 
     def clear(self, key: str) -> None:
         (self.dir / key).unlink(missing_ok=True)
