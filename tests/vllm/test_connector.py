@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from ragfuse.connectors.vllm.plan import plan_spans  # noqa: E402
 from ragfuse.engine.kvstore import DiskTier  # noqa: E402
 from ragfuse.engine.kvstore.disk import layer_name  # noqa: E402
 from ragfuse.kernels.rope import apply_rope_ref, cos_sin_table, inv_frequencies  # noqa: E402
+from tests.vllm.vllm_helpers import wait_saved
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -78,12 +78,6 @@ def connected(tmp_path_factory: pytest.TempPathFactory) -> VLLMBackend:
     backend.close()
 
 
-def _wait_saved(store_dir: str) -> None:
-    """Saves are written by a worker thread; wait until none is pending (bounded)."""
-    pending = Path(store_dir) / "pending"
-    deadline = time.time() + 60
-    while any(pending.iterdir()) and time.time() < deadline:
-        time.sleep(0.1)
 
 
 def test_second_turn_loads_history_and_matches_vllm_alone(reference: dict, connected: VLLMBackend) -> None:
@@ -117,7 +111,7 @@ def test_corrupt_history_entry_is_dropped_and_recomputed(reference: dict, connec
     layers been skipped too, the answer would be read from blocks never written)."""
     settings = connected.settings
     connected.generate(reference["turn1"], max_tokens=1)  # history stored (no-op if the test above ran)
-    _wait_saved(settings.store_dir)
+    wait_saved(settings.store_dir)
     span = plan_spans(reference["turn1"].token_ids, [], settings.fingerprint, settings.kv_dtype, 128)[1]
     path = Path(settings.store_dir) / "data" / span.key[:2] / f"{span.key}.safetensors"
     _flip_layer_bytes(path, layer)
@@ -125,7 +119,7 @@ def test_corrupt_history_entry_is_dropped_and_recomputed(reference: dict, connec
     assert second.token_ids == reference["turn2_ids"]  # the failed blocks were recomputed, not served
     assert not path.exists()  # the corrupt entry was dropped when its checksum failed
     connected.generate(reference["turn1"], max_tokens=1)  # the next request with this history stores it again
-    _wait_saved(settings.store_dir)
+    wait_saved(settings.store_dir)
     disk = DiskTier(settings.store_dir, 1 << 30)
     try:
         assert disk.get(span.key) is not None  # present and verified
@@ -174,7 +168,7 @@ def test_repositioned_chunk_k_equals_vllms_own_k_at_that_position(connected: VLL
     whole = Prompt(filler + chunk + connected.encode(" The end."))
     connected.generate(whole, max_tokens=1)  # saves its context spans: K as vLLM holds it (rotated)
     settings = connected.settings
-    _wait_saved(settings.store_dir)
+    wait_saved(settings.store_dir)
     disk = DiskTier(settings.store_dir, 1 << 30)
     try:
         chunk_span = plan_spans(chunk, [(0, len(chunk))], settings.fingerprint, settings.kv_dtype, 128)[0]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 
 from ragfuse.connectors.vllm.plan import normalise_chunks, plan_spans
 from ragfuse.connectors.vllm.settings import ConnectorSettings, SettingsError
+from tests.vllm.vllm_helpers import wait_saved
 
 MAX_TOKENS = 8
 
@@ -151,11 +151,6 @@ def connected(reference: dict, store_mount: tuple[Path, bool]) -> Iterator[VLLMB
     backend.close()
 
 
-def _wait_saved(store_dir: str) -> None:
-    pending = Path(store_dir) / "pending"
-    deadline = time.time() + 60
-    while any(pending.iterdir()) and time.time() < deadline:
-        time.sleep(0.1)
 
 
 def _generate(backend: VLLMBackend, ids: list[int], transfer: object = None) -> tuple[list[int], dict, dict]:
@@ -197,7 +192,7 @@ def test_greedy_output_equals_vllm_alone_for_prefixes_extensions_and_batches(ref
         tokens, _, report = _generate(connected, prompts[name])
         assert tokens == expected[name], name
         loaded[name] = report["loaded_tokens"]
-        _wait_saved(store)
+        wait_saved(store)
     assert loaded == {"fox": 256, "fox_prefix_200": 128, "fox_prefix_129": 128, "fox_prefix_127": 0,
                       "fox_longer": 256}
     names = ["batch_a", "batch_b", "batch_c"]
@@ -207,7 +202,7 @@ def test_greedy_output_equals_vllm_alone_for_prefixes_extensions_and_batches(ref
         for name, out in zip(names, outs):
             assert list(out.outputs[0].token_ids) == expected[name], name
             assert out.kv_transfer_params["ragfuse"]["loaded_tokens"] == round_loaded
-        _wait_saved(store)
+        wait_saved(store)
 
 
 def _flip_bytes(path: Path) -> None:
@@ -225,7 +220,7 @@ def test_failed_load_neither_poisons_saved_spans_nor_inflates_the_report(referen
     recomputed all but 128."""
     prompts, settings = reference["prompts"], connected.settings
     _generate(connected, prompts["stored"])
-    _wait_saved(settings.store_dir)
+    wait_saved(settings.store_dir)
     span = plan_spans(prompts["stored"], [], settings.fingerprint, settings.kv_dtype, 128)[1]
     _flip_bytes(Path(settings.store_dir) / "data" / span.key[:2] / f"{span.key}.safetensors")
 
@@ -233,9 +228,9 @@ def test_failed_load_neither_poisons_saved_spans_nor_inflates_the_report(referen
     tokens, first, report = _generate(connected, prompts[name])
     assert tokens == reference["ids"][name] and first == reference["first"][name]
     assert report["loaded_tokens"] == 128  # span 1 loaded; span 2 failed and was recomputed
-    _wait_saved(settings.store_dir)
+    wait_saved(settings.store_dir)
     _, _, report = _generate(connected, prompts[name])  # span 2 was dropped: this one stores it again
-    _wait_saved(settings.store_dir)
+    wait_saved(settings.store_dir)
     assert report["loaded_tokens"] == 128
     tokens, first, report = _generate(connected, prompts[name])
     assert report["loaded_tokens"] == 384  # spans 1-3, all saved by requests whose loads succeeded
