@@ -11,13 +11,14 @@ instrumentation, as its own synthesizers' are (``RagfuseLLM.stream_answer``).
 from __future__ import annotations
 
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator, Sequence
+from contextlib import aclosing, closing
+from dataclasses import dataclass
 from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.llms.types import CompletionResponse
-from llama_index.core.base.response.schema import AsyncStreamingResponse
+from llama_index.core.base.response.schema import AsyncStreamingResponse, StreamingResponse
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.response_synthesizers import BaseSynthesizer
 from llama_index.core.schema import NodeWithScore
@@ -47,6 +48,54 @@ class _AsyncAnswerStream(AsyncStreamingResponse):
                 yield text
         finally:
             await self.response_gen.aclose()
+
+
+class _EachRead:
+    """A sync answer's ``response_gen``: each ``for`` over it (``"".join`` included) reads through a
+    generator of its own, which CPython frees as soon as the loop stops, closing the answer's stream. A
+    generator handed out as it is stays open while the response holds it, however early the loop ended."""
+
+    def __init__(self, read: Callable[[], Iterator[str]]) -> None:
+        self._read = read
+        self._stepped: Iterator[str] | None = None  # the one a caller steps with ``next``, kept
+
+    def __iter__(self) -> Iterator[str]:
+        # a ``for`` after ``next`` calls goes on where they stopped
+        return self._stepped if self._stepped is not None else self._read()
+
+    def __next__(self) -> str:
+        """``next(response.response_gen)``, as on LlamaIndex's own generator: one generator for all
+        such calls, closed with the response's stream at its end (or when the response is freed)."""
+        if self._stepped is None:
+            self._stepped = self._read()
+        return next(self._stepped)
+
+
+@dataclass
+class _AnswerStream(StreamingResponse):
+    """``_AsyncAnswerStream`` for sync readers, who iterate ``response_gen`` itself (LlamaIndex never
+    closes it): breaking out of ``for tok in response.response_gen`` aborts the engine request when the
+    loop exits. As there, the text read is recorded: a later read (``str(response)`` too) gives it, where
+    LlamaIndex's own would give the rest only, or nothing once the stream was read to its end."""
+
+    def __post_init__(self) -> None:
+        self._tokens: Generator[str, None, None] = self.response_gen
+        self.response_gen = _EachRead(self._yield_response)  # type: ignore[assignment]
+
+    def _yield_response(self) -> Generator[str, None, None]:
+        if self.response_txt is not None:  # read before: its stream is closed
+            if self.response_txt:
+                yield self.response_txt
+            return
+        self.response_txt = ""
+        with closing(self._tokens) as tokens:
+            for text in tokens:
+                self.response_txt += text
+                yield text
+
+
+# LlamaIndex's streaming responses, and ours that close the answer's stream when their reader stops
+_CLOSING_STREAMS: dict[type, type] = {StreamingResponse: _AnswerStream, AsyncStreamingResponse: _AsyncAnswerStream}
 
 
 # a streaming answer's statistics, filled in when its stream ends (generators take weak references)
@@ -107,8 +156,9 @@ class RagfuseSynthesizer(BaseSynthesizer):
 
     def _prepare_response_output(self, response_str: Any, source_nodes: list[NodeWithScore]) -> Any:
         response = super()._prepare_response_output(response_str, source_nodes)
-        if type(response) is AsyncStreamingResponse:
-            response = _AsyncAnswerStream(response.response_gen, response.source_nodes, response.metadata)
+        closing_stream = _CLOSING_STREAMS.get(type(response))
+        if closing_stream is not None:
+            response = closing_stream(response.response_gen, response.source_nodes, response.metadata)
         stats = response_str.stats if isinstance(response_str, _Answer) else _STREAM_STATS.get(response_str)
         if stats is not None:
             response.metadata = {**(response.metadata or {}), "ragfuse": stats}
