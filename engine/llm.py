@@ -154,7 +154,7 @@ class LLM:
             if self.engine.sessions is None:
                 self.enable_sessions()
             return self.engine.add_session_request(
-                session_id, ids, params, new_tokens=self._last_message_tokens(messages, system, ids),
+                session_id, ids, params, new_tokens=self.last_message_tokens(messages, system, ids),
                 keep_first=self._system_tokens(messages, system), request_id=request_id,
             )
         leading = system if system is not None else messages[0]["content"] if messages[0]["role"] == "system" else None
@@ -187,8 +187,12 @@ class LLM:
         e = self.engine
         e.enable_sessions(SessionStore(root, e.fingerprint, e.dtype, cpu_bytes, disk_bytes, policy, ttl_s))
 
-    def _last_message_tokens(self, messages: list[dict[str, str]], system: str | None, ids: list[int]) -> int:
-        """Tokens of the last message (and the generation prompt): this turn's, never cut."""
+    def last_message_tokens(self, messages: list[dict[str, str]], system: str | None, ids: list[int]) -> int:
+        """Tokens of the chat's last message with what the template puts after it (the generation
+        prompt), of ``ids``, the chat's prompt ids as ``chat_ids`` rendered them: a session turn's new
+        tokens, which no cut of the session's history shortens. A turn whose last message fills the
+        context by itself can therefore never run, and a caller can refuse it by this count before
+        the engine takes it (the server does, as it refuses any prompt past the context)."""
         from .sessions.history import common_prefix
 
         if len([m for m in messages if m["role"] != "system"]) < 2:

@@ -82,7 +82,7 @@ def test_truncation_on_stored_kv_matches_reprefilling_the_truncated_history(llm,
         full = len(llm.chat_ids(messages))
         monkeypatch.setattr(eng, "max_model_len", full + SP.max_tokens - 10)  # overflow by 10 tokens
         turn = eng.begin_session_turn(f"trunc-{c}", llm.chat_ids(messages), SP.max_tokens,
-                                      new_tokens=llm._last_message_tokens(messages, None, llm.chat_ids(messages)),
+                                      new_tokens=llm.last_message_tokens(messages, None, llm.chat_ids(messages)),
                                       keep_first=llm._system_tokens(messages, None))
         truncated_prompt = turn.plan.token_ids
         assert turn.plan.truncated >= 10 and turn.reused > 0 and turn.tier == "cpu"

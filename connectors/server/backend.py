@@ -45,14 +45,16 @@ class Sampling:
         return self.max_tokens
 
 
-def refuse_full_prompt(prompt_tokens: int, context: int, prompt_param: str) -> None:
+def refuse_full_prompt(prompt_tokens: int, context: int, prompt_param: str, part: str = "the prompt") -> None:
     """Refuse a prompt that leaves no room in the context for even one completion token, as a 400
     ``context_length_exceeded`` on ``prompt_param`` naming both numbers, as a prompt that only the
     completion pushes past the context is refused: the engine's own refusal of it came as a plain
-    400 without a code, which clients that check the code (to trim and retry) did not recognise."""
+    400 without a code, which clients that check the code (to trim and retry) did not recognise.
+    ``part``: what ``prompt_tokens`` counts, named in the message, where it is not the whole prompt
+    (a session turn's new message, which must fit alone, however much of the history is cut)."""
     if prompt_tokens >= context:
-        raise APIError(400, f"the model's context is {context} tokens, but the prompt alone takes {prompt_tokens} "
-                            f"({prompt_param}), leaving none for the completion; shorten the prompt",
+        raise APIError(400, f"the model's context is {context} tokens, but {part} alone takes {prompt_tokens} "
+                            f"({prompt_param}), leaving none for the completion; shorten {part}",
                        param=prompt_param, code="context_length_exceeded")
 
 

@@ -121,8 +121,13 @@ class EngineBackend:
                 params = engine_params(sampling, sampling.completion_tokens(len(ids), engine.max_model_len, "prompt"))
                 return engine.add_request(ids, params, request_id)
             llm, rendering = LLM.from_engine(engine), prompt.rendering()
-            max_tokens = (session_reserve(sampling) if prompt.session_id is not None else sampling.completion_tokens(
-                len(llm.chat_ids(prompt.messages, **rendering)), engine.max_model_len, "messages"))
+            ids = llm.chat_ids(prompt.messages, **rendering)
+            if prompt.session_id is None:
+                max_tokens = sampling.completion_tokens(len(ids), engine.max_model_len, "messages")
+            else:  # the new message is all of the turn that no cut of the session's history shortens
+                refuse_full_prompt(llm.last_message_tokens(prompt.messages, None, ids), engine.max_model_len,
+                                   "messages", "the session turn's new message")
+                max_tokens = session_reserve(sampling)
             return llm.add_chat_request(prompt.messages, engine_params(sampling, max_tokens),
                                         session_id=prompt.session_id, relay=prompt.relay, request_id=request_id,
                                         **rendering)
