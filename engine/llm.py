@@ -200,6 +200,16 @@ class LLM:
         before = self._render(messages[:-1], system, generation_prompt=False)
         return len(ids) - common_prefix(ids, before)
 
+    def session_turn_floor(self, messages: list[dict[str, str]], system: str | None, ids: list[int]) -> int:
+        """The fewest prompt tokens a session turn of ``messages`` (``ids`` as ``chat_ids`` rendered
+        them) can be cut to: its new message (``last_message_tokens``) and the header the engine
+        always keeps (``sessions.history.turn_floor``). A caller that refuses a turn, or caps its
+        answer, by this count before the engine takes it agrees with the engine's own planning."""
+        from .sessions.history import turn_floor
+
+        return turn_floor(len(ids), self.last_message_tokens(messages, system, ids),
+                          self._system_tokens(messages, system))
+
     def _system_tokens(self, messages: list[dict[str, str]], system: str | None) -> int:
         """Tokens before the first user message's text (system prompt and template header): the
         part an overflowing conversation always keeps."""

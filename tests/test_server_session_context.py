@@ -49,3 +49,89 @@ def test_a_session_turn_whose_new_message_fills_the_context_is_context_length_ex
                                                "max_tokens": 2})
     assert again.status_code == 200, again.text
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, again.text
+
+
+def test_turn_floor_is_where_plan_turn_starts_to_refuse() -> None:
+    """``turn_floor`` is the least a turn can be cut to: a reserve that fits beside it plans, one more
+    token is refused (the server refuses by the same count, before the engine takes the turn)."""
+    from ragfuse.engine.errors import RequestError
+    from ragfuse.engine.sessions.history import plan_turn, turn_floor
+
+    conversation, stored = list(range(100)), list(range(80))
+    floor = turn_floor(len(conversation), 12, 7)
+    assert floor == 19
+    plan = plan_turn(conversation, stored, [(0, 80)], 64, 64 - floor, 12, 7)
+    assert len(plan.token_ids) == floor and plan.token_ids[:7] == conversation[:7]
+    with pytest.raises(RequestError, match="does not fit"):
+        plan_turn(conversation, stored, [(0, 80)], 64, 65 - floor, 12, 7)
+
+
+def started_session(url: str, session: str) -> list[dict[str, str]]:
+    """A session's first turn, answered: its messages with the answer, for the next turn to extend."""
+    first = [{"role": "user", "content": "Name three colours."}]
+    r = post(url, "/v1/chat/completions", {"model": MODEL, "messages": first, "session_id": session,
+                                           "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return [*first, {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]}]
+
+
+def test_a_session_turn_that_only_its_kept_header_pushes_past_the_context_is_refused(
+    server, forwards  # noqa: F811
+):
+    """The new message alone fits, but with the header the engine never cuts it does not: a
+    ``context_length_exceeded`` on ``messages`` (the engine's plain 400 before), and with an explicit
+    ``max_tokens`` that the floor leaves no room for, one on ``max_tokens``, both before any prefill."""
+    url, engine = server
+    turn = started_session(url, "kept-header")
+    llm = LLM.from_engine(engine)
+
+    def counts(n: int) -> tuple[list[dict[str, str]], int, int]:
+        messages = [*turn, {"role": "user", "content": "fox " * n}]
+        ids = llm.chat_ids(messages)
+        return messages, llm.last_message_tokens(messages, None, ids), llm.session_turn_floor(messages, None, ids)
+
+    over = next(c for c in map(counts, range(300, 700)) if c[2] >= CONTEXT)
+    assert over[1] < CONTEXT, over[1:]  # the new message alone is under the context
+    short = next(c for c in map(counts, range(300, 700)) if c[2] >= CONTEXT - 8)
+    assert short[2] < CONTEXT, short[1:]
+    assert httpx.get(f"{url}/v1/sessions", headers=AUTH, timeout=60).status_code == 200
+    forwards.clear()
+    refused = post(url, "/v1/chat/completions", {"model": MODEL, "messages": over[0], "session_id": "kept-header",
+                                                 "max_tokens": 2})
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["code"] == "context_length_exceeded", refused.text
+    assert error["param"] == "messages" and f"alone takes {over[2]} (messages)" in error["message"], refused.text
+    refused = post(url, "/v1/chat/completions", {"model": MODEL, "messages": short[0], "session_id": "kept-header",
+                                                 "max_tokens": 9})
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["code"] == "context_length_exceeded", refused.text
+    assert error["param"] == "max_tokens" and error["message"] == (
+        f"the model's context is {CONTEXT} tokens, but this request needs {short[2] + 9}: {short[2]} for the "
+        "session turn's new message with its kept header and 9 for the completion (max_tokens); shorten the "
+        "session turn's new message with its kept header or lower max_tokens"), refused.text
+    assert forwards == [], "a refused session turn ran the model"
+    fits = [*turn, {"role": "user", "content": "And one more?"}]
+    again = post(url, "/v1/chat/completions", {"model": MODEL, "messages": fits, "session_id": "kept-header",
+                                               "max_tokens": 2})
+    assert again.status_code == 200, again.text
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, again.text
+
+
+def test_a_session_turn_without_max_tokens_fits_under_a_limit_past_the_context(server):  # noqa: F811
+    """The server's limit (1024) is past the 512-token context: a session turn that leaves
+    ``max_tokens`` out reserved all of it and was refused however short; its answer's room is now
+    capped to what the context leaves after the turn's floor, as a plain chat's is after its prompt."""
+    url, engine = server
+    turn = started_session(url, "no-max-tokens")
+    short = [*turn, {"role": "user", "content": "Say yes."}]
+    r = post(url, "/v1/chat/completions", {"model": MODEL, "messages": short, "session_id": "no-max-tokens",
+                                           "temperature": 0})
+    assert r.status_code == 200, r.text
+    llm = LLM.from_engine(engine)
+    assert r.json()["usage"]["completion_tokens"] <= CONTEXT - llm.session_turn_floor(short, None, llm.chat_ids(short))
+    answered = [*short, {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "And one more?"}]
+    again = post(url, "/v1/chat/completions", {"model": MODEL, "messages": answered, "session_id": "no-max-tokens",
+                                               "max_tokens": 2})
+    assert again.status_code == 200, again.text
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, again.text

@@ -26,21 +26,22 @@ class Sampling:
     stop: tuple[str, ...] = ()
     param: str = "max_tokens"
 
-    def completion_tokens(self, prompt_tokens: int, context: int, prompt_param: str) -> int:
+    def completion_tokens(self, prompt_tokens: int, context: int, prompt_param: str, part: str = "the prompt") -> int:
         """The completion's token limit for a prompt of ``prompt_tokens`` in a ``context``-token model;
         ``prompt_param``: the field the prompt came from (``messages``, ``prompt``, ``question``). A
         prompt that fills the context by itself (``refuse_full_prompt``), or an explicit ``max_tokens``
         past what the context leaves, is a 400 naming the numbers, raised before any prefill: the
         engine would otherwise prefill the prompt and cut the completion to a ``length`` the client
-        never set."""
-        refuse_full_prompt(prompt_tokens, context, prompt_param)
+        never set. ``part``: what ``prompt_tokens`` counts, where it is not the whole prompt (a
+        session turn's least prompt, its new message and kept header, as the engine may cut the rest)."""
+        refuse_full_prompt(prompt_tokens, context, prompt_param, part)
         if self.max_tokens is None:
             return min(self.limit, context - prompt_tokens)
         total = prompt_tokens + self.max_tokens
         if total > context:
             raise APIError(400, f"the model's context is {context} tokens, but this request needs {total}: "
-                                f"{prompt_tokens} for the prompt and {self.max_tokens} for the completion "
-                                f"({self.param}); shorten the prompt or lower {self.param}",
+                                f"{prompt_tokens} for {part} and {self.max_tokens} for the completion "
+                                f"({self.param}); shorten {part} or lower {self.param}",
                            param=self.param, code="context_length_exceeded")
         return self.max_tokens
 

@@ -22,10 +22,10 @@ from typing import Any, TypeVar
 
 from ragfuse.engine import LLM, AsyncEngine, LLMEngine, RequestOutput, SamplingParams
 from ragfuse.engine.sessions import SessionStore
+from ragfuse.engine.sessions.history import turn_floor
 from ragfuse.pipeline import RagPipeline, Started
 
 from .backend import REUSE_KEYS, ChatPrompt, Delta, RagAnswer, RagOptions, Sampling, TextPrompt, refuse_full_prompt
-from .errors import APIError
 from .library import DocumentLibrary
 
 T = TypeVar("T")
@@ -62,11 +62,9 @@ def engine_params(s: Sampling, max_tokens: int) -> SamplingParams:
                           stop=list(s.stop))
 
 
-def session_reserve(s: Sampling) -> int:
-    """A session turn's ``max_tokens``: the engine fits the stored history to it (oldest turns cut)
-    and refuses, before any prefill, a new turn that cannot fit, so the prompt's length is its to
-    settle; left out, the room kept for the answer is the server's limit."""
-    return s.limit if s.max_tokens is None else s.max_tokens
+# what a session turn's least prompt counts, in a refusal: the engine fits the stored history to the
+# answer's room (oldest turns cut) but never cuts the new message or the header before it
+SESSION_FLOOR = "the session turn's new message with its kept header"
 
 
 def to_delta(out: RequestOutput) -> Delta:
@@ -124,10 +122,11 @@ class EngineBackend:
             ids = llm.chat_ids(prompt.messages, **rendering)
             if prompt.session_id is None:
                 max_tokens = sampling.completion_tokens(len(ids), engine.max_model_len, "messages")
-            else:  # the new message is all of the turn that no cut of the session's history shortens
+            else:  # no cut of the session's history shortens the new message or the header kept before it
                 refuse_full_prompt(llm.last_message_tokens(prompt.messages, None, ids), engine.max_model_len,
                                    "messages", "the session turn's new message")
-                max_tokens = session_reserve(sampling)
+                max_tokens = sampling.completion_tokens(llm.session_turn_floor(prompt.messages, None, ids),
+                                                        engine.max_model_len, "messages", SESSION_FLOOR)
             return llm.add_chat_request(prompt.messages, engine_params(sampling, max_tokens),
                                         session_id=prompt.session_id, relay=prompt.relay, request_id=request_id,
                                         **rendering)
@@ -150,8 +149,10 @@ class EngineBackend:
                     max_tokens = sampling.completion_tokens(prompt_tokens, engine.max_model_len, "question")
                 else:  # the whole prompt is the turn's new message, which no cut of the history makes fit
                     refuse_full_prompt(prompt_tokens, engine.max_model_len, "question")
-                    max_tokens = session_reserve(sampling)
-            except APIError:
+                    fed = len(engine.sessions.conversation(options.session_id)) + prompt_tokens
+                    floor = turn_floor(fed, prompt_tokens, len(self.pipeline.builder.prefix))
+                    max_tokens = sampling.completion_tokens(floor, engine.max_model_len, "question", SESSION_FLOOR)
+            except Exception:
                 for source in prep.sources:  # the stored KV the prompt would have read
                     source.finish()
                 raise

@@ -83,6 +83,15 @@ class TurnPlan:
         return list(itertools.chain.from_iterable(self.conversation[s:e] for s, e in self.ranges))
 
 
+def turn_floor(fed: int, new_tokens: int, keep_first: int) -> int:
+    """The fewest tokens a turn of ``fed`` tokens can be cut to: its new message (``new_tokens``)
+    and the history's first ``keep_first`` (system header, attention sinks), which ``plan_turn``
+    never cuts. A caller refuses a turn whose floor plus the room for the answer exceeds the context
+    before the engine takes it, and caps a left-out answer length to what the floor leaves."""
+    new = min(new_tokens, fed)
+    return new + min(keep_first, fed - new)
+
+
 def plan_turn(
     conversation: list[int],
     stored_tokens: list[int] | None,
@@ -115,7 +124,7 @@ def plan_turn(
     fed = total(ranges)
     if fed + reserve > max_len:
         new = min(new_tokens, fed)
-        body = max(fed - new - keep_first, 0)
+        body = fed - turn_floor(fed, new_tokens, keep_first)
         need = fed + reserve - max_len
         if need > body:
             raise RequestError(
