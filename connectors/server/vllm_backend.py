@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ragfuse.connectors.vllm.backend import Prompt, PromptBuilder, engine_kwargs, import_vllm
+from ragfuse.connectors.vllm.backend import ChunkRecompute, Prompt, PromptBuilder, engine_kwargs, import_vllm
 from ragfuse.connectors.vllm.settings import ConnectorSettings
 from ragfuse.engine.checkpoint import resolve
 from ragfuse.engine.errors import RequestError
@@ -157,6 +157,7 @@ class VLLMServeBackend(PromptBuilder):
             yield delta
         assert last is not None and first is not None
         loaded = int(report.get("loaded_tokens", 0))
+        recompute = ChunkRecompute.of(prompt.chunks, loaded)
         hit_chunks = int(report.get("chunk_hits_loaded", 0))
         notes = [] if reuse else ["mode full: chunks prefilled in place (the connector may load a stored prefix)"]
         if options.recompute_ratio is not None:
@@ -165,9 +166,9 @@ class VLLMServeBackend(PromptBuilder):
             "answer": "".join(text).strip(), "finish_reason": last.finish_reason,
             "sources": [h.as_dict() for h in hits], "retrieve_s": retrieve_s, "ttft_s": first - t0 - retrieve_s,
             "total_s": time.perf_counter() - t0, "load_s": None, "load_hidden": None, "recompute_s": None,
-            "mode": report.get("mode", "exact") if reuse else "full", "recompute_ratio": 0.0,
+            "mode": report.get("mode", "exact") if reuse else "full", "recompute_ratio": recompute.recompute_ratio,
             "prompt_tokens": len(prompt.token_ids), "reused_tokens": loaded,
-            "recomputed_tokens": len(prompt.token_ids) - loaded, "tiers": [CONNECTOR_TIER] if loaded else [],
+            "recomputed_tokens": recompute.recomputed_tokens, "tiers": [CONNECTOR_TIER] if loaded else [],
             "decision": None, "relay_system_tokens": 0, "notes": notes,
         }, [CONNECTOR_TIER] * hit_chunks + ["computed"] * (len(prompt.chunks) - hit_chunks))
 

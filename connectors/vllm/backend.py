@@ -69,6 +69,31 @@ class Prompt:
     chunk_token_ids: list[list[int]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class ChunkRecompute:
+    """How much of a RAG prompt's chunks was computed rather than reused, in the terms of the engine
+    backend's ``recomputed_tokens``/``recompute_ratio`` (tokens of the stored chunks, not of the whole
+    prompt), so both backends' answers compare. The connector reuses what it loads (full reuse) and
+    computes in context any chunk token past the loaded run: a chunk whose prefix was not stored, or
+    past the block rounding or a failed load."""
+
+    chunk_tokens: int
+    recomputed_tokens: int
+
+    @classmethod
+    def of(cls, spans: Sequence[tuple[int, int]], loaded_tokens: int) -> ChunkRecompute:
+        """The figures of chunk ``spans`` when the store filled the prompt's first ``loaded_tokens``
+        (the connector loads one run from position 0; vLLM's own prefix cache is off, as here by default)."""
+        total = sum(end - start for start, end in spans)
+        reused = sum(max(0, min(end, loaded_tokens) - start) for start, end in spans)
+        return cls(total, total - reused)
+
+    @property
+    def recompute_ratio(self) -> float:
+        """The recomputed share of the chunks' tokens; 0 for a prompt without chunks."""
+        return self.recomputed_tokens / self.chunk_tokens if self.chunk_tokens else 0.0
+
+
 @dataclass
 class Generation:
     text: str
@@ -76,6 +101,7 @@ class Generation:
     seconds: float
     connector: dict[str, Any] | None  # the connector's per-request report (mode, hits, loaded tokens)
     first_logprobs: dict[int, float] | None = None
+    recompute: ChunkRecompute | None = None  # of the prompt's chunks, with the connector
 
 
 def engine_kwargs(model_dir: str | Path, settings: ConnectorSettings | None, max_model_len: int = 2048,
@@ -179,7 +205,8 @@ class VLLMBackend(PromptBuilder):
         if logprobs and comp.logprobs:
             first = {tok: lp.logprob for tok, lp in comp.logprobs[0].items()}
         report = (out.kv_transfer_params or {}).get("ragfuse") if self.connector else None
-        return Generation(comp.text, list(comp.token_ids), seconds, report, first)
+        recompute = ChunkRecompute.of(prompt.chunks, int(report.get("loaded_tokens", 0))) if report else None
+        return Generation(comp.text, list(comp.token_ids), seconds, report, first, recompute)
 
     def store_chunks(self, chunks: Sequence[Sequence[int]]) -> None:
         """Compute each chunk's KV alone (from position 0) in vLLM and store it under the engine's chunk

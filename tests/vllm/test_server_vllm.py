@@ -127,3 +127,31 @@ def test_chat_continues_a_final_assistant_message(server):
                                                          "temperature": 0}, headers=AUTH, timeout=300).json()
     assert chat["choices"][0]["message"]["content"] == plain["choices"][0]["text"], (chat, plain)
     assert chat["usage"]["prompt_tokens"] == len(ids) and chat["usage"]["completion_tokens"] == 8
+
+
+def test_rag_recompute_figures_count_the_stored_chunks_as_on_ragfuses_engine(server):
+    """``recomputed_tokens``/``recompute_ratio`` are of the stored chunks' tokens, as on the engine
+    backend (they were the whole prompt less the loaded tokens, and a ratio of 0 always)."""
+    doc = ("The Quillon observatory on Mount Saber opens its telescope dome at 21:15 on clear nights. "
+           "Visitors need a red torch; the dome stays shut when the wind exceeds 40 km/h. ") * 4
+    r = httpx.post(f"{server}/v1/documents", json={"documents": [{"name": "quillon.md", "text": doc}]},
+                   headers=AUTH, timeout=300)
+    assert r.status_code == 200, r.text
+    body = {"question": "When does the Quillon observatory open its dome?", "top_k": 1, "max_tokens": 4,
+            "temperature": 0}
+    # mode full marks no chunk: nothing of it is loaded (no stored span covers it), all of it is computed
+    full = httpx.post(f"{server}/v1/rag/query", json={**body, "mode": "full"}, headers=AUTH, timeout=300).json()
+    assert full["sources"][0]["text"].startswith("The Quillon observatory")
+    chunk_tokens = full["fusion"]["recomputed_tokens"]
+    assert full["fusion"]["recompute_ratio"] == 1.0
+    assert 0 < chunk_tokens < full["fusion"]["prompt_tokens"] - full["fusion"]["reused_tokens"]
+    # the second reusing query loads header and chunk (the first stored the header), in whole blocks: the
+    # chunk is reused from its start, and only a tail past the loaded blocks is computed in context
+    _, ans = (httpx.post(f"{server}/v1/rag/query", json=body, headers=AUTH, timeout=300).json()
+              for _ in range(2))
+    fusion = ans["fusion"]
+    assert ans["kv_tiers"] == ["vllm-connector"] and fusion["mode"] == "full-reuse", fusion
+    assert fusion["prompt_tokens"] == full["fusion"]["prompt_tokens"]
+    assert 0 <= fusion["recomputed_tokens"] < chunk_tokens
+    assert fusion["recompute_ratio"] == pytest.approx(fusion["recomputed_tokens"] / chunk_tokens)
+    assert fusion["reused_tokens"] >= chunk_tokens - fusion["recomputed_tokens"]
