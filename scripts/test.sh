@@ -10,9 +10,10 @@ ruff check .
 # two workers (one per core of the CI machine), each with one torch thread: the suite is mostly
 # Python-bound model and server setup, which one process leaves a core idle through; whole files go
 # to one worker so their module fixtures (models, engines) are built once
-# the test files run in two halves, each in fresh worker processes: a worker's memory only grows over
-# the files it runs (freed memory stays in its heap), and one that had run most of the suite reached
-# 13-15 GB and was killed by the kernel on the 24 GiB CI box. Arguments, if any, run as given, in one go.
+# the test files run in parts ($RAGFUSE_TEST_PARTS, 4), each in fresh worker processes: a worker's memory
+# only grows over the files it runs (freed memory stays in its heap); one that had run most of the suite
+# reached 13-15 GB, and with halves two workers reached 11 GB each, and the kernel killed one on the
+# 24 GiB CI box. Arguments, if any, run as given, in one go.
 main_rc=0
 run_pytest() {
   OMP_NUM_THREADS=1 python -m pytest -q -ra --durations=25 --timeout=900 -n "${RAGFUSE_TEST_WORKERS:-2}" \
@@ -22,10 +23,15 @@ if [ $# -gt 0 ]; then
   run_pytest "$@"
 else
   mapfile -t files < <(ls tests/test_*.py)
-  half=$(( ${#files[@]} / 2 ))
-  run_pytest "${files[@]:0:half}" tests/vllm
-  echo "main suite, first half done: ${SECONDS} s" >&2
-  run_pytest "${files[@]:half}"
+  parts=${RAGFUSE_TEST_PARTS:-4}
+  per=$(( (${#files[@]} + parts - 1) / parts ))
+  for (( i = 0; i < parts; i++ )); do
+    part=("${files[@]:i*per:per}")
+    [ "$i" != 0 ] || part+=(tests/vllm)  # skips itself here: vLLM lives in its own venv (below)
+    [ ${#part[@]} -gt 0 ] || continue
+    run_pytest "${part[@]}"
+    echo "main suite, part $((i + 1)) of ${parts} done: ${SECONDS} s" >&2
+  done
 fi
 echo "main suite done: ${SECONDS} s" >&2
 # the vLLM connector needs vLLM's own pins: its tests run in a second venv (scripts/test_vllm.sh), after
