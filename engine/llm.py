@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -97,6 +99,14 @@ class LLM:
         prefill"; then ``add_generation_prompt`` must be False, as in transformers and vLLM)."""
         return self._render(messages, system, add_generation_prompt, continue_final_message)
 
+    def render(self, messages: list[dict[str, str]], system: str | None = None, add_generation_prompt: bool = True,
+               continue_final_message: bool = False) -> RenderedChat:
+        """The chat rendered once (``chat_ids``), kept with what it was rendered from: a caller that
+        counts a chat before queuing it (the server refuses a prompt past the context and sizes the
+        answer first) hands this to ``add_chat_request``, so the template runs once per request."""
+        return RenderedChat(self, messages, system, add_generation_prompt, continue_final_message,
+                            self.chat_ids(messages, system, add_generation_prompt, continue_final_message))
+
     def relay_chat_ids(self, messages: list[dict[str, str]], system: str) -> tuple[int | None, list[int]]:
         """(registered system prompt id, the chat's remaining token ids): the chat template renders
         the system message as a prefix, which is registered once (``engine.relay_prompts``: bounded,
@@ -137,7 +147,8 @@ class LLM:
     def add_chat_request(
         self, messages: list[dict[str, str]], params: SamplingParams | None = None, system: str | None = None,
         session_id: str | None = None, relay: bool = False, request_id: str | None = None,
-        add_generation_prompt: bool = True, continue_final_message: bool = False,
+        add_generation_prompt: bool = True, continue_final_message: bool = False, *,
+        rendered: RenderedChat | None = None,
     ) -> str:
         """Queue a chat without stepping the engine (for a caller whose own loop steps it, like the
         server's); returns the request id. ``relay``: a system prompt (``system``, or the chat's
@@ -148,17 +159,25 @@ class LLM:
         ``add_generation_prompt``/``continue_final_message``: as in ``chat_ids``. A continued message
         needs nothing more of relay (the system prompt is still checked to be a token prefix of the
         prompt) or of a session: the stored KV is matched by common prefix, so the next turn, which
-        renders the continued message closed, reuses everything up to where the template closes it."""
-        ids = self.chat_ids(messages, system, add_generation_prompt, continue_final_message)
+        renders the continued message closed, reuses everything up to where the template closes it.
+
+        ``rendered``: this very chat as ``render`` gave it (same messages, system prompt and options,
+        else a RequestError), for a caller that counted it first: its ids and session counts are used
+        rather than rendered again."""
+        if rendered is None:
+            chat = self.render(messages, system, add_generation_prompt, continue_final_message)
+        elif rendered.source != (messages, system, add_generation_prompt, continue_final_message):
+            raise RequestError("the rendered chat given is of other messages, system prompt or template options "
+                               "than the request's: render the request's own")
+        else:
+            chat = rendered
         if session_id is not None:
             if self.engine.sessions is None:
                 self.enable_sessions()
-            return self.engine.add_session_request(
-                session_id, ids, params, new_tokens=self.last_message_tokens(messages, system, ids),
-                keep_first=self._system_tokens(messages, system), request_id=request_id,
-            )
+            return self.engine.add_session_request(session_id, chat.ids, params, new_tokens=chat.new_tokens,
+                                                   keep_first=chat.kept_tokens, request_id=request_id)
         leading = system if system is not None else messages[0]["content"] if messages[0]["role"] == "system" else None
-        sid = None
+        sid, ids = None, chat.ids
         if relay and leading is not None:
             sid, ids = self._relay_split(ids, leading)
         return self.engine.add_request(ids, params, request_id, system=sid)
@@ -191,24 +210,14 @@ class LLM:
         """Tokens of the chat's last message with what the template puts after it (the generation
         prompt), of ``ids``, the chat's prompt ids as ``chat_ids`` rendered them: a session turn's new
         tokens, which no cut of the session's history shortens. A turn whose last message fills the
-        context by itself can therefore never run, and a caller can refuse it by this count before
-        the engine takes it (the server does, as it refuses any prompt past the context)."""
+        context by itself can therefore never run; ``RenderedChat.turn_floor``, which adds the header the
+        engine keeps before it, is the count a caller refuses a turn by before the engine takes it."""
         from .sessions.history import common_prefix
 
         if len([m for m in messages if m["role"] != "system"]) < 2:
             return len(ids)
         before = self._render(messages[:-1], system, generation_prompt=False)
         return len(ids) - common_prefix(ids, before)
-
-    def session_turn_floor(self, messages: list[dict[str, str]], system: str | None, ids: list[int]) -> int:
-        """The fewest prompt tokens a session turn of ``messages`` (``ids`` as ``chat_ids`` rendered
-        them) can be cut to: its new message (``last_message_tokens``) and the header the engine
-        always keeps (``sessions.history.turn_floor``). A caller that refuses a turn, or caps its
-        answer, by this count before the engine takes it agrees with the engine's own planning."""
-        from .sessions.history import turn_floor
-
-        return turn_floor(len(ids), self.last_message_tokens(messages, system, ids),
-                          self._system_tokens(messages, system))
 
     def _system_tokens(self, messages: list[dict[str, str]], system: str | None) -> int:
         """Tokens before the first user message's text (system prompt and template header): the
@@ -225,3 +234,42 @@ class LLM:
         if system is not None:
             messages = [{"role": "system", "content": system}, *[m for m in messages if m["role"] != "system"]]
         return self.engine.chat_token_ids(messages, generation_prompt, continue_final_message)
+
+
+@dataclass(frozen=True, eq=False)
+class RenderedChat:
+    """A chat's prompt ids as ``LLM.render`` rendered them, with what they were rendered from and
+    what a session turn counts of them (each worked out on first use, then kept): the counts a
+    caller checks a turn by and the ones the engine plans it by are then one and the same."""
+
+    llm: LLM
+    messages: list[dict[str, str]]
+    system: str | None
+    add_generation_prompt: bool
+    continue_final_message: bool
+    ids: list[int]
+
+    @property
+    def source(self) -> tuple[list[dict[str, str]], str | None, bool, bool]:
+        """What the ids were rendered from: messages, system prompt and the two template options."""
+        return self.messages, self.system, self.add_generation_prompt, self.continue_final_message
+
+    @cached_property
+    def new_tokens(self) -> int:
+        """A session turn's new tokens (``LLM.last_message_tokens``)."""
+        return self.llm.last_message_tokens(self.messages, self.system, self.ids)
+
+    @cached_property
+    def kept_tokens(self) -> int:
+        """The header a session turn always keeps: system prompt and template header before the first
+        user message's text."""
+        return self.llm._system_tokens(self.messages, self.system)
+
+    @property
+    def turn_floor(self) -> int:
+        """The fewest prompt tokens a session turn of this chat can be cut to (``sessions.history.turn_floor``):
+        its new message and the header the engine always keeps. A caller that refuses a turn, or caps its
+        answer, by this count before the engine takes it agrees with the engine's own planning."""
+        from .sessions.history import turn_floor
+
+        return turn_floor(len(self.ids), self.new_tokens, self.kept_tokens)

@@ -467,12 +467,25 @@ class RagPipeline:
     def start(
         self, question: str, mode: str = "fuse", ratio: float | None = None, top_k: int = 5,
         params: SamplingParams | None = None, session_id: str | None = None, relay: bool | None = None,
+        check: Callable[[Prepared], SamplingParams | None] | None = None,
     ) -> Started:
         """Retrieve, assemble and run the fused prefill (which samples the first token), without
         stepping the engine: for callers whose own loop steps it (the server's ``AsyncEngine``).
-        ``session_id`` and ``relay``: as in ``stream``."""
+        ``session_id`` and ``relay``: as in ``stream``.
+
+        ``check``: called with the assembled prompt before anything runs on it, as only retrieval
+        tells its length: it returns the sampling to use (None: ``params``), or raises to refuse the
+        question (the server's refusal of a prompt past the context), which releases the stored KV
+        the prompt had opened and starts nothing."""
         t0 = time.perf_counter()
         prep, retrieve_s = self.prepare(question, top_k, mode, ratio)
+        if check is not None:
+            try:
+                checked = check(prep)
+            except BaseException:
+                self._finish_sources(prep)
+                raise
+            params = checked if checked is not None else params
         return self.start_prepared(prep, mode, params, t0, retrieve_s, session_id, relay)
 
     def start_prepared(

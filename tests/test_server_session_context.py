@@ -1,7 +1,8 @@
 """A chat session turn whose new message fills the context by itself (no cut of the session's old
 turns can make it fit) got the engine's plain 400, code and param null, although every other prompt
 past the context is a ``context_length_exceeded`` on the field holding it; now it is one too, on
-``messages``, counted by ``LLM.last_message_tokens`` and raised before any prefill."""
+``messages``, counted by ``RenderedChat.turn_floor`` (the new message with the header kept before it)
+and raised before any prefill."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def test_a_session_turn_whose_new_message_fills_the_context_is_context_length_ex
     llm = LLM.from_engine(engine)
     new = llm.last_message_tokens(turn, None, llm.chat_ids(turn))
     assert CONTEXT <= new < len(llm.chat_ids(turn)), new  # the new message alone is past the context
+    floor = llm.render(turn).turn_floor  # what the refusal counts: it and the header
     # listing the sessions runs the first turn's closing step (its answer's last token) now
     assert httpx.get(f"{url}/v1/sessions", headers=AUTH, timeout=60).status_code == 200
     forwards.clear()
@@ -40,8 +42,9 @@ def test_a_session_turn_whose_new_message_fills_the_context_is_context_length_ex
     assert refused.status_code == 400 and error["code"] == "context_length_exceeded", refused.text
     assert error["param"] == "messages", refused.text
     assert error["message"] == (
-        f"the model's context is {CONTEXT} tokens, but the session turn's new message alone takes {new} "
-        f"(messages), leaving none for the completion; shorten the session turn's new message"), refused.text
+        f"the model's context is {CONTEXT} tokens, but the session turn's new message with its kept header alone "
+        f"takes {floor} (messages), leaving none for the completion; shorten the session turn's new message with "
+        "its kept header"), refused.text
     assert forwards == [], "a refused session turn ran the model"
     # the session is left as it was: a turn that fits continues it
     fits = [*turn[:2], {"role": "user", "content": "And one more?"}]
@@ -87,8 +90,8 @@ def test_a_session_turn_that_only_its_kept_header_pushes_past_the_context_is_ref
 
     def counts(n: int) -> tuple[list[dict[str, str]], int, int]:
         messages = [*turn, {"role": "user", "content": "fox " * n}]
-        ids = llm.chat_ids(messages)
-        return messages, llm.last_message_tokens(messages, None, ids), llm.session_turn_floor(messages, None, ids)
+        chat = llm.render(messages)
+        return messages, chat.new_tokens, chat.turn_floor
 
     over = next(c for c in map(counts, range(300, 700)) if c[2] >= CONTEXT)
     assert over[1] < CONTEXT, over[1:]  # the new message alone is under the context
@@ -128,7 +131,7 @@ def test_a_session_turn_without_max_tokens_fits_under_a_limit_past_the_context(s
                                            "temperature": 0})
     assert r.status_code == 200, r.text
     llm = LLM.from_engine(engine)
-    assert r.json()["usage"]["completion_tokens"] <= CONTEXT - llm.session_turn_floor(short, None, llm.chat_ids(short))
+    assert r.json()["usage"]["completion_tokens"] <= CONTEXT - llm.render(short).turn_floor
     answered = [*short, {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
                 {"role": "user", "content": "And one more?"}]
     again = post(url, "/v1/chat/completions", {"model": MODEL, "messages": answered, "session_id": "no-max-tokens",

@@ -52,7 +52,7 @@ def refuse_full_prompt(prompt_tokens: int, context: int, prompt_param: str, part
     completion pushes past the context is refused: the engine's own refusal of it came as a plain
     400 without a code, which clients that check the code (to trim and retry) did not recognise.
     ``part``: what ``prompt_tokens`` counts, named in the message, where it is not the whole prompt
-    (a session turn's new message, which must fit alone, however much of the history is cut)."""
+    (a session turn's new message with its kept header, which must fit however much of the history is cut)."""
     if prompt_tokens >= context:
         raise APIError(400, f"the model's context is {context} tokens, but {part} alone takes {prompt_tokens} "
                             f"({prompt_param}), leaving none for the completion; shorten {part}",

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from pathlib import Path
@@ -23,9 +22,9 @@ from typing import Any, TypeVar
 from ragfuse.engine import LLM, AsyncEngine, LLMEngine, RequestOutput, SamplingParams
 from ragfuse.engine.sessions import SessionStore
 from ragfuse.engine.sessions.history import turn_floor
-from ragfuse.pipeline import RagPipeline, Started
+from ragfuse.pipeline import Prepared, RagPipeline, Started
 
-from .backend import REUSE_KEYS, ChatPrompt, Delta, RagAnswer, RagOptions, Sampling, TextPrompt, refuse_full_prompt
+from .backend import REUSE_KEYS, ChatPrompt, Delta, RagAnswer, RagOptions, Sampling, TextPrompt
 from .library import DocumentLibrary
 
 T = TypeVar("T")
@@ -119,17 +118,15 @@ class EngineBackend:
                 params = engine_params(sampling, sampling.completion_tokens(len(ids), engine.max_model_len, "prompt"))
                 return engine.add_request(ids, params, request_id)
             llm, rendering = LLM.from_engine(engine), prompt.rendering()
-            ids = llm.chat_ids(prompt.messages, **rendering)
+            chat = llm.render(prompt.messages, **rendering)  # rendered once: counted here, then queued as is
             if prompt.session_id is None:
-                max_tokens = sampling.completion_tokens(len(ids), engine.max_model_len, "messages")
+                max_tokens = sampling.completion_tokens(len(chat.ids), engine.max_model_len, "messages")
             else:  # no cut of the session's history shortens the new message or the header kept before it
-                refuse_full_prompt(llm.last_message_tokens(prompt.messages, None, ids), engine.max_model_len,
-                                   "messages", "the session turn's new message")
-                max_tokens = sampling.completion_tokens(llm.session_turn_floor(prompt.messages, None, ids),
-                                                        engine.max_model_len, "messages", SESSION_FLOOR)
+                max_tokens = sampling.completion_tokens(chat.turn_floor, engine.max_model_len, "messages",
+                                                        SESSION_FLOOR)
             return llm.add_chat_request(prompt.messages, engine_params(sampling, max_tokens),
                                         session_id=prompt.session_id, relay=prompt.relay, request_id=request_id,
-                                        **rendering)
+                                        rendered=chat, **rendering)
 
         async with aclosing(self.loop.generate_with(start)) as outputs:
             async for out in outputs:
@@ -140,24 +137,19 @@ class EngineBackend:
         started: list[Started] = []
 
         def start(engine: LLMEngine) -> str:
-            # retrieval tells the prompt's length; a request past the context is refused before its prefill
-            t0 = time.perf_counter()
-            prep, retrieve_s = self.pipeline.prepare(question, options.top_k, options.mode, options.recompute_ratio)
-            prompt_tokens = sum(len(seg.token_ids) for seg in prep.segments)
-            try:
+            # retrieval tells the prompt's length: a request past the context is refused before its prefill
+            def fit(prep: Prepared) -> SamplingParams:
+                prompt_tokens = sum(len(seg.token_ids) for seg in prep.segments)
                 if options.session_id is None:
                     max_tokens = sampling.completion_tokens(prompt_tokens, engine.max_model_len, "question")
-                else:  # the whole prompt is the turn's new message, which no cut of the history makes fit
-                    refuse_full_prompt(prompt_tokens, engine.max_model_len, "question")
+                else:  # the whole prompt is the turn's new message, kept with the instruction before it
                     fed = len(engine.sessions.conversation(options.session_id)) + prompt_tokens
                     floor = turn_floor(fed, prompt_tokens, len(self.pipeline.builder.prefix))
                     max_tokens = sampling.completion_tokens(floor, engine.max_model_len, "question", SESSION_FLOOR)
-            except Exception:
-                for source in prep.sources:  # the stored KV the prompt would have read
-                    source.finish()
-                raise
-            started.append(self.pipeline.start_prepared(prep, options.mode, engine_params(sampling, max_tokens), t0,
-                                                        retrieve_s, options.session_id, options.relay))
+                return engine_params(sampling, max_tokens)
+
+            started.append(self.pipeline.start(question, options.mode, options.recompute_ratio, options.top_k,
+                                               session_id=options.session_id, relay=options.relay, check=fit))
             return started[0].request_id
 
         last: RequestOutput | None = None
