@@ -27,12 +27,22 @@ _ROUTERS_LOCK = threading.Lock()
 
 class StepRouter:
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+        # weakly: ``_ROUTERS`` keeps a router while its engine lives, so a strong reference here made
+        # every engine ever stepped (weights, KV cache) live as long as the process
+        self._engine = weakref.ref(engine)
         # held while the engine is touched, never across a yield; callers add requests under it and
         # ``track`` them before releasing it, so no step can run between the two
         self.lock = threading.Lock()
         self._boxes: dict[str, deque[RequestOutput]] = {}
         self._closed: deque[tuple[str, bool]] = deque()  # (request id, finished) of streams that ended
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine routed; every caller that steps it holds it, so it is gone only after they are."""
+        engine = self._engine()
+        if engine is None:
+            raise RuntimeError("this StepRouter's engine was garbage-collected: its requests ended with it")
+        return engine
 
     @classmethod
     def of(cls, engine: LLMEngine) -> StepRouter:
@@ -49,12 +59,15 @@ class StepRouter:
         self._boxes[request_id] = deque()
 
     def settle(self) -> None:
-        """Forget the streams that ended, aborting the requests they left unfinished (holding ``lock``)."""
+        """Forget the streams that ended, aborting the requests they left unfinished (holding ``lock``).
+        A stream collected together with its engine is settled after the engine is gone (the collector
+        clears weak references before it runs finalisers): its request went with the engine."""
+        engine = self._engine()
         while self._closed:
             rid, finished = self._closed.popleft()
             self._boxes.pop(rid, None)
-            if not finished:
-                self.engine.abort(rid)
+            if not finished and engine is not None:
+                engine.abort(rid)
 
     def outputs(self, request_id: str) -> Iterator[RequestOutput]:
         """``request_id``'s outputs as they come; the last has ``finished``. Closing the iterator

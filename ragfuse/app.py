@@ -78,6 +78,9 @@ def shared_pipeline(store: str | None, model: str | None = None, device: str = "
             store = str(root)
             model = model or config.model
         model = model or DEFAULT_MODEL
+        # keyed by the device "auto" resolves to: frameworks asking for "auto" and "cpu" on a CPU box
+        # share one engine rather than load the model twice
+        device = str(EngineConfig(model=model, device=device).resolve_device())
         ekey = ("engine", model, device)
         if ekey not in _SHARED:
             _SHARED[ekey] = LLMEngine(EngineConfig(model=model, device=device))
@@ -90,6 +93,14 @@ def shared_pipeline(store: str | None, model: str | None = None, device: str = "
         pipe = _SHARED[pkey]
         assert isinstance(pipe, RagPipeline)
         return pipe
+
+
+def forget_shared() -> None:
+    """Drop this process's shared engines, pipelines and retrievers, so the next framework object loads
+    afresh (another model, a re-ingested store) and an engine nothing else holds is freed with its weights
+    and KV cache. Objects already holding a pipeline keep theirs."""
+    with _SHARED_LOCK:
+        _SHARED.clear()
 
 
 def shared_retriever(store: str | None) -> Retriever:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -47,7 +48,17 @@ def _release_relay_prompts():
     yield
     for loaded in _LOADED:
         loaded.engine.relay_prompts.release_idle()
+    _drop_connector_engines()
     _return_freed_host_memory()
+
+
+def _drop_connector_engines() -> None:
+    """The engines and pipelines the connectors share in a process (``ragfuse.app.shared_pipeline``) are
+    dropped after each module, to load again if a later one needs them: kept, the shared engine (1.5 GB
+    with its KV cache) lived through every module after the first connector test."""
+    app = sys.modules.get("ragfuse.app")
+    if app is not None:  # no module imported it: nothing shared
+        app.forget_shared()
 
 
 def _return_freed_host_memory() -> None:
