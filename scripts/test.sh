@@ -10,10 +10,10 @@ ruff check .
 # two workers (one per core of the CI machine), each with one torch thread: the suite is mostly
 # Python-bound model and server setup, which one process leaves a core idle through; whole files go
 # to one worker so their module fixtures (models, engines) are built once
-# the test files run in parts ($RAGFUSE_TEST_PARTS, 4), each in fresh worker processes: a worker's memory
-# only grows over the files it runs (freed memory stays in its heap); one that had run most of the suite
-# reached 13-15 GB, and with halves two workers reached 11 GB each, and the kernel killed one on the
-# 24 GiB CI box. Arguments, if any, run as given, in one go.
+# the test files run in parts ($RAGFUSE_TEST_PARTS, 2), each in fresh worker processes, as a bound on what
+# one worker can accumulate: before debe826 every engine a test made stayed alive (a step router held it),
+# and a worker that had run half the suite reached 11-15 GB on the 24 GiB CI box. Arguments, if any, run
+# as given, in one go.
 main_rc=0
 run_pytest() {
   OMP_NUM_THREADS=1 python -m pytest -q -ra --durations=25 --timeout=900 -n "${RAGFUSE_TEST_WORKERS:-2}" \
@@ -23,7 +23,7 @@ if [ $# -gt 0 ]; then
   run_pytest "$@"
 else
   mapfile -t files < <(ls tests/test_*.py)
-  parts=${RAGFUSE_TEST_PARTS:-4}
+  parts=${RAGFUSE_TEST_PARTS:-2}
   per=$(( (${#files[@]} + parts - 1) / parts ))
   for (( i = 0; i < parts; i++ )); do
     part=("${files[@]:i*per:per}")
