@@ -24,7 +24,7 @@ from ragfuse.engine.sessions import SessionStore
 from ragfuse.engine.sessions.history import turn_floor
 from ragfuse.pipeline import Prepared, RagPipeline, Started
 
-from .backend import REUSE_KEYS, ChatPrompt, Delta, RagAnswer, RagOptions, Sampling, TextPrompt
+from .backend import REUSE_KEYS, ChatPrompt, Delta, RagAnswer, RagOptions, Sampling, TextPrompt, refuse_full_prompt
 from .library import DocumentLibrary
 
 T = TypeVar("T")
@@ -142,7 +142,8 @@ class EngineBackend:
                 prompt_tokens = sum(len(seg.token_ids) for seg in prep.segments)
                 if options.session_id is None:
                     max_tokens = sampling.completion_tokens(prompt_tokens, engine.max_model_len, "question")
-                else:  # the whole prompt is the turn's new message, kept with the instruction before it
+                else:  # the whole prompt is the turn's new message, which no cut of the history makes fit
+                    refuse_full_prompt(prompt_tokens, engine.max_model_len, "question")
                     fed = len(engine.sessions.conversation(options.session_id)) + prompt_tokens
                     floor = turn_floor(fed, prompt_tokens, len(self.pipeline.builder.prefix))
                     max_tokens = sampling.completion_tokens(floor, engine.max_model_len, "question", SESSION_FLOOR)
