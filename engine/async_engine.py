@@ -19,12 +19,13 @@ import contextlib
 import logging
 import queue
 import threading
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .errors import CacheFullError
+from .errors import CacheFullError, RequestError
 from .llm_engine import LLMEngine, RequestOutput
 from .sampling import SamplingParams
 
@@ -58,17 +59,18 @@ class _Call:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._inbox: queue.Queue[_Submit | _Call | _Abort | None] = queue.Queue()
-        self._listeners: dict[str, _Submit] = {}
-        self._deferred: deque[_Submit] = deque()  # starts that found the cache full, oldest first
-        self._free_at_full = -1  # free blocks when a deferred start last found the cache full
-        self._thread = threading.Thread(target=self._loop, name="ragfuse-engine", daemon=True)
-        self._thread.start()
+        self._worker = _EngineLoop(engine)
+        # the loop's thread holds the worker, never this front end, which ends the loop when it is
+        # collected: dropped without ``shutdown``, it left its thread waiting and the engine (weights,
+        # KV cache) alive as long as the process. Called by ``shutdown`` too (it runs once); not at exit,
+        # where the daemon thread simply ends with the process
+        self._stop = weakref.finalize(self, self._worker.inbox.put, None)
+        self._stop.atexit = False
 
     @property
     def queue_depth(self) -> int:
         """Requests waiting for their first step (for metrics)."""
-        return len(self.engine.scheduler.waiting) + len(self._deferred)
+        return len(self.engine.scheduler.waiting) + len(self._worker.deferred)
 
     @property
     def num_running(self) -> int:
@@ -84,8 +86,9 @@ class AsyncEngine:
     async def generate_with(self, start: Starter) -> AsyncIterator[RequestOutput]:
         """Like ``generate`` for a request that ``start`` adds (e.g. a fused RAG prefill): adding it and
         listening to it happen in one go on the engine thread, so no output can slip by unheard."""
+        self._check_open()
         sub = _Submit(start, asyncio.Queue(), asyncio.get_running_loop())
-        self._inbox.put(sub)
+        self._worker.inbox.put(sub)
         finished = False
         try:
             while True:
@@ -98,28 +101,48 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._inbox.put(_Abort(sub))  # the caller went away: abort
+                self._worker.inbox.put(_Abort(sub))  # the caller went away: abort
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps (ingest, store reads): the engine and
         what it owns are never touched by two threads at once."""
+        self._check_open()
         loop = asyncio.get_running_loop()
         done: asyncio.Future[T] = loop.create_future()
-        self._inbox.put(_Call(fn, done, loop))
+        self._worker.inbox.put(_Call(fn, done, loop))
         return await done
 
     def shutdown(self) -> None:
-        self._inbox.put(None)
-        self._thread.join(timeout=10)
+        """End the loop: requests still running are aborted and their callers told (``_EngineLoop._close``)."""
+        self._stop()
+        self._worker.thread.join(timeout=10)
+
+    def _check_open(self) -> None:
+        if not self._stop.alive:  # nothing would ever take the request: its caller would wait forever
+            raise RequestError("this AsyncEngine was shut down")
+
+
+class _EngineLoop:
+    """The engine thread's side of an ``AsyncEngine``: what the thread holds while it runs."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.inbox: queue.Queue[_Submit | _Call | _Abort | None] = queue.Queue()
+        self._listeners: dict[str, _Submit] = {}
+        self.deferred: deque[_Submit] = deque()  # starts that found the cache full, oldest first
+        self._free_at_full = -1  # free blocks when a deferred start last found the cache full
+        self.thread = threading.Thread(target=self._loop, name="ragfuse-engine", daemon=True)
+        self.thread.start()
 
     def _loop(self) -> None:
         while True:
-            block = not self.engine.has_unfinished() and not self._deferred  # else: starts to retry
+            block = not self.engine.has_unfinished() and not self.deferred  # else: starts to retry
             try:
                 while True:
-                    item = self._inbox.get(block=block)
+                    item = self.inbox.get(block=block)
                     block = False
                     if item is None:
+                        self._close()
                         return
                     self._take(item)
                     if isinstance(item, _Call) and self.engine.has_unfinished():
@@ -146,25 +169,25 @@ class AsyncEngine:
             if rid is not None:
                 self._listeners.pop(rid, None)
                 self.engine.abort(rid)
-            elif item.sub in self._deferred:
-                self._deferred.remove(item.sub)
+            elif item.sub in self.deferred:
+                self.deferred.remove(item.sub)
             return
         if isinstance(item, _Call):
             self._run_call(item)
             return
-        if self._deferred:  # behind the ones already waiting for room
-            self._deferred.append(item)
+        if self.deferred:  # behind the ones already waiting for room
+            self.deferred.append(item)
             return
         self._start(item)
 
     def _start(self, item: _Submit) -> bool:
-        """Start a submission; False if the cache has no room for it yet (it waits: ``_deferred``)."""
+        """Start a submission; False if the cache has no room for it yet (it waits: ``deferred``)."""
         try:
             item.request_id = item.start(self.engine)
         except CacheFullError as exc:
             if self.engine.has_unfinished():  # running requests will free blocks: try again then
-                if item not in self._deferred:
-                    self._deferred.append(item)
+                if item not in self.deferred:
+                    self.deferred.append(item)
                 self._free_at_full = self.engine.blocks.num_free
                 return False
             self._fail(item, exc)
@@ -181,12 +204,24 @@ class AsyncEngine:
         open stored KV, wasted work at every step while the cache stays full."""
         if self.engine.has_unfinished() and self.engine.blocks.num_free <= self._free_at_full:
             return
-        while self._deferred:
-            item = self._deferred[0]
+        while self.deferred:
+            item = self.deferred[0]
             if not self._start(item):
                 return
-            if self._deferred and self._deferred[0] is item:
-                self._deferred.popleft()
+            if self.deferred and self.deferred[0] is item:
+                self.deferred.popleft()
+
+    def _close(self) -> None:
+        """Requests still running are aborted, their cache blocks freed for the engine's other users
+        (an engine shared with ``LLM``), and their callers, like those still waiting for room, are told
+        so: they were left waiting forever, and the requests held their blocks in the engine for good."""
+        for rid, sub in self._listeners.items():
+            self.engine.abort(rid)
+            self._fail(sub, RequestError("the AsyncEngine was shut down while this request ran"))
+        for sub in self.deferred:
+            self._fail(sub, RequestError("the AsyncEngine was shut down before this request started"))
+        self._listeners.clear()
+        self.deferred.clear()
 
     @staticmethod
     def _fail(item: _Submit, exc: BaseException) -> None:

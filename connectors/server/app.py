@@ -6,10 +6,11 @@ docs pages are off (they would load scripts from a CDN).
 
 from __future__ import annotations
 
+import weakref
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
-from fastapi import APIRouter, Depends, FastAPI
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
@@ -26,6 +27,12 @@ def create_app(backend: Backend, settings: ServerSettings | None = None, close_b
     settings = settings or ServerSettings()
     metrics = ServerMetrics(backend.queue_depth, backend.running, backend.relay_prompts)
     state = ServerState(backend, settings, metrics)
+    # FastAPI keeps the route and dependency functions it inspects in process-wide caches (4096 of
+    # them, in fastapi.dependencies.models): what they hold strongly outlives the app, so every app
+    # made in a process (a server restarted in-process, each server test) kept its backend, with the
+    # engine's weights and KV cache and the open stores, for good. The routes reach the state weakly
+    # and the app itself through the request; the app holds the state (``app.state.server``).
+    live = cast(ServerState, weakref.proxy(state))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
@@ -38,20 +45,20 @@ def create_app(backend: Backend, settings: ServerSettings | None = None, close_b
     app.state.server = state
     errors.install(app)
     guarded = APIRouter(dependencies=[Depends(api_key_dependency(settings.api_key))])
-    guarded.include_router(openai_routes.make_router(state))
-    guarded.include_router(rag_routes.make_router(state))
+    guarded.include_router(openai_routes.make_router(live))
+    guarded.include_router(rag_routes.make_router(live))
 
     @guarded.get("/metrics", tags=["ops"], response_class=Response)
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(live.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @guarded.get("/openapi.json", include_in_schema=False)
-    async def openapi() -> dict[str, Any]:
-        return app.openapi()
+    async def openapi(request: Request) -> dict[str, Any]:
+        return request.app.openapi()
 
     @app.get("/health", tags=["ops"])
     async def health() -> dict[str, str]:
-        return {"status": "ok", "model": backend.model_id, "backend": backend.name}
+        return {"status": "ok", "model": live.backend.model_id, "backend": live.backend.name}
 
     app.include_router(guarded)
     if settings.cors_origins:
