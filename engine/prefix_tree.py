@@ -139,6 +139,18 @@ class PrefixTree:
         node = self.nodes[block]
         if not node.children:
             heapq.heappush(self._lru, (node.last_used, block))
+            if len(self._lru) > 2 * len(self.nodes):
+                self._compact_lru()
+
+    def _compact_lru(self) -> None:
+        """Rebuild the eviction heap from the leaves that are candidates now. Stale entries are only
+        skipped when ``evict`` pops them, and a cache that never runs short never evicts: every
+        request that reused a cached prefix left one more entry behind, so a long-running server's
+        heap grew with its request count. Rebuilt once it doubles the tree, it stays within that bound
+        at amortised O(1) per push."""
+        ref_counts = self.blocks.ref_counts
+        self._lru = [(n.last_used, b) for b, n in self.nodes.items() if not n.children and ref_counts[b] == 1]
+        heapq.heapify(self._lru)
 
     def evict(self, n: int) -> None:
         """Free ``n`` blocks that only the tree holds, least recently used leaves first."""

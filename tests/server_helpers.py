@@ -42,16 +42,17 @@ class LiveServer:
 
 
 @contextmanager
-def serve_lighthouses(store: Path, llm: Any) -> Iterator[SimpleNamespace]:
+def serve_lighthouses(store: Path, llm: Any, **backend_options: Any) -> Iterator[SimpleNamespace]:
     """ragfuse's server over a new store at ``store`` on ``llm``'s engine, the demo's lighthouse
-    document uploaded: ``url``, ``store``, ``backend``, ``engine`` (the app closes the backend)."""
+    document uploaded: ``url``, ``store``, ``backend``, ``engine`` (the app closes the backend).
+    ``backend_options``: for ``EngineBackend`` (e.g. small session bounds, so a test reaches them)."""
     import httpx
 
     from ragfuse.connectors.server import ServerSettings, create_app
     from ragfuse.connectors.server.engine_backend import EngineBackend, open_store_pipeline
 
     pipeline = open_store_pipeline(str(store), MODEL, engine=llm.engine, gate=False)
-    backend = EngineBackend(pipeline, MODEL)
+    backend = EngineBackend(pipeline, MODEL, **backend_options)
     app = create_app(backend, ServerSettings(api_key=KEY, max_body_bytes=1 << 20, max_tokens=64))
     with LiveServer(app) as srv:
         doc = DEMO / "lighthouses.md"

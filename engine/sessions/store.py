@@ -53,6 +53,10 @@ _SESSION_ID = re.compile(SESSION_ID_PATTERN)
 # a KV file without a record is left alone this long: another process sharing the directory may be
 # between writing a session's KV and its record
 ORPHAN_GRACE_S = 600.0
+# why a session is gone is kept for this many of the sessions forgotten last (its next turn's note):
+# a server seeing ever-new session ids evicts one for each admitted past the byte bounds, and kept for
+# every one the reasons grew with the requests served; a few MB at most (ids are up to 128 characters)
+GONE_REASONS_KEPT = 10_000
 
 
 def check_session_id(session_id: str) -> str:
@@ -218,7 +222,7 @@ class SessionStore:
                 log.warning("session record %s is damaged (%s): dropped, its next turn recomputes", path, why)
                 path.unlink(missing_ok=True)
                 if _SESSION_ID.fullmatch(path.stem):
-                    self._gone[path.stem] = "had a damaged record on disk"
+                    self._note_gone(path.stem, "had a damaged record on disk")
                 continue
             if not self.disk.contains(rec.key):
                 path.unlink(missing_ok=True)
@@ -307,8 +311,24 @@ class SessionStore:
 
         with self._lock:
             fut = self._saver.submit(work)
-            self._saving[session_id] = fut
+            self._pending(self._saving, session_id, fut)
         return fut
+
+    def _pending(self, table: dict[str, Future[None]], session_id: str, fut: Future[None]) -> None:
+        """Record ``fut`` as the session's latest save or disk move in ``table`` (``_saving``,
+        ``_io_pending``), which a lookup of the session waits for; it leaves once done, unless it
+        failed: then the session's next lookup (or ``flush``) raises its error. Left there, every
+        session ever saved kept its entries, so a server seeing ever-new session ids grew them with
+        each request, and ``flush``/``sessions`` waited on all of them. Called under the lock."""
+        table[session_id] = fut
+
+        def done(f: Future[None]) -> None:
+            if f.cancelled() or f.exception() is None:
+                with self._lock:
+                    if table.get(session_id) is f:
+                        del table[session_id]
+
+        fut.add_done_callback(done)
 
     def _apply(self, moves: list[Move], new: tuple[SessionRecord, StoredKV] | None = None) -> None:
         """Carry out placement moves (under the lock; disk work goes to the I/O thread, in order).
@@ -347,7 +367,7 @@ class SessionStore:
                 self._memory.pop(new[0].session_id, None)  # written to disk only (larger than memory)
 
     def _io_submit(self, session_id: str, fn: Callable[[], None]) -> None:
-        self._io_pending[session_id] = self._io.submit(fn)
+        self._pending(self._io_pending, session_id, self._io.submit(fn))
 
     def _write_files(self, rec: SessionRecord, entry: StoredKV, old: SessionRecord | None = None) -> None:
         """Persist a session (on the I/O thread), then delete the files of the turn it supersedes
@@ -547,10 +567,18 @@ class SessionStore:
         rec = self._records.pop(session_id, None)
         self.placement.forget(session_id)
         self._memory.pop(session_id, None)
-        self._gone[session_id] = why
+        self._note_gone(session_id, why)
         log.info("session %s %s: its next turn recomputes the history", session_id, why)
         if rec is not None:
             self._io_submit(session_id, lambda: self._delete_files(rec))
+
+    def _note_gone(self, session_id: str, why: str) -> None:
+        """Keep why the session is gone for its next turn, for the ``GONE_REASONS_KEPT`` sessions
+        forgotten last (called under the lock, or before the store is shared)."""
+        self._gone.pop(session_id, None)  # re-inserted last: dicts keep insertion order
+        self._gone[session_id] = why
+        while len(self._gone) > GONE_REASONS_KEPT:
+            del self._gone[next(iter(self._gone))]
 
     # ---- housekeeping --------------------------------------------------------------------------
 
