@@ -83,12 +83,16 @@ class StepRouter:
                     if finished:
                         break
         finally:
-            self._closed.append((request_id, finished))
-            if self.lock.acquire(blocking=False):  # else (a finaliser inside a step) the next caller settles
-                try:
-                    self.settle()
-                finally:
-                    self.lock.release()
+            self._ended(request_id, finished)
+
+    def _ended(self, request_id: str, finished: bool) -> None:
+        """A stream of ``request_id`` ended: forget it, aborting it unless it ``finished``."""
+        self._closed.append((request_id, finished))
+        if self.lock.acquire(blocking=False):  # else (a finaliser inside a step) the next caller settles
+            try:
+                self.settle()
+            finally:
+                self.lock.release()
 
     def collect(
         self, request_ids: list[str], on_finished: Callable[[RequestOutput], object] | None = None
@@ -97,9 +101,10 @@ class StepRouter:
         an exception (Ctrl-C included) aborts the ones left. ``on_finished`` sees each last output
         as it is read (in that order too: a request that ends early waits in its box)."""
         last: dict[str, RequestOutput] = {}
-        streams = {rid: self.outputs(rid) for rid in request_ids}
+        streams: dict[str, Iterator[RequestOutput]] = {}
         try:
-            for rid, stream in streams.items():
+            for rid in request_ids:
+                streams[rid] = stream = self.outputs(rid)
                 for out in stream:
                     last[rid] = out
                 if on_finished is not None:
@@ -107,6 +112,10 @@ class StepRouter:
         finally:
             for stream in streams.values():
                 stream.close()
+            # a stream never started has no ``finally`` to run: its request is ended here, else it
+            # went on running unread, its box filling with outputs for good
+            for rid in request_ids[len(streams):]:
+                self._ended(rid, False)
         return [last[rid] for rid in request_ids]
 
     def _next(self, request_id: str) -> list[RequestOutput]:

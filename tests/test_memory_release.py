@@ -90,3 +90,27 @@ def test_the_connectors_shared_engine_is_one_per_resolved_device_and_freed_when_
     assert not _is_collected(ref)  # still shared
     forget_shared()
     assert _is_collected(ref)
+
+
+def test_requests_left_unread_when_collecting_stops_are_ended(checkpoint):
+    """An exception while the first of several requests is read (Ctrl-C, a failing ``on_finished``)
+    ends the ones not read yet too: their streams had never started, so nothing aborted them, and they
+    ran on unread, holding cache blocks, their outputs filed for good."""
+    from ragfuse.engine.step_router import StepRouter
+
+    engine = tiny_engine(checkpoint)
+    idle = engine.blocks.num_free
+    router = StepRouter.of(engine)
+    long = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    with router.lock:
+        ids = [engine.add_request(PROMPT, PARAMS if i == 0 else long) for i in range(3)]
+        for rid in ids:
+            router.track(rid)
+
+    def interrupted(_: object) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        router.collect(ids, on_finished=interrupted)
+    assert not engine.has_unfinished()
+    assert engine.blocks.num_free == idle
