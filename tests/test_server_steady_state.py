@@ -7,12 +7,14 @@ days; here a few dozen requests show it."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 import httpx
 import pytest
 
+from ragfuse.connectors.server.streaming import POLL_S
 from ragfuse.engine.block_manager import BlockManager
 from ragfuse.engine.llm_engine import MAX_SYSTEM_PROMPTS
 from ragfuse.engine.prefix_tree import PrefixTree
@@ -119,6 +121,25 @@ def test_requests_on_every_path_leave_the_engine_as_it_was_idle(served):
     assert engine.blocks.num_free == idle_free
     tree = engine.tree
     assert len(tree._lru) <= 2 * len(tree.nodes), (len(tree._lru), len(tree.nodes))
+
+
+def test_a_client_that_gives_up_on_a_non_streamed_answer_logs_no_crash(served):
+    """A client that stops waiting for a non-streamed answer is routine for a server up for days; its
+    request was cancelled by raising CancelledError from the route, which the ASGI server logged as
+    an application crash with a full traceback each time."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(handler)
+    try:
+        assert leave_before_the_answer(served.url) == "left"
+        settle(served)
+        time.sleep(2 * POLL_S)  # the route sees the disconnect at its next poll, maybe after the engine idles
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == []
+    assert post(served.url, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2}) == 200
 
 
 def test_a_reused_prefix_leaves_no_eviction_entries_behind():

@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ragfuse.engine.errors import RagfuseError
@@ -28,6 +28,12 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+
+
+class ClientDisconnected(Exception):
+    """The client of a non-streamed request went away before its answer: answered quietly with a 499
+    nobody reads (``install``). Raised as a CancelledError it reached the ASGI server as a
+    crash, which logged a full traceback for every client that gave up waiting."""
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -69,6 +75,10 @@ def install(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         # the routing's headers kept: a 405 must say which methods are allowed (``Allow``)
         return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, __: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": in the access log, read by no one
 
     @app.exception_handler(RagfuseError)
     async def _ragfuse(_: Request, exc: RagfuseError) -> JSONResponse:

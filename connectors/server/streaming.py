@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from .errors import describe_error, error_body
+from .errors import ClientDisconnected, describe_error, error_body
 
 T = TypeVar("T")
 DONE = "data: [DONE]\n\n"
@@ -33,7 +33,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
                 return task.result()
             if await request.is_disconnected():
                 task.cancel()
-                raise asyncio.CancelledError("client disconnected")
+                raise ClientDisconnected
     finally:
         if not task.done():
             task.cancel()
