@@ -48,7 +48,7 @@ from ragfuse.kernels.rope import apply_rope_ref, cos_sin_table, inv_frequencies
 
 from .paged import PagedLayout, slots_for
 from .plan import CHUNK, CONTEXT, Span, normalise_chunks, plan_spans
-from .settings import ConnectorSettings, PendingSaves, SpanState, shared_store
+from .settings import ConnectorSettings, PendingSaves, SpanState, release_store, shared_store
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -145,7 +145,6 @@ class RagfuseKVConnector(KVConnectorBase_V1):
             # each rank holds a slice of heads/layers; entries would need per-shard keys (not yet)
             raise ValueError("ragfuse connector: tensor/pipeline parallelism is not supported yet (TP=PP=1 only)")
         self.settings = ConnectorSettings.from_vllm(vllm_config)
-        self.store = shared_store(self.settings)
         self.pending = PendingSaves(self.settings.store_dir)
         self.block_size = vllm_config.cache_config.block_size
         self._states: dict[str, _RequestState] = {}
@@ -161,6 +160,9 @@ class RagfuseKVConnector(KVConnectorBase_V1):
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragfuse-save")
         if role == KVConnectorRole.WORKER:
             self._init_rope(vllm_config)
+        # taken last: a refused configuration above must not leave a user on the shared store
+        self.store = shared_store(self.settings)
+        self._store_released = False
         logger.info(
             "ragfuse connector (%s side): store %s, kv_dtype %s, spans of %d tokens; non-prefix chunks "
             "run in %s mode (re-positioned stored KV, no selective recompute); prefix/session spans are exact",
@@ -526,5 +528,12 @@ class RagfuseKVConnector(KVConnectorBase_V1):
             self._clear_pending(op)
 
     def shutdown(self) -> None:
-        """Finish queued saves before the worker exits (a save cut short would only be a future miss)."""
+        """Finish queued saves before the worker exits (a save cut short would only be a future miss)
+        and the last load's reads (their open entry files), then let go of the shared store, which its
+        last user closes. Once only: a second release would close a store another engine still uses."""
         self._saver.shutdown(wait=True)
+        if self._loader is not None:
+            self._loader.join()
+        if not self._store_released:
+            self._store_released = True
+            release_store(self.settings)

@@ -192,12 +192,14 @@ def _writer_alive(writer: str) -> bool:
 
 
 _STORES: dict[ConnectorSettings, TieredKVStore] = {}
+_STORE_USERS: dict[ConnectorSettings, int] = {}
 _STORES_LOCK = threading.Lock()
 
 
 def shared_store(settings: ConnectorSettings) -> TieredKVStore:
     """One store per process and settings: the scheduler and worker connectors of one engine process
-    share its memory tier; other processes (tensor-parallel workers) share the disk tier."""
+    share its memory tier; other processes (tensor-parallel workers) share the disk tier. Each call
+    must be paired with ``release_store`` (the connector's ``shutdown``)."""
     with _STORES_LOCK:
         store = _STORES.get(settings)
         if store is None:
@@ -205,4 +207,21 @@ def shared_store(settings: ConnectorSettings) -> TieredKVStore:
             memory = [MemoryTier("cpu", "cpu", settings.memory_mb << 20, pin=False)] if settings.memory_mb > 0 else []
             store = TieredKVStore([*memory, DiskTier(root, int(settings.disk_gb * 2**30))])
             _STORES[settings] = store
+        _STORE_USERS[settings] = _STORE_USERS.get(settings, 0) + 1
         return store
+
+
+def release_store(settings: ConnectorSettings) -> None:
+    """Drop one user of the shared store; the last closes it and forgets it. Without this, an engine
+    run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) left its store behind when shut down: the
+    manifest's open files under the store folder and up to ``memory_mb`` of cached KV, for the life
+    of the process."""
+    with _STORES_LOCK:
+        users = _STORE_USERS.get(settings, 0) - 1
+        if users > 0:
+            _STORE_USERS[settings] = users
+            return
+        _STORE_USERS.pop(settings, None)
+        store = _STORES.pop(settings, None)
+    if store is not None:
+        store.close()
