@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -175,14 +176,14 @@ class RagPipeline:
         retrieve_s = time.perf_counter() - t
         if not hits:
             raise RagfuseError("the store has no documents: run `ragfuse ingest` first")
-        passages = [list(h.token_ids) for h in hits]
         notes: list[str] = []
         use_kv = mode not in (FusionMode.FULL.value, FusionMode.PREFIX.value)
-        segments = [
-            Segment(toks, self._chunk_source(toks, notes) if use_kv else None, f"chunk {hit.id}")
-            for hit, toks in zip(hits, passages, strict=True)
-        ]
-        return self._assemble(segments, [h.as_dict() for h in hits], question, mode, ratio, notes), retrieve_s
+        segments: list[Segment] = []
+        with _finished_on_error(segments):
+            for hit in hits:
+                toks = list(hit.token_ids)
+                segments.append(Segment(toks, self._chunk_source(toks, notes) if use_kv else None, f"chunk {hit.id}"))
+            return self._assemble(segments, [h.as_dict() for h in hits], question, mode, ratio, notes), retrieve_s
 
     def prepare_passages(
         self, question: str, passages: list[Passage], mode: str = "fuse", ratio: float | None = None
@@ -194,8 +195,10 @@ class RagPipeline:
         if not passages:
             raise RequestError("no passages given")
         notes: list[str] = []
-        segments = [self.passage_segment(p, mode, notes) for p in passages]
-        return self._assemble(segments, _described(passages, segments), question, mode, ratio, notes)
+        segments: list[Segment] = []
+        with _finished_on_error(segments):
+            segments.extend(self.passage_segment(p, mode, notes) for p in passages)
+            return self._assemble(segments, _described(passages, segments), question, mode, ratio, notes)
 
     def prepare_parts(self, parts: list[str | Passage], mode: str = "fuse", ratio: float | None = None) -> Prepared:
         """A prompt the caller laid out (a chat rendered with its template): text parts are prefilled,
@@ -205,17 +208,19 @@ class RagPipeline:
         segments: list[Segment] = []
         passages: list[Passage] = []
         passage_segments: list[Segment] = []
-        for part in parts:
-            if isinstance(part, Passage):
-                segments.append(self.passage_segment(part, mode, notes))
-                passages.append(part)
-                passage_segments.append(segments[-1])
-            elif part:
-                segments.append(Segment(self.engine.tokenizer.encode(part, add_special_tokens=False), None, "text"))
-        if not segments:
-            raise RequestError("empty prompt")
-        sources = [seg.kv for seg in segments if seg.kv is not None]
-        chosen, decision = self._ratio(mode, ratio, sources)
+        with _finished_on_error(segments):
+            for part in parts:
+                if isinstance(part, Passage):
+                    segments.append(self.passage_segment(part, mode, notes))
+                    passages.append(part)
+                    passage_segments.append(segments[-1])
+                elif part:
+                    segments.append(Segment(self.engine.tokenizer.encode(part, add_special_tokens=False), None,
+                                            "text"))
+            if not segments:
+                raise RequestError("empty prompt")
+            sources = [seg.kv for seg in segments if seg.kv is not None]
+            chosen, decision = self._ratio(mode, ratio, sources)
         described = _described(passages, passage_segments)
         return Prepared(segments, sources, described, chosen, decision, notes)  # type: ignore[arg-type]
 
@@ -566,6 +571,20 @@ def final(items: Iterator[RequestOutput | AskResult]) -> AskResult:
         result = item
     assert isinstance(result, AskResult)
     return result
+
+
+@contextmanager
+def _finished_on_error(segments: list[Segment]) -> Iterator[None]:
+    """Close the stored KV already opened for a prompt whose assembly then fails (a later passage
+    refused): a disk entry's open reader otherwise held its file for as long as the error lived (a
+    caller or framework keeping it), one more open file per refused call, closed only by the collector."""
+    try:
+        yield
+    except BaseException:
+        for seg in segments:
+            if seg.kv is not None:
+                seg.kv.finish()
+        raise
 
 
 def _described(passages: list[Passage], segments: list[Segment]) -> list[dict[str, Any]]:
