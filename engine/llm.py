@@ -103,8 +103,8 @@ class LLM:
                continue_final_message: bool = False) -> RenderedChat:
         """The chat rendered once (``chat_ids``), kept with what it was rendered from: a caller that
         counts a chat before queuing it (the server refuses a prompt past the context and sizes the
-        answer first) hands this to ``add_chat_request``, so the template runs once per request."""
-        return RenderedChat(self, messages, system, add_generation_prompt, continue_final_message,
+        answer first) queues it with ``add_rendered_chat``, so the template runs once per request."""
+        return RenderedChat(self, messages, system,
                             self.chat_ids(messages, system, add_generation_prompt, continue_final_message))
 
     def relay_chat_ids(self, messages: list[dict[str, str]], system: str) -> tuple[int | None, list[int]]:
@@ -147,8 +147,7 @@ class LLM:
     def add_chat_request(
         self, messages: list[dict[str, str]], params: SamplingParams | None = None, system: str | None = None,
         session_id: str | None = None, relay: bool = False, request_id: str | None = None,
-        add_generation_prompt: bool = True, continue_final_message: bool = False, *,
-        rendered: RenderedChat | None = None,
+        add_generation_prompt: bool = True, continue_final_message: bool = False,
     ) -> str:
         """Queue a chat without stepping the engine (for a caller whose own loop steps it, like the
         server's); returns the request id. ``relay``: a system prompt (``system``, or the chat's
@@ -159,23 +158,20 @@ class LLM:
         ``add_generation_prompt``/``continue_final_message``: as in ``chat_ids``. A continued message
         needs nothing more of relay (the system prompt is still checked to be a token prefix of the
         prompt) or of a session: the stored KV is matched by common prefix, so the next turn, which
-        renders the continued message closed, reuses everything up to where the template closes it.
+        renders the continued message closed, reuses everything up to where the template closes it."""
+        chat = self.render(messages, system, add_generation_prompt, continue_final_message)
+        return self.add_rendered_chat(chat, params, session_id, relay, request_id)
 
-        ``rendered``: this very chat as ``render`` gave it (same messages, system prompt and options,
-        else a RequestError), for a caller that counted it first: its ids and session counts are used
-        rather than rendered again."""
-        if rendered is None:
-            chat = self.render(messages, system, add_generation_prompt, continue_final_message)
-        elif rendered.source != (messages, system, add_generation_prompt, continue_final_message):
-            raise RequestError("the rendered chat given is of other messages, system prompt or template options "
-                               "than the request's: render the request's own")
-        else:
-            chat = rendered
+    def add_rendered_chat(self, chat: RenderedChat, params: SamplingParams | None = None,
+                          session_id: str | None = None, relay: bool = False, request_id: str | None = None) -> str:
+        """``add_chat_request`` for a chat ``render`` gave, for a caller that counted it first (the
+        server): its ids and session counts are used rather than rendered again."""
         if session_id is not None:
             if self.engine.sessions is None:
                 self.enable_sessions()
             return self.engine.add_session_request(session_id, chat.ids, params, new_tokens=chat.new_tokens,
                                                    keep_first=chat.kept_tokens, request_id=request_id)
+        messages, system = chat.messages, chat.system
         leading = system if system is not None else messages[0]["content"] if messages[0]["role"] == "system" else None
         sid, ids = None, chat.ids
         if relay and leading is not None:
@@ -238,21 +234,14 @@ class LLM:
 
 @dataclass(frozen=True, eq=False)
 class RenderedChat:
-    """A chat's prompt ids as ``LLM.render`` rendered them, with what they were rendered from and
+    """A chat's prompt ids as ``LLM.render`` rendered them, with the messages they came from and
     what a session turn counts of them (each worked out on first use, then kept): the counts a
     caller checks a turn by and the ones the engine plans it by are then one and the same."""
 
     llm: LLM
     messages: list[dict[str, str]]
     system: str | None
-    add_generation_prompt: bool
-    continue_final_message: bool
     ids: list[int]
-
-    @property
-    def source(self) -> tuple[list[dict[str, str]], str | None, bool, bool]:
-        """What the ids were rendered from: messages, system prompt and the two template options."""
-        return self.messages, self.system, self.add_generation_prompt, self.continue_final_message
 
     @cached_property
     def new_tokens(self) -> int:

@@ -1,6 +1,7 @@
 """The engine backend renders a chat once per request: it counted the chat (``chat_ids``) to check it
 against the context, then ``add_chat_request`` rendered and tokenized the same messages again (and a
-session turn's counts twice more). Now the one rendering (``LLM.render``) is counted and queued.
+session turn's counts twice more). Now the one rendering (``LLM.render``) is counted and queued
+(``LLM.add_rendered_chat``).
 
 And a RAG question that the server refuses after retrieval (past the context) is refused through
 ``RagPipeline.start``'s ``check``, which releases the stored KV the prompt had opened."""
@@ -24,17 +25,6 @@ PLAIN = [{"role": "user", "content": "Name three colours."}]
 SYSTEM = [{"role": "system", "content": "You are a painter who answers in one short sentence."}, *PLAIN]
 NEXT = {"role": "user", "content": "And one more?"}
 # the tests that step the shared engine themselves come first: the server's loop owns it from its start on
-
-
-def test_a_rendered_chat_of_other_messages_is_refused(llm):
-    """``add_chat_request`` takes a rendering only of its own chat: another's ids would run unnoticed."""
-    from ragfuse.engine import RequestError
-
-    with pytest.raises(RequestError, match="rendered chat given is of other messages"):
-        llm.add_chat_request(SYSTEM, rendered=llm.render(PLAIN))
-    with pytest.raises(RequestError, match="template options"):
-        llm.add_chat_request(PLAIN, add_generation_prompt=False, rendered=llm.render(PLAIN))
-    assert not llm.engine.has_unfinished()
 
 
 # ---- a RAG question refused by the caller's check -------------------------------------------------------

@@ -124,9 +124,8 @@ class EngineBackend:
             else:  # no cut of the session's history shortens the new message or the header kept before it
                 max_tokens = sampling.completion_tokens(chat.turn_floor, engine.max_model_len, "messages",
                                                         SESSION_FLOOR)
-            return llm.add_chat_request(prompt.messages, engine_params(sampling, max_tokens),
-                                        session_id=prompt.session_id, relay=prompt.relay, request_id=request_id,
-                                        rendered=chat, **rendering)
+            return llm.add_rendered_chat(chat, engine_params(sampling, max_tokens), prompt.session_id, prompt.relay,
+                                         request_id)
 
         async with aclosing(self.loop.generate_with(start)) as outputs:
             async for out in outputs:
