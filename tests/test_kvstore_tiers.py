@@ -161,3 +161,24 @@ def test_disk_reads_to_the_gpu_from_several_threads_each_get_their_own_entry(tmp
                 assert all(g is not None and same(g, e) for g, e in zip(got, entries))
     finally:
         disk.close()
+
+
+def test_a_closed_store_lets_go_of_its_memory_tiers_entries():
+    """A closed store object may outlive its use (a reference in a report, a traceback): its pools'
+    entries must not live on with it."""
+    import gc
+    import weakref
+
+    tier = MemoryTier("cpu", "cpu", 1 << 30, pin=False)
+    store = TieredKVStore([tier])
+    entry = make_entry(0)
+    store.put(entry)
+    held = weakref.ref(entry.layers[0])
+    del entry
+    gc.collect()
+    assert held() is not None and tier.stats().entries == 1
+    store.close()
+    gc.collect()
+    assert held() is None
+    assert tier.stats().entries == 0 and tier.stats().bytes == 0
+    assert store.get(make_entry(0).key) is None

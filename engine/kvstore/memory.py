@@ -82,6 +82,13 @@ class MemoryTier(Tier):
             self._bytes -= entry.nbytes
             return True
 
+    def close(self) -> None:
+        """Drop every entry: a closed store's pool would otherwise hold its tensors (GiBs of pinned
+        host or GPU memory) for as long as anything still refers to the store object."""
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
     def stats(self) -> TierStats:
         with self._lock:
             self._stats.bytes = self._bytes
