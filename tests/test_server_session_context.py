@@ -138,3 +138,28 @@ def test_a_session_turn_without_max_tokens_fits_under_a_limit_past_the_context(s
                                                "max_tokens": 2})
     assert again.status_code == 200, again.text
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, again.text
+
+
+def test_a_session_turn_without_max_tokens_keeps_a_history_that_fits(server):  # noqa: F811
+    """With the server's limit (1024) past the 512-token context, a turn that left ``max_tokens`` out
+    reserved all the context past its floor for the answer, so the engine cut every earlier turn of a
+    conversation of ~150 tokens. It now reserves at most half the context where the history would be
+    cut for more: the whole conversation is fed and its stored KV reused."""
+    url, engine = server
+    session = "keeps-history"
+    first = [{"role": "user", "content": "Remember these words: " + " ".join(f"w{i}" for i in range(40))}]
+    r = post(url, "/v1/chat/completions", {"model": MODEL, "messages": first, "session_id": session,
+                                           "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    history = r.json()["usage"]["prompt_tokens"]
+    turn = [*first, {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "Say yes."}]
+    whole = len(LLM.from_engine(engine).render(turn).ids)
+    assert CONTEXT // 4 < history and whole < CONTEXT // 2, (history, whole)
+    r = post(url, "/v1/chat/completions", {"model": MODEL, "messages": turn, "session_id": session,
+                                           "temperature": 0})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] == whole, usage  # nothing cut
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= history - 1, usage
+    assert usage["completion_tokens"] <= CONTEXT - whole, usage

@@ -66,6 +66,18 @@ def engine_params(s: Sampling, max_tokens: int) -> SamplingParams:
 SESSION_FLOOR = "the session turn's new message with its kept header"
 
 
+def turn_tokens(sampling: Sampling, floor: int, whole: int, context: int, prompt_param: str) -> int:
+    """A session turn's completion limit, which is also the room the engine cuts the history to leave:
+    ``floor``, the turn's least prompt; ``whole``, its prompt with the history uncut. An omitted
+    ``max_tokens`` takes the server's limit only as far as it leaves half the context to the history:
+    where that limit is near or past the context, reserving all of it cut nearly every earlier turn
+    from a conversation that may well have fit."""
+    tokens = sampling.completion_tokens(floor, context, prompt_param, SESSION_FLOOR)
+    if sampling.max_tokens is not None:
+        return tokens
+    return min(tokens, max(context - whole, context // 2))
+
+
 def to_delta(out: RequestOutput) -> Delta:
     """The engine's output as a delta; a relay request's system prompt counts among its prompt
     tokens (the engine's ``prompt_tokens`` are the request's own) and, with a session's stored
@@ -122,8 +134,7 @@ class EngineBackend:
             if prompt.session_id is None:
                 max_tokens = sampling.completion_tokens(len(chat.ids), engine.max_model_len, "messages")
             else:  # no cut of the session's history shortens the new message or the header kept before it
-                max_tokens = sampling.completion_tokens(chat.turn_floor, engine.max_model_len, "messages",
-                                                        SESSION_FLOOR)
+                max_tokens = turn_tokens(sampling, chat.turn_floor, len(chat.ids), engine.max_model_len, "messages")
             return llm.add_rendered_chat(chat, engine_params(sampling, max_tokens), prompt.session_id, prompt.relay,
                                          request_id)
 
@@ -145,7 +156,7 @@ class EngineBackend:
                     refuse_full_prompt(prompt_tokens, engine.max_model_len, "question")
                     fed = len(engine.sessions.conversation(options.session_id)) + prompt_tokens
                     floor = turn_floor(fed, prompt_tokens, len(self.pipeline.builder.prefix))
-                    max_tokens = sampling.completion_tokens(floor, engine.max_model_len, "question", SESSION_FLOOR)
+                    max_tokens = turn_tokens(sampling, floor, fed, engine.max_model_len, "question")
                 return engine_params(sampling, max_tokens)
 
             started.append(self.pipeline.start(question, options.mode, options.recompute_ratio, options.top_k,
