@@ -25,7 +25,15 @@ from typing import Any, TypeVar
 
 import torch
 
-from ragfuse.connectors.vllm.backend import ChunkRecompute, Prompt, PromptBuilder, engine_kwargs, import_vllm
+from ragfuse.connectors.vllm.backend import (
+    ChunkRecompute,
+    Prompt,
+    PromptBuilder,
+    close_each,
+    engine_kwargs,
+    import_vllm,
+    reused_run,
+)
 from ragfuse.connectors.vllm.settings import ConnectorSettings
 from ragfuse.engine.checkpoint import resolve
 from ragfuse.engine.errors import RequestError
@@ -78,8 +86,18 @@ class VLLMServeBackend(PromptBuilder):
         root = ensure_store(store, model)
         checkpoint = resolve(model)
         settings = ConnectorSettings.for_model(checkpoint.path, root / "kv")
-        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(checkpoint.path, settings, max_model_len)))
-        return cls(llm, settings, RagStore.open_existing(root), model)
+        # the store first: one that cannot be opened fails in a moment, before vLLM's slow start
+        rag_store = RagStore.open_existing(root)
+        llm = None
+        try:
+            llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(checkpoint.path, settings, max_model_len)))
+            return cls(llm, settings, rag_store, model)
+        except BaseException as exc:  # neither the engine (its process, its KV cache) nor the store's files outlive it
+            try:
+                close_each(*([llm.shutdown] if llm is not None else []), rag_store.close)
+            except Exception as during:
+                exc.add_note(f"closing what was opened failed too: {during!r}")
+            raise
 
     # ---------------------------------------------------------------- generation
 
@@ -156,7 +174,7 @@ class VLLMServeBackend(PromptBuilder):
                 report = (out.kv_transfer_params or {}).get("ragfuse") or {}
             yield delta
         assert last is not None and first is not None
-        loaded = int(report.get("loaded_tokens", 0))
+        loaded = reused_run(report)
         recompute = ChunkRecompute.of(prompt.chunks, loaded)
         hit_chunks = int(report.get("chunk_hits_loaded", 0))
         notes = [] if reuse else ["mode full: chunks prefilled in place (the connector may load a stored prefix)"]
@@ -214,9 +232,10 @@ class VLLMServeBackend(PromptBuilder):
         return len(self._running)
 
     def close(self) -> None:
-        self.llm.shutdown()
-        self._worker.shutdown(wait=True)
-        self.store.close()
+        """Stop vLLM, then the store worker (its queued work done), then close the store: each step
+        runs even when one before it fails (the store's files and the worker thread are released
+        whatever vLLM's shutdown does), and the first failure is raised."""
+        close_each(self.llm.shutdown, lambda: self._worker.shutdown(wait=True), self.store.close)
 
 
 def _no_sessions(session_id: str | None) -> None:

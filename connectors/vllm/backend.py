@@ -8,11 +8,12 @@ stays the default backend. vLLM starts its engine core in a child process, so sc
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,23 @@ def import_vllm() -> Any:
     except ImportError as exc:
         raise RagfuseError(f"the vLLM backend needs vllm ({exc.name} is not importable): {SETUP_HINT}") from exc
     return vllm
+
+
+def close_each(*steps: Callable[[], object]) -> None:
+    """Run every closing step even when an earlier one fails, then raise the first failure with the
+    later ones added as notes: a failed engine shutdown must not leave the store's files or a worker
+    thread open behind it, and no failure may go unreported."""
+    first: Exception | None = None
+    for step in steps:
+        try:
+            step()
+        except Exception as exc:
+            if first is None:
+                first = exc
+            else:
+                first.add_note(f"closing went on, and a later step failed too: {exc!r}")
+    if first is not None:
+        raise first
 
 
 def kv_transfer_config(settings: ConnectorSettings) -> dict[str, Any]:
@@ -81,17 +99,25 @@ class ChunkRecompute:
     recomputed_tokens: int
 
     @classmethod
-    def of(cls, spans: Sequence[tuple[int, int]], loaded_tokens: int) -> ChunkRecompute:
-        """The figures of chunk ``spans`` when the store filled the prompt's first ``loaded_tokens``
-        (the connector loads one run from position 0; vLLM's own prefix cache is off, as here by default)."""
+    def of(cls, spans: Sequence[tuple[int, int]], reused_tokens: int) -> ChunkRecompute:
+        """The figures of chunk ``spans`` when the prompt's first ``reused_tokens`` came from cache
+        (the reuse is one run from position 0: see ``reused_run``)."""
         total = sum(end - start for start, end in spans)
-        reused = sum(max(0, min(end, loaded_tokens) - start) for start, end in spans)
+        reused = sum(max(0, min(end, reused_tokens) - start) for start, end in spans)
         return cls(total, total - reused)
 
     @property
     def recompute_ratio(self) -> float:
         """The recomputed share of the chunks' tokens; 0 for a prompt without chunks."""
         return self.recomputed_tokens / self.chunk_tokens if self.chunk_tokens else 0.0
+
+
+def reused_run(report: dict[str, Any]) -> int:
+    """The prompt tokens whose KV was reused, from the connector's per-request ``report``: one run
+    from position 0, of which vLLM's own prefix cache (where enabled) served the first
+    ``prefix_cached_tokens`` and the connector loaded the next ``loaded_tokens``. Counting only the
+    loaded ones reported every token vLLM's cache served as recomputed."""
+    return int(report.get("prefix_cached_tokens", 0)) + int(report.get("loaded_tokens", 0))
 
 
 @dataclass
@@ -179,9 +205,18 @@ class VLLMBackend(PromptBuilder):
         self.settings = ConnectorSettings.for_model(self.checkpoint.path, store_dir, kv_dtype_name=kv_dtype,
                                                     span_tokens=span_tokens, memory_mb=memory_mb)
         self.connector = connector
-        self.llm = vllm.LLM(**engine_kwargs(self.checkpoint.path, self.settings if connector else None,
-                                            max_model_len, enable_prefix_caching, kv_cache_memory_bytes), **llm_kwargs)
-        self.tokenizer = self.llm.get_tokenizer()
+        self._llm: Any = vllm.LLM(**engine_kwargs(self.checkpoint.path, self.settings if connector else None,
+                                                  max_model_len, enable_prefix_caching, kv_cache_memory_bytes),
+                                  **llm_kwargs)
+        self.tokenizer = self._llm.get_tokenizer()
+
+    @property
+    def llm(self) -> Any:
+        """vLLM's ``LLM``; once closed, a ``RagfuseError`` saying so (not an ``AttributeError`` from
+        deep inside a generate call)."""
+        if self._llm is None:
+            raise RagfuseError("the vLLM backend is closed: build a new VLLMBackend to generate again")
+        return self._llm
 
     # ---------------------------------------------------------------- generation
 
@@ -205,7 +240,7 @@ class VLLMBackend(PromptBuilder):
         if logprobs and comp.logprobs:
             first = {tok: lp.logprob for tok, lp in comp.logprobs[0].items()}
         report = (out.kv_transfer_params or {}).get("ragfuse") if self.connector else None
-        recompute = ChunkRecompute.of(prompt.chunks, int(report.get("loaded_tokens", 0))) if report else None
+        recompute = ChunkRecompute.of(prompt.chunks, reused_run(report)) if report else None
         return Generation(comp.text, list(comp.token_ids), seconds, report, first, recompute)
 
     def store_chunks(self, chunks: Sequence[Sequence[int]]) -> None:
@@ -217,9 +252,14 @@ class VLLMBackend(PromptBuilder):
         self.llm.generate(prompts, self._params(1, {"store_as_chunk": True}), use_tqdm=False)
 
     def close(self) -> None:
-        """Stop vLLM's engine process now (a benchmark runs two engines one after the other)."""
-        self.llm.llm_engine.engine_core.shutdown()
-        del self.llm
-        import gc
-
-        gc.collect()
+        """Stop vLLM's engine process now (a benchmark runs two engines one after the other). Closing
+        again does nothing: the engine is let go of before its shutdown runs, so a shutdown that fails
+        is reported once and not retried on a half-stopped engine."""
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        finally:
+            del llm
+            gc.collect()  # the engine's KV cache and the connector's store go now, not at some later collection

@@ -42,7 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from ragfuse.engine.config import rope_config
-from ragfuse.engine.errors import ModelError
+from ragfuse.engine.errors import ModelError, RagfuseError
 from ragfuse.engine.kvstore import CorruptEntryError, StoredKV, open_source
 from ragfuse.kernels.rope import apply_rope_ref, cos_sin_table, inv_frequencies
 
@@ -64,6 +64,12 @@ logger = init_logger(__name__)
 
 MODE = "full-reuse"  # non-prefix chunks: stored KV re-positioned, no selective recompute (see module doc)
 PARAMS_KEY = "ragfuse"
+
+
+class StaleConnectorError(RagfuseError, RuntimeError):
+    """An engine's worker was handed the ragfuse connector of another engine of this process, one
+    never shut down (see ``RagfuseKVConnector.register_kv_caches``)."""
+
 
 @dataclass
 class LoadItem:
@@ -323,6 +329,7 @@ class RagfuseKVConnector(KVConnectorBase_V1):
             return False, None
         report: dict[str, Any] = {
             "mode": MODE, "prompt_tokens": state.num_prompt, "loaded_tokens": state.loaded,
+            "prefix_cached_tokens": state.load_from,
             "chunk_spans": state.chunk_spans, "chunk_hits": state.chunk_hits,
             "chunk_hits_loaded": state.chunk_hits_loaded, "saved_spans": state.saved_spans,
         }
@@ -353,7 +360,30 @@ class RagfuseKVConnector(KVConnectorBase_V1):
         self._num_kv_heads = vllm_config.model_config.get_num_kv_heads(vllm_config.parallel_config)
         self._head_dim = head_dim
 
+    def _refuse_other_engine(self) -> None:
+        """vLLM keeps the worker-side connector in one process-wide variable and creates it only when
+        that is empty (``ensure_kv_transfer_initialized``): an engine in this process left running
+        (never shut down) hands its connector to every later engine's worker, which would then load
+        and save through the old engine's store and settings (another ``store_dir``, RoPE tables for
+        another model) without a word. This worker registers its caches under its own engine's config
+        (vLLM sets it as the current one around the call); another engine's id means exactly that."""
+        from vllm.config import get_current_vllm_config_or_none
+
+        current = get_current_vllm_config_or_none()
+        transfer = current.kv_transfer_config if current is not None else None
+        if transfer is None or transfer.engine_id == self._kv_transfer_config.engine_id:
+            return
+        wanted = (transfer.kv_connector_extra_config or {}).get("store_dir", "?")
+        raise StaleConnectorError(
+            f"ragfuse connector: another vLLM engine in this process (store {self.settings.store_dir}) was never "
+            f"shut down, and vLLM hands its worker connector to this new engine (store {wanted}), which would then "
+            "save and load through the old store and settings; shut the old engine down first (VLLMBackend.close(); "
+            "for a bare vllm.LLM, llm.llm_engine.engine_core.shutdown(); if it is out of reach, "
+            "vllm.distributed.kv_transfer.ensure_kv_transfer_shutdown()) or run each engine in its own process "
+            "(VLLM_ENABLE_V1_MULTIPROCESSING=1)")
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._refuse_other_engine()
         self._kv_caches = dict(kv_caches)
         numbers = {name: int(m.group(1)) for name in kv_caches if (m := re.search(r"\.(\d+)\.", name))}
         if len(numbers) != len(kv_caches):
