@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import CacheFullError, ModelError, RagfuseError, RequestError
+from .errors import CacheFullError, EngineStopped, ModelError, RagfuseError, RequestError
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time ``__getattr__`` loads them
     from .async_engine import AsyncEngine
@@ -25,8 +25,8 @@ _LAZY = {  # public name -> the submodule defining it
 }
 
 __all__ = [
-    "LLM", "AsyncEngine", "CacheFullError", "EngineConfig", "LLMEngine", "ModelConfig", "ModelError", "RagfuseError",
-    "RequestError", "RequestOutput", "SamplingParams",
+    "LLM", "AsyncEngine", "CacheFullError", "EngineConfig", "EngineStopped", "LLMEngine", "ModelConfig", "ModelError",
+    "RagfuseError", "RequestError", "RequestOutput", "SamplingParams",
 ]
 
 

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .errors import CacheFullError, RequestError
+from .errors import CacheFullError, EngineStopped
 from .llm_engine import LLMEngine, RequestOutput
 from .sampling import SamplingParams
 
@@ -112,14 +112,20 @@ class AsyncEngine:
         self._worker.inbox.put(_Call(fn, done, loop))
         return await done
 
-    def shutdown(self) -> None:
-        """End the loop: requests still running are aborted and their callers told (``_EngineLoop._close``)."""
+    def stop(self) -> None:
+        """Tell the loop to end without waiting for it: requests still running are aborted and their
+        callers told (``_EngineLoop._close``), so streams end with an error instead of running on. For a
+        server that is asked to stop (a signal): its streams end at once, not after its grace period."""
         self._stop()
+
+    def shutdown(self) -> None:
+        """End the loop (``stop``) and wait for its thread."""
+        self.stop()
         self._worker.thread.join(timeout=10)
 
     def _check_open(self) -> None:
         if not self._stop.alive:  # nothing would ever take the request: its caller would wait forever
-            raise RequestError("this AsyncEngine was shut down")
+            raise EngineStopped("this AsyncEngine was shut down")
 
 
 class _EngineLoop:
@@ -217,9 +223,9 @@ class _EngineLoop:
         so: they were left waiting forever, and the requests held their blocks in the engine for good."""
         for rid, sub in self._listeners.items():
             self.engine.abort(rid)
-            self._fail(sub, RequestError("the AsyncEngine was shut down while this request ran"))
+            self._fail(sub, EngineStopped("the AsyncEngine was shut down while this request ran"))
         for sub in self.deferred:
-            self._fail(sub, RequestError("the AsyncEngine was shut down before this request started"))
+            self._fail(sub, EngineStopped("the AsyncEngine was shut down before this request started"))
         self._listeners.clear()
         self.deferred.clear()
 

@@ -16,3 +16,8 @@ class RequestError(RagfuseError):
 class CacheFullError(RequestError):
     """The KV cache has no room for a request now: a passing state, not a bad request. Blocks come
     back as running requests finish, so a caller with other requests in flight may retry later."""
+
+
+class EngineStopped(RequestError):
+    """The engine's loop was stopped before or while the request ran (a server shutting down): not
+    the request's fault, so a server answers 503 (try again, elsewhere or after the restart), not 400."""

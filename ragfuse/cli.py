@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from types import FrameType
 
 # subcommand -> module in ragfuse.commands that defines ``register(subparsers)``
 COMMANDS = {
@@ -44,6 +48,30 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt: by default it killed the process at
+    once, so the cleanup Ctrl-C gets (an ingest's store closed, its KV files finished or removed)
+    never ran and the user got no word."""
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    raise Terminated
+
+
+@contextmanager
+def _terminate_like_ctrl_c() -> Iterator[None]:
+    """SIGTERM raises ``Terminated`` while a command runs (main thread only, where signals can be
+    handled), the previous handler back afterwards (``main`` is also called in-process, by tests)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)  # the only global option takes no value
@@ -55,7 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ragfuse.engine.errors import RagfuseError
 
     try:
-        return int(args.func(args) or 0)
+        with _terminate_like_ctrl_c():
+            return int(args.func(args) or 0)
+    except Terminated:
+        sys.stderr.write("ragfuse: terminated (SIGTERM)\n")
+        return 128 + signal.SIGTERM
     except RagfuseError as exc:
         sys.stderr.write(f"ragfuse: error: {exc}\n")
         return 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -106,3 +107,30 @@ def test_shutdown_aborts_the_requests_running_and_tells_their_callers():
     asyncio.run(shut_down_midway())
     assert not engine.has_unfinished()
     assert engine.blocks.num_free == free
+
+
+@pytest.mark.slow
+def test_a_request_in_flight_when_the_server_stops_is_a_503(llm, tmp_path: Path):
+    """A server told to stop ends its engine's requests (``AsyncEngine.stop``): a non-streamed answer
+    still being generated then failed as a 400 ``invalid_request_error``, as if the request were bad;
+    it is a 503, which clients retry."""
+    from ragfuse.connectors.server import ServerSettings, create_app
+    from ragfuse.connectors.server.engine_backend import EngineBackend, open_store_pipeline
+
+    backend = EngineBackend(open_store_pipeline(str(tmp_path / "store"), MODEL, engine=llm.engine, gate=False), MODEL)
+    app = create_app(backend, ServerSettings(api_key=KEY, max_tokens=2000))
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 2000,
+            "temperature": 0}
+    replies: list[httpx.Response] = []
+    with LiveServer(app) as srv:
+        asking = threading.Thread(target=lambda: replies.append(httpx.post(
+            f"{srv.url}/v1/chat/completions", json=chat, headers={"Authorization": f"Bearer {KEY}"}, timeout=300)))
+        asking.start()
+        while backend.running() == 0:
+            assert asking.is_alive(), replies[0].text
+            time.sleep(0.02)
+        backend.loop.stop()
+        asking.join(60)
+    (reply,) = replies
+    assert reply.status_code == 503, reply.text
+    assert "shut down while this request ran" in reply.json()["error"]["message"], reply.text

@@ -155,7 +155,7 @@ def test_a_session_turn_without_max_tokens_keeps_a_history_that_fits(server):  #
     turn = [*first, {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
             {"role": "user", "content": "Say yes."}]
     whole = len(LLM.from_engine(engine).render(turn).ids)
-    assert CONTEXT // 4 < history and whole < CONTEXT // 2, (history, whole)
+    assert history > CONTEXT // 4 and whole < CONTEXT // 2, (history, whole)
     r = post(url, "/v1/chat/completions", {"model": MODEL, "messages": turn, "session_id": session,
                                            "temperature": 0})
     assert r.status_code == 200, r.text

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ragfuse.engine.errors import RagfuseError
+from ragfuse.engine.errors import EngineStopped, RagfuseError
 from ragfuse.engine.kvstore.disk import DiskFullError
 from ragfuse.engine.kvstore.entry import KVStoreError
 
@@ -52,6 +52,8 @@ def describe_error(exc: BaseException) -> tuple[int, str]:
         return exc.status, exc.message
     if isinstance(exc, DiskFullError):  # the server's storage, not the request: 507, as WebDAV named it
         return 507, str(exc)
+    if isinstance(exc, EngineStopped):  # the server is stopping: another try (after the restart) may succeed
+        return 503, str(exc)
     if isinstance(exc, KVStoreError):  # a KV tier failing (Redis gone, I/O errors): the client may retry
         return 503, str(exc)
     if isinstance(exc, RagfuseError):  # the project's user errors: bad request, missing store...

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import os
 import sys
+from collections.abc import Callable
+from types import FrameType
 
 from ragfuse.commands.generate import add_model_args, positive_int
 from ragfuse.commands.ingest import add_store_arg
@@ -59,9 +63,37 @@ def run(args: argparse.Namespace) -> int:
     settings = ServerSettings(api_key=args.api_key, cors_origins=tuple(args.cors_origin),
                               max_body_bytes=int(args.max_body_mb * 2**20), max_tokens=args.max_tokens,
                               relay=not args.no_relay)
-    app = create_app(build_backend(args), settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    backend = build_backend(args)
+    app = create_app(backend, settings)
+    # a signal ends the engine's requests at once: their streams close with an error event instead of
+    # being cut off mid-chunk (with a traceback) when the grace period runs out; the vLLM backend's
+    # requests keep the grace period
+    end_requests = backend.loop.stop if args.backend == "ragfuse" else None
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    # uvicorn raises the signal again once it has shut down: KeyboardInterrupt (Ctrl-C) or the CLI's
+    # Terminated (SIGTERM); the shutdown was clean, so the exit status is 0
+    with contextlib.suppress(KeyboardInterrupt):
+        _server_class(end_requests)(config).run()
     return 0
+
+
+def _server_class(end_requests: Callable[[], None] | None) -> type:
+    """uvicorn's server, which on SIGINT/SIGTERM also calls ``end_requests`` (on the event loop: a
+    signal handler must not take the locks of a queue its own thread may hold)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            super().handle_exit(sig, frame)
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # not serving yet or any more: the app's shutdown ends the engine
+                return
+            if end_requests is not None:
+                loop.call_soon_threadsafe(end_requests)
+
+    return Server
 
 
 def build_backend(args: argparse.Namespace):  # noqa: ANN201 (a Backend; its module imports the server stack)
