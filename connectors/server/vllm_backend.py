@@ -16,10 +16,12 @@ vLLM's own prefix caching.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -36,13 +38,14 @@ from ragfuse.connectors.vllm.backend import (
 )
 from ragfuse.connectors.vllm.settings import ConnectorSettings
 from ragfuse.engine.checkpoint import resolve
-from ragfuse.engine.errors import RequestError
+from ragfuse.engine.errors import EngineStopped, RequestError
 
 from .backend import ChatPrompt, Delta, RagAnswer, RagOptions, Sampling, TextPrompt
 from .engine_backend import ensure_store
 from .library import DocumentLibrary
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 CONNECTOR_TIER = "vllm-connector"  # the tier name metrics report for chunk KV the connector loaded
 
 
@@ -74,6 +77,8 @@ class VLLMServeBackend(PromptBuilder):
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="ragfuse-store")
         self._waiting: set[str] = set()
         self._running: set[str] = set()
+        self._stopped = False
+        self._abort: asyncio.Task[None] | None = None  # held: the loop keeps only a weak reference to a task
 
     @classmethod
     def open(cls, store: str | None, model: str, max_model_len: int = 2048) -> VLLMServeBackend:
@@ -120,6 +125,8 @@ class VLLMServeBackend(PromptBuilder):
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
+        if self._stopped:
+            raise EngineStopped("the server is shutting down: this request was not started")
         if not prompt.token_ids:
             raise RequestError("empty prompt")
         # settled here, before vLLM takes the request: a request past the context costs no prefill, and a
@@ -133,15 +140,21 @@ class VLLMServeBackend(PromptBuilder):
         except (ValueError, VLLMClientError) as exc:
             raise RequestError(str(exc)) from None
         generated = 0
+        outputs = self.llm.generate({"prompt_token_ids": prompt.token_ids}, params, request_id)
         self._waiting.add(request_id)
         try:
-            async for out in self.llm.generate({"prompt_token_ids": prompt.token_ids}, params, request_id):
-                self._waiting.discard(request_id)
-                self._running.add(request_id)
-                comp = out.outputs[0]
-                generated += len(comp.token_ids)
-                yield Delta(comp.text, out.finished, comp.finish_reason if out.finished else None,
-                            len(out.prompt_token_ids or prompt.token_ids), generated), out
+            async with aclosing(outputs):  # closed here, not whenever it is collected: vLLM aborts it then
+                async for out in outputs:
+                    # ``stop`` aborted the request (its last output, "abort") or it was still being added
+                    # then (closing the iterator aborts it): either way it ends here, as a stopped request
+                    if self._stopped:
+                        raise EngineStopped("the server was shut down while this request ran")
+                    self._waiting.discard(request_id)
+                    self._running.add(request_id)
+                    comp = out.outputs[0]
+                    generated += len(comp.token_ids)
+                    yield Delta(comp.text, out.finished, comp.finish_reason if out.finished else None,
+                                len(out.prompt_token_ids or prompt.token_ids), generated), out
         except (ValueError, VLLMClientError) as exc:  # vLLM's input validation (prompt too long, bad ids)
             raise RequestError(str(exc)) from None
         finally:
@@ -231,11 +244,30 @@ class VLLMServeBackend(PromptBuilder):
     def running(self) -> int:
         return len(self._running)
 
+    def stop(self) -> None:
+        """End every request at once (the server's SIGINT/SIGTERM): each one in flight, queued or
+        running, raises ``EngineStopped`` (a stream's error event, a whole answer's 503) instead of
+        generating on until the server's grace period cuts its connection; later ones are refused.
+        Called on the event loop, so it only schedules vLLM's abort: it does not wait for it."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if ids := self._waiting | self._running:
+            self._abort = asyncio.get_running_loop().create_task(self.llm.abort(sorted(ids)))
+            self._abort.add_done_callback(_report_failed_abort)
+
     def close(self) -> None:
         """Stop vLLM, then the store worker (its queued work done), then close the store: each step
         runs even when one before it fails (the store's files and the worker thread are released
         whatever vLLM's shutdown does), and the first failure is raised."""
         close_each(self.llm.shutdown, lambda: self._worker.shutdown(wait=True), self.store.close)
+
+
+def _report_failed_abort(task: asyncio.Task[None]) -> None:
+    """One log line (not an unretrieved task's traceback) when vLLM's abort fails: the stopped requests
+    still end, each at its next output."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.warning("aborting vLLM's requests on shutdown failed: %r", exc)
 
 
 def _no_sessions(session_id: str | None) -> None:

@@ -66,9 +66,8 @@ def run(args: argparse.Namespace) -> int:
     backend = build_backend(args)
     app = create_app(backend, settings)
     # a signal ends the engine's requests at once: their streams close with an error event instead of
-    # being cut off mid-chunk (with a traceback) when the grace period runs out; the vLLM backend's
-    # requests keep the grace period
-    end_requests = backend.loop.stop if args.backend == "ragfuse" else None
+    # being cut off mid-chunk (with a traceback) when the grace period runs out
+    end_requests = backend.stop if args.backend == "vllm" else backend.loop.stop
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
     # uvicorn raises the signal again once it has shut down: KeyboardInterrupt (Ctrl-C) or the CLI's
@@ -78,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _server_class(end_requests: Callable[[], None] | None) -> type:
+def _server_class(end_requests: Callable[[], None]) -> type:
     """uvicorn's server, which on SIGINT/SIGTERM also calls ``end_requests`` (on the event loop: a
     signal handler must not take the locks of a queue its own thread may hold)."""
     import uvicorn
@@ -90,8 +89,7 @@ def _server_class(end_requests: Callable[[], None] | None) -> type:
                 loop = asyncio.get_running_loop()
             except RuntimeError:  # not serving yet or any more: the app's shutdown ends the engine
                 return
-            if end_requests is not None:
-                loop.call_soon_threadsafe(end_requests)
+            loop.call_soon_threadsafe(end_requests)
 
     return Server
 
