@@ -258,3 +258,17 @@ def test_session_ids_are_checked_whole_and_alike_everywhere() -> None:
         assert ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
                                      session_id=good).session_id == good
         assert RagQueryRequest(question="q", session_id=good).session_id == good
+
+
+def test_a_turn_with_history_but_no_stored_session_says_so(tmp_path) -> None:
+    """Sessions kept in memory only are gone after a restart without a trace: the next turn, which
+    brings its history, recomputed it with no note, as if nothing had been lost. A first turn (no
+    history) has nothing to say."""
+    store = SessionStore(None, "fp", torch.float32)
+    first = begin_turn(store, "fresh", list(range(8)), 100, 4, 8, 0)
+    assert first.notes == []
+    later = begin_turn(store, "lost", [*range(11), 20], 100, 4, 1, 0)
+    assert later.reused == 0 and later.plan.ranges == [(0, 12)]
+    assert later.notes == ["session lost has no stored KV here (new to this store, deleted, or not kept across a "
+                           "restart): history computed"]
+    store.close()

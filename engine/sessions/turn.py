@@ -69,6 +69,11 @@ def begin_turn(
     rec = look.record if look is not None else None
     if look is not None and look.reason:
         notes.append(f"{look.reason}: history recomputed")
+    elif look is not None and rec is None and len(conversation) > new_tokens + keep_first:
+        # a history the store never had, or no longer has without a trace (sessions kept in memory
+        # only, then a restart): said, so a turn that costs a full prefill does not look like a hit
+        notes.append(f"session {session_id} has no stored KV here (new to this store, deleted, or not kept across a "
+                     "restart): history computed")
     plan = plan_turn(conversation, rec.tokens if rec else None, rec.ranges if rec else None, max_len, reserve,
                      new_tokens, keep_first)
     source = None
