@@ -134,6 +134,7 @@ def test_ingest_sigterm_mid_kv_is_a_clean_stop_and_the_rerun_reuses_the_kv(tmp_p
     code, err = proc.stop(signal.SIGTERM, within=15)
     assert code == 128 + signal.SIGTERM and err.strip().splitlines()[-1] == "ragfuse: terminated (SIGTERM)", err
     assert "Traceback" not in err
+    assert "the same command again adds what is missing, reusing the chunk KV already stored" in err, err
     stats = ragfuse("store", "stats", "--store", store)
     assert stats.returncode == 0 and "0 files, 0 chunks" in stats.stdout, stats.stdout + stats.stderr
     rerun = ragfuse("ingest", str(docs), "--store", store, "--device", "cpu", "--json")

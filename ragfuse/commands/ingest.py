@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict
 from typing import Any
 
@@ -71,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
                             max_bytes=int(args.max_file_mb * 2**20), text_field=args.text_field,
                             title_field=args.title_field or None)
         report = ingestor.ingest(args.paths)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what to do next, before the CLI's one-line reason
+        sys.stderr.write("ragfuse ingest: stopped; the same command again adds what is missing, reusing the "
+                         "chunk KV already stored\n")
+        raise
     finally:
         store.close()
     if args.json:
