@@ -52,9 +52,8 @@ def describe_error(exc: BaseException) -> tuple[int, str]:
         return exc.status, exc.message
     if isinstance(exc, DiskFullError):  # the server's storage, not the request: 507, as WebDAV named it
         return 507, str(exc)
-    if isinstance(exc, EngineStopped):  # the server is stopping: another try (after the restart) may succeed
-        return 503, str(exc)
-    if isinstance(exc, KVStoreError):  # a KV tier failing (Redis gone, I/O errors): the client may retry
+    # a KV tier failing (Redis gone, I/O errors) or the server stopping: not the request's fault, a retry may succeed
+    if isinstance(exc, KVStoreError | EngineStopped):
         return 503, str(exc)
     if isinstance(exc, RagfuseError):  # the project's user errors: bad request, missing store...
         return 400, str(exc)
