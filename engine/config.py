@@ -349,6 +349,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
     kv_cache_bytes: int | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
+    # host memory for the KV of preempted fused and session requests (``swap.py``), which a recompute
+    # would change; None: 4 GiB (pinned) on CUDA, the KV cache's size on CPU; 0: recompute them
+    swap_space_bytes: int | None = None
     # share of free GPU memory the KV cache may take; RAGFUSE_GPU_MEMORY_UTILIZATION sets the default for
     # processes that share one GPU (parallel test shards, several servers)
     gpu_memory_utilization: float = field(
@@ -367,6 +370,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ModelError(f"{name} must be a positive integer, got {value!r}")
+        if self.swap_space_bytes is not None and (
+                not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0):
+            raise ModelError(f"swap_space_bytes must be a non-negative integer, got {self.swap_space_bytes!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ModelError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -35,6 +35,7 @@ from .sequence import Sequence, Status
 from .sessions import SessionCorruptError, SessionStore, SessionTurn, begin_turn, take_snapshot
 from .sessions.history import extend
 from .sessions.prefix import STAGE_AHEAD, HistoryWriter
+from .swap import SwapSpace
 from .system_prompts import SystemPrompts
 
 log = logging.getLogger("ragfuse.engine")
@@ -92,9 +93,14 @@ class LLMEngine:
         self.runner.systems = self.systems
         self.relay_prompts = RelayPrompts(self, MAX_SYSTEM_PROMPTS)  # registered on demand, LRU-bounded
         self.tree = PrefixTree(self.blocks) if self.config.prefix_tree else None
+        assert self.runner.kv_cache is not None
+        swap_bytes = self.config.swap_space_bytes
+        if swap_bytes is None:
+            swap_bytes = 4 << 30 if self.device.type == "cuda" else self.runner.kv_cache.storage.nbytes
         self.scheduler = Scheduler(
             self.blocks, self.config.max_num_seqs, max(self.config.max_num_batched_tokens, 1), self.tree,
             reclaim=self.relay_prompts.reclaim,
+            swap=SwapSpace(self.runner.kv_cache, swap_bytes) if swap_bytes else None,
         )
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[Sequence] = []  # fused requests whose first token is not reported yet
@@ -572,9 +578,10 @@ class LLMEngine:
     def _close_turn(self, request_id: str) -> None:
         """Save a finished turn's session with whatever KV its pages hold (after its closing step,
         every token; before it, all but the last) and free the pages. A turn preempted while closing
-        holds none: its session keeps the previous turn's KV."""
+        holds none in its pages (recomputed later, or swapped to host memory): its session keeps the
+        previous turn's KV."""
         seq, turn = self._closing.pop(request_id)
-        if seq.num_computed_tokens:
+        if seq.num_computed_tokens and not self.scheduler.swapped(seq):
             self._save_session(seq, turn)
         self.scheduler.finish(seq, seq.finish_reason or "stop")
 
@@ -733,7 +740,8 @@ class LLMEngine:
             finish_reason=reason,
             ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
             total_s=end - seq.arrival_time,
-            metrics={"preemptions": seq.num_preemptions, "cached_tokens": seq.num_cached_tokens,
+            metrics={"preemptions": seq.num_preemptions, "swapped": seq.num_swaps,
+                     "cached_tokens": seq.num_cached_tokens,
                      "relay_system_tokens": seq.position_offset if seq.system is not None else 0,
                      "relay_system_computed": seq.position_offset if seq.system_computed else 0,
                      **(turn.stats(len(seq.prompt_token_ids)) if turn is not None else {})},

@@ -4,7 +4,9 @@ Each step is either a prefill step (prompts, in chunks of at most ``max_num_batc
 in all, so a long prompt does not need one huge activation) or a decode step (one token for every
 running sequence). New requests join as soon as blocks are free; finished ones leave at once. When
 the cache runs out during decode, the newest sequence is preempted: its blocks are freed and it
-goes back to the front of the queue, to be recomputed later. A sequence that finds no room while
+goes back to the front of the queue, to be recomputed later; a sequence whose KV a prefill would not
+give back as it was (fused or session KV, not ``cacheable``) is swapped to host memory instead and
+copied back when it resumes (``swap.py``). A sequence that finds no room while
 nothing else runs (it outgrew the whole cache, or what registered system prompts leave of it) can
 never get any: it is finished with reason ``"length"`` instead (``starved``), else it would wait forever.
 
@@ -14,6 +16,7 @@ and prefills only the rest, and every block a step fills joins the tree as it is
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +25,9 @@ from .block_manager import BlockManager
 from .errors import RequestError
 from .prefix_tree import PrefixTree
 from .sequence import Sequence, Status
+from .swap import SwapSpace
+
+log = logging.getLogger("ragfuse.engine")
 
 
 @dataclass
@@ -37,9 +43,10 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(
         self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, tree: PrefixTree | None = None,
-        reclaim: Callable[[int], bool] | None = None,
+        reclaim: Callable[[int], bool] | None = None, swap: SwapSpace | None = None,
     ) -> None:
         self.blocks = blocks
+        self.swap = swap
         self.tree = tree
         # frees blocks held for later use (idle on-demand system prompts) until the given count is free;
         # asked before a sequence is left waiting or preempted for want of blocks
@@ -96,6 +103,12 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.swapped(seq):  # back to running as it was; its next token comes with a decode step
+                if not self._room(seq, seq.num_tokens):
+                    break
+                self.waiting.popleft()
+                self._swap_in(seq)
+                continue
             matched = self.tree is not None and seq.tree_open and not seq.block_table
             if matched:
                 self.tree.match(seq)
@@ -161,22 +174,47 @@ class Scheduler:
             self.tree.forget(seq)
 
     def _preempt(self, seq: Sequence) -> None:
-        """Free ``seq``'s blocks and queue it first for recompute, keeping the leading blocks it shares
-        outside the prefix tree: those are a registered system prompt's (a request behind it without
-        relay), which the registry holds anyway, so giving them back frees nothing. Dropping them made
-        the recompute prefill the system prompt again into blocks of its own: more blocks than the
-        request needed while it ran, so under pressure it could be starved (finished "length" early)
-        where the same request unpreempted completes. Tree blocks are released: a match finds them again."""
+        """Free ``seq``'s blocks and queue it first for recompute (or, not ``cacheable``, swapped out to
+        resume as it was), keeping the leading blocks it shares outside the prefix tree: those are a
+        registered system prompt's (a request behind it without relay), which the registry holds
+        anyway, so giving them back frees nothing. Dropping them made the recompute prefill the system
+        prompt again into blocks of its own: more blocks than the request needed while it ran, so under
+        pressure it could be starved (finished "length" early) where the same request unpreempted
+        completes. Tree blocks are released: a match finds them again."""
         self.running.remove(seq)
         kept = self._shared_prefix(seq)
-        table = seq.block_table
-        seq.block_table = table[len(kept):]
+        own = seq.block_table[len(kept):]
+        computed = own[:self.blocks.blocks_needed(kept, seq.num_computed_tokens)]
+        swapped = not seq.cacheable and self.swap is not None and self.swap.swap_out(seq.request_id, computed)
+        if not seq.cacheable and self.swap is not None and not swapped:
+            log.warning("request %s preempted with its fused or session KV (%d tokens), which the swap space "
+                        "(%d of %d bytes in use) cannot take: it is recomputed by prefill, so its answer may "
+                        "differ from an unpreempted run (raise EngineConfig.swap_space_bytes)",
+                        seq.request_id, seq.num_computed_tokens, self.swap.used_bytes, self.swap.budget_bytes)
+        seq.block_table = own
         self._release(seq)
         seq.block_table = kept
-        seq.num_computed_tokens = len(kept) * self.blocks.block_size
+        if swapped:
+            seq.num_swaps += 1
+        else:
+            seq.num_computed_tokens = len(kept) * self.blocks.block_size
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def swapped(self, seq: Sequence) -> bool:
+        """Whether ``seq`` waits with its KV in host memory (``_preempt``)."""
+        return self.swap is not None and self.swap.holds(seq.request_id)
+
+    def _swap_in(self, seq: Sequence) -> None:
+        """Give a swapped sequence fresh blocks for all its tokens, copy its KV back, and run it."""
+        assert self.swap is not None
+        kept = len(seq.block_table)
+        self.blocks.grow(seq.block_table, seq.num_tokens)
+        computed = self.blocks.blocks_needed(seq.block_table[:kept], seq.num_computed_tokens)
+        self.swap.swap_in(seq.request_id, seq.block_table[kept:kept + computed])
+        seq.status = Status.RUNNING
+        self.running.append(seq)
 
     def _shared_prefix(self, seq: Sequence) -> list[int]:
         """The leading computed full blocks of ``seq`` that someone besides it holds and the prefix tree
@@ -208,6 +246,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if self.swap is not None:
+            self.swap.drop(seq.request_id)
         self._release(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason

@@ -32,6 +32,7 @@ class Sequence:
     finish_time: float | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    num_swaps: int = 0  # preemptions that kept the KV in host memory (``swap.py``) instead of dropping it
     system: int | None = None  # registered system prompt this request follows (relay attention)
     system_computed: bool = False  # that prompt's KV was computed for this request (``SystemPrompt.fresh``)
     position_offset: int = 0  # the system prompt's length: own token i sits at position offset + i
