@@ -436,7 +436,12 @@ class LLMEngine:
     ) -> tuple[str, FusionStats]:
         """Register a request whose whole prompt ``prefill`` puts in its cache pages now (returning
         the last token's logits): its first token is sampled here and reported by the next step.
-        ``system``: the registered system prompt the prompt follows (relay)."""
+        ``system``: the registered system prompt the prompt follows (relay). While requests preempted
+        for want of blocks wait, it does not start (``CacheFullError``, as when the cache is full):
+        taking the blocks they wait for kept them waiting while later starts came and went, each
+        preempted in turn, and a swapped one held its host copy all that time."""
+        if any(s.num_preemptions for s in self.scheduler.waiting):
+            raise CacheFullError("requests preempted for want of KV cache blocks resume first")
         # fused or session KV is not the exact KV of these tokens, so its blocks never join the prefix tree
         sp = self.systems.get(system) if system is not None else None
         seq = Sequence(rid, ids, params, cacheable=False, tree_open=False, system=system,

@@ -103,6 +103,25 @@ def test_aborting_a_swapped_request_frees_its_host_copy():
     assert eng.blocks.num_free == eng.blocks.num_blocks
 
 
+def test_a_fused_start_waits_behind_preempted_requests():
+    """A fused prefill takes its blocks as it starts: while a preempted request waits for blocks it
+    is refused as if the cache were full (``when_room`` and the async engine retry it), else each new
+    start took the room the preempted one waited for, and was preempted in turn."""
+    from ragfuse.engine.errors import CacheFullError
+
+    eng = engine(36)
+    rid, others = start_fused_behind_others(eng)
+    step_until_swapped(eng, rid)
+    seq = eng._seqs[rid]
+    with pytest.raises(CacheFullError, match="preempted for want of KV cache blocks resume first"):
+        eng.add_fused_request(fused_segments(eng), PARAMS, mode="reuse")
+    late = eng.when_room(lambda: eng.add_fused_request(fused_segments(eng), PARAMS, mode="reuse")[0])
+    assert not eng.scheduler.swapped(seq) and seq.num_swaps >= 1  # resumed before the late start
+    outs = finish(eng)
+    assert {rid, late, *others} <= set(outs) and outs[late].token_ids == outs[rid].token_ids
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
 def test_a_session_turn_preempted_on_stored_history_is_swapped_and_saved_whole(tmp_path):
     """A turn reusing its session's stored history is not recomputed when preempted; its session is
     saved with the whole turn, so the next turn reuses every earlier token."""

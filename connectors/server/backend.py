@@ -99,7 +99,9 @@ class Delta:
 
     ``cached_tokens``: prompt tokens whose KV was reused rather than computed for this request (a
     session's stored history, a relay system prompt, shared prefix blocks); ``reuse`` says which
-    (``REUSE_KEYS``), for the ``ragfuse`` part of ``usage``.
+    (``REUSE_KEYS``), for the ``ragfuse`` part of ``usage``. ``preemptions``: how often ragfuse's
+    engine took the request's cache blocks for others so far, ``swapped`` of them keeping its KV in
+    host memory (the rest recomputed it), for the server's metrics (vLLM keeps its own).
     """
 
     text: str
@@ -109,6 +111,8 @@ class Delta:
     completion_tokens: int
     cached_tokens: int = 0
     reuse: dict[str, Any] | None = None
+    preemptions: int = 0
+    swapped: int = 0
 
     def usage(self) -> dict[str, Any]:
         """OpenAI's ``usage`` object (with ``prompt_tokens_details.cached_tokens``), plus ``ragfuse``."""

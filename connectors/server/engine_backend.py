@@ -90,7 +90,7 @@ def to_delta(out: RequestOutput) -> Delta:
     cached = (relay - int(m.get("relay_system_computed", 0)) + reuse["prefix_cached_tokens"]
               + int(m.get("session_tokens_reused", 0)))
     return Delta(out.delta_text, out.finished, out.finish_reason, out.prompt_tokens + relay, len(out.token_ids),
-                 cached, reuse)
+                 cached, reuse, int(m.get("preemptions", 0)), int(m.get("swapped", 0)))
 
 
 class EngineBackend:

@@ -1,6 +1,6 @@
 """Prometheus metrics of one server: time to first token, token throughput, KV hits per tier, queue,
-session reuse (turns by the tier their history came from, tokens reused) and relay (registered
-system prompts, tokens they served).
+session reuse (turns by the tier their history came from, tokens reused), relay (registered
+system prompts, tokens they served) and preemptions (a KV cache too small for the load).
 
 Each app gets its own registry, so several servers (tests, benchmarks) can live in one process.
 """
@@ -46,6 +46,9 @@ class ServerMetrics:
                                       registry=r)
         self.relay_tokens = Counter("ragfuse_relay_system_tokens", "system prompt tokens relay served without "
                                     "computing or storing them per request", registry=r)
+        self.preemptions = Counter("ragfuse_preemptions", "times a finished request had its KV cache blocks taken "
+                                   "for others: swapped (its fused or session KV kept in host memory) or "
+                                   "recomputed (ragfuse engine only)", ["kind"], registry=r)
         Gauge("ragfuse_relay_system_prompts", "system prompts registered for relay", registry=r).set_function(
             relay_prompts)
         Gauge("ragfuse_queue_depth", "requests waiting for their first step", registry=r).set_function(queue_depth)
@@ -62,7 +65,7 @@ class ServerMetrics:
                 self.kv_hits.labels(tier).inc()
 
     def record_reuse(self, last: Delta) -> None:
-        """A finished request's session and relay reuse (its last delta's ``reuse``)."""
+        """A finished request's session and relay reuse (its last delta's ``reuse``) and preemptions."""
         reuse = last.reuse or {}
         if "session_id" in reuse:
             self.session_turns.labels(reuse.get("session_tier") or "none").inc()
@@ -70,6 +73,8 @@ class ServerMetrics:
         if reuse.get("relay_system_tokens"):
             self.relay_requests.inc()
             self.relay_tokens.inc(int(reuse["relay_system_tokens"]))
+        self.preemptions.labels("swapped").inc(last.swapped)
+        self.preemptions.labels("recomputed").inc(last.preemptions - last.swapped)
 
     async def metered(self, items: AsyncIterator[T], endpoint: str, t0: float) -> AsyncIterator[T]:
         """Pass ``items`` through, timing the first token and counting tokens of its ``Delta`` items
