@@ -440,10 +440,11 @@ class LLMEngine:
         for want of blocks wait, it does not start (``CacheFullError``, as when the cache is full):
         taking the blocks they wait for kept them waiting while later starts came and went, each
         preempted in turn, and a swapped one held its host copy all that time."""
+        sp = self.systems.get(system) if system is not None else None
+        self.scheduler.check_fits(len(ids), len(sp.block_table) if sp is not None else 0)
         if any(s.num_preemptions for s in self.scheduler.waiting):
             raise CacheFullError("requests preempted for want of KV cache blocks resume first")
         # fused or session KV is not the exact KV of these tokens, so its blocks never join the prefix tree
-        sp = self.systems.get(system) if system is not None else None
         seq = Sequence(rid, ids, params, cacheable=False, tree_open=False, system=system,
                        position_offset=sp.num_tokens if sp is not None else 0,
                        system_computed=sp is not None and sp.fresh)

@@ -59,14 +59,19 @@ class Scheduler:
         self.starved: list[Sequence] = []
 
     def add(self, seq: Sequence, reserved: int = 0) -> None:
-        """Queue ``seq``; refused if its prompt cannot fit in the cache beside the ``reserved`` blocks
-        that stay taken while it runs (the relay system prompt it follows)."""
-        need = -(-seq.num_tokens // self.blocks.block_size)
+        """Queue ``seq``; refused if its prompt cannot fit in the cache (``check_fits``)."""
+        self.check_fits(seq.num_tokens, reserved)
+        self.waiting.append(seq)
+
+    def check_fits(self, num_tokens: int, reserved: int = 0) -> None:
+        """Refuse a prompt of ``num_tokens`` that the cache could never hold beside the ``reserved``
+        blocks that stay taken while it runs (the relay system prompt it follows): waiting for room
+        would wait forever."""
+        need = -(-num_tokens // self.blocks.block_size)
         if need + reserved > self.blocks.num_blocks:
             beside = f" beside its system prompt's {reserved} blocks" if reserved else ""
-            raise RequestError(f"prompt of {seq.num_tokens} tokens ({need} blocks) does not fit in the KV cache "
+            raise RequestError(f"prompt of {num_tokens} tokens ({need} blocks) does not fit in the KV cache "
                                f"of {self.blocks.num_blocks} blocks{beside}")
-        self.waiting.append(seq)
 
     @property
     def has_work(self) -> bool:

@@ -60,6 +60,24 @@ def test_relay_request_that_cannot_fit_beside_its_system_prompt_is_refused():
     assert len(drain(engine)[rid].token_ids) == 2  # 11 + 1 tokens: 3 blocks, the rest of the cache
 
 
+@pytest.mark.parametrize("system", [False, True])
+def test_a_fused_prompt_the_cache_can_never_hold_is_refused_not_waited_for(system):
+    """A fused prefill takes its blocks as it starts; one larger than the whole cache (beside its relay
+    system prompt) was a CacheFullError ("KV cache full ... free"), which ``when_room`` and the async
+    engine wait out: it is refused at once, as a plain request is, and nothing is held."""
+    from ragfuse.engine.fusion import Segment
+
+    engine = random_engine(kv_blocks=8)
+    sid = engine.register_system(list(range(1, 21))) if system else None  # 5 blocks
+    free = engine.blocks.num_free
+    ids = list(range(30, 46)) if system else list(range(30, 70))  # 4 blocks beside 5; 10 blocks alone
+    match = "beside its system prompt's 5 blocks" if system else r"\(10 blocks\) does not fit in the KV cache of 8"
+    with pytest.raises(RequestError, match=match) as info:
+        engine.when_room(lambda: engine.add_fused_request([Segment(ids)], LONG, "full", system=sid))
+    assert type(info.value) is RequestError
+    assert not engine.has_unfinished() and engine.blocks.num_free == free and not engine._seqs
+
+
 @pytest.mark.parametrize("chunk", [4, 8192])
 def test_request_that_registered_system_prompts_leave_no_room_for_ends_instead_of_waiting(chunk):
     """A system prompt the application registered holds 6 of 8 blocks: a plain 3-block request can
