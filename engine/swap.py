@@ -24,7 +24,9 @@ class SwapSpace:
         self.kv_cache = kv_cache
         self.budget_bytes = budget_bytes
         self.used_bytes = 0
-        self._held: dict[str, torch.Tensor] = {}  # request id -> [layers, 2, blocks, block_size, heads, dim]
+        # request id -> its pages in runs of up to _CHUNK_BLOCKS, each [layers, 2, blocks, block_size, heads, dim]
+        # and contiguous: a strided host view made each copy go through a pageable staging buffer (1 GB/s)
+        self._held: dict[str, list[torch.Tensor]] = {}
         self._pin = kv_cache.storage.device.type == "cuda"
 
     def holds(self, request_id: str) -> bool:
@@ -32,36 +34,42 @@ class SwapSpace:
 
     def swap_out(self, request_id: str, blocks: list[int]) -> bool:
         """Copy ``blocks`` (a sequence's pages, in order) to host memory; False, copying nothing,
-        where the budget or the host's memory cannot take them. The copy is queued on the current
-        stream, so pages given back afterwards are overwritten only after it has read them."""
+        where the budget or the host's memory cannot take them. The copies are queued on the current
+        stream, so pages given back afterwards are overwritten only after they have been read."""
         storage = self.kv_cache.storage
-        shape = (*storage.shape[:2], len(blocks), *storage.shape[3:])
-        nbytes = storage.element_size() * torch.Size(shape).numel()
-        if self.used_bytes + nbytes > self.budget_bytes:
+        per_block = storage[:, :, 0].numel() * storage.element_size()
+        if self.used_bytes + per_block * len(blocks) > self.budget_bytes:
             return False
+        runs = [blocks[i:i + _CHUNK_BLOCKS] for i in range(0, len(blocks), _CHUNK_BLOCKS)]
         try:
-            host = torch.empty(shape, dtype=storage.dtype, pin_memory=self._pin)
+            host = [torch.empty((*storage.shape[:2], len(run), *storage.shape[3:]), dtype=storage.dtype,
+                                pin_memory=self._pin) for run in runs]
         except RuntimeError:  # pinned memory exhausted: recompute instead
             return False
-        for start in range(0, len(blocks), _CHUNK_BLOCKS):
-            idx = torch.tensor(blocks[start:start + _CHUNK_BLOCKS], device=storage.device)
-            host[:, :, start:start + len(idx)].copy_(storage[:, :, idx], non_blocking=self._pin)
+        for run, dst in zip(runs, host):
+            dst.copy_(storage[:, :, torch.tensor(run, device=storage.device)], non_blocking=self._pin)
         self._held[request_id] = host
-        self.used_bytes += nbytes
+        self.used_bytes += per_block * len(blocks)
         return True
 
     def swap_in(self, request_id: str, blocks: list[int]) -> None:
         """Copy a swapped sequence's pages back into ``blocks`` (as many as it gave) and free the host copy."""
         host = self._held.pop(request_id)
         storage = self.kv_cache.storage
-        assert len(blocks) == host.shape[2], "swap_in needs as many blocks as were swapped out"
-        for start in range(0, len(blocks), _CHUNK_BLOCKS):
-            idx = torch.tensor(blocks[start:start + _CHUNK_BLOCKS], device=storage.device)
-            storage[:, :, idx] = host[:, :, start:start + len(idx)].to(storage.device, non_blocking=self._pin)
-        self.used_bytes -= host.element_size() * host.numel()
+        assert len(blocks) == sum(h.shape[2] for h in host), "swap_in needs as many blocks as were swapped out"
+        start = 0
+        for src in host:
+            idx = torch.tensor(blocks[start:start + src.shape[2]], device=storage.device)
+            storage[:, :, idx] = src.to(storage.device, non_blocking=self._pin)
+            start += src.shape[2]
+        self.used_bytes -= _nbytes(host)
 
     def drop(self, request_id: str) -> None:
         """Forget a swapped sequence's copy (it was aborted or finished while swapped out)."""
         host = self._held.pop(request_id, None)
         if host is not None:
-            self.used_bytes -= host.element_size() * host.numel()
+            self.used_bytes -= _nbytes(host)
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
