@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .errors import CacheFullError, EngineStopped
-from .llm_engine import LLMEngine, RequestOutput
+from .llm_engine import LLMEngine, RequestOutput, RoomMark
 from .sampling import SamplingParams
 
 log = logging.getLogger("ragfuse.engine")
@@ -136,7 +136,7 @@ class _EngineLoop:
         self.inbox: queue.Queue[_Submit | _Call | _Abort | None] = queue.Queue()
         self._listeners: dict[str, _Submit] = {}
         self.deferred: deque[_Submit] = deque()  # starts that found the cache full, oldest first
-        self._free_at_full = -1  # free blocks when a deferred start last found the cache full
+        self._full_at = RoomMark(-1, False)  # what a deferred start last saw when it found no room
         self.thread = threading.Thread(target=self._loop, name="ragfuse-engine", daemon=True)
         self.thread.start()
 
@@ -194,7 +194,7 @@ class _EngineLoop:
             if self.engine.has_unfinished():  # running requests will free blocks: try again then
                 if item not in self.deferred:
                     self.deferred.append(item)
-                self._free_at_full = self.engine.blocks.num_free
+                self._full_at = self.engine.room_mark()
                 return False
             self._fail(item, exc)
             return True
@@ -206,9 +206,9 @@ class _EngineLoop:
 
     def _start_deferred(self) -> None:
         """Start the waiting submissions, oldest first, as far as the cache now has room. Not tried
-        before a step has freed blocks (or nothing runs): a start may retrieve, look a session up and
-        open stored KV, wasted work at every step while the cache stays full."""
-        if self.engine.has_unfinished() and self.engine.blocks.num_free <= self._free_at_full:
+        before there may be room (``LLMEngine.room_since``, or nothing runs): a start may retrieve,
+        look a session up and open stored KV, wasted work at every step while the cache stays full."""
+        if self.engine.has_unfinished() and not self.engine.room_since(self._full_at):
             return
         while self.deferred:
             item = self.deferred[0]

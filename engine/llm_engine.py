@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -58,6 +58,13 @@ class RequestOutput:
     ttft_s: float | None
     total_s: float
     metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class RoomMark(NamedTuple):
+    """The cache as a start that found no room saw it (``LLMEngine.room_mark``)."""
+
+    free: int  # free blocks
+    behind_preempted: bool  # preempted requests were waiting: starts let them resume first
 
 
 class LLMEngine:
@@ -319,9 +326,19 @@ class LLMEngine:
             except CacheFullError:
                 if not self.scheduler.has_work:
                     raise
-                full = self.blocks.num_free
-                while self.scheduler.has_work and self.blocks.num_free <= full:
+                full = self.room_mark()
+                while self.scheduler.has_work and not self.room_since(full):
                     self._held = self.step()  # a step hands the held outputs on first: none is lost
+
+    def room_mark(self) -> RoomMark:
+        """What a start that found no room saw (for ``room_since``)."""
+        return RoomMark(self.blocks.num_free, self.scheduler.preempted_waiting)
+
+    def room_since(self, mark: RoomMark) -> bool:
+        """Whether a start refused at ``mark`` may find room now: blocks were freed since, or the
+        preempted requests it had to let go first have all resumed (``_add_prefilled``), which takes
+        blocks, so waiting for more free blocks than at the refusal held it back for no reason."""
+        return self.blocks.num_free > mark.free or (mark.behind_preempted and not self.scheduler.preempted_waiting)
 
     def compute_kv(
         self, token_lists: list[list[int]], context: Iterable[int] = ()
@@ -442,7 +459,7 @@ class LLMEngine:
         preempted in turn, and a swapped one held its host copy all that time."""
         sp = self.systems.get(system) if system is not None else None
         self.scheduler.check_fits(len(ids), len(sp.block_table) if sp is not None else 0)
-        if any(s.num_preemptions for s in self.scheduler.waiting):
+        if self.scheduler.preempted_waiting:
             raise CacheFullError("requests preempted for want of KV cache blocks resume first")
         # fused or session KV is not the exact KV of these tokens, so its blocks never join the prefix tree
         seq = Sequence(rid, ids, params, cacheable=False, tree_open=False, system=system,

@@ -77,6 +77,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def preempted_waiting(self) -> bool:
+        """Whether a sequence preempted for want of blocks waits to resume."""
+        return any(s.num_preemptions for s in self.waiting)
+
     def schedule(self) -> ScheduledBatch | None:
         while True:
             ran_alone = not self.running

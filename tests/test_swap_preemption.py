@@ -122,6 +122,21 @@ def test_a_fused_start_waits_behind_preempted_requests():
     assert eng.blocks.num_free == eng.blocks.num_blocks
 
 
+def test_a_start_refused_behind_a_preempted_request_starts_once_it_resumes():
+    """A start refused because a preempted request waited is tried again as soon as that request
+    resumes (``LLMEngine.room_since``): retried only once more blocks were free than at its refusal,
+    it waited here until the resumed request had finished, since resuming takes blocks."""
+    eng = engine(36)
+    rid, _ = start_fused_behind_others(eng)
+    step_until_swapped(eng, rid)
+    seq = eng._seqs[rid]
+    late = eng.when_room(lambda: eng.add_fused_request(
+        [Segment([7, 8, 9])], SamplingParams(max_tokens=2, ignore_eos=True), mode="full")[0])
+    assert seq.num_swaps >= 1 and not eng.scheduler.swapped(seq) and not seq.finished
+    outs = finish(eng)
+    assert {rid, late} <= set(outs) and eng.blocks.num_free == eng.blocks.num_blocks
+
+
 def test_a_session_turn_preempted_on_stored_history_is_swapped_and_saved_whole(tmp_path):
     """A turn reusing its session's stored history is not recomputed when preempted; its session is
     saved with the whole turn, so the next turn reuses every earlier token."""
