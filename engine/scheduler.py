@@ -195,12 +195,13 @@ class Scheduler:
         kept = self._shared_prefix(seq)
         own = seq.block_table[len(kept):]
         computed = own[:self.blocks.blocks_needed(kept, seq.num_computed_tokens)]
-        swapped = not seq.cacheable and self.swap is not None and self.swap.swap_out(seq.request_id, computed)
-        if not seq.cacheable and self.swap is not None and not swapped:
+        swap = None if seq.cacheable else self.swap  # only KV a prefill would not give back is kept
+        swapped = swap is not None and swap.swap_out(seq.request_id, computed)
+        if swap is not None and not swapped:
             log.warning("request %s preempted with its fused or session KV (%d tokens), which the swap space "
                         "(%d of %d bytes in use) cannot take: it is recomputed by prefill, so its answer may "
                         "differ from an unpreempted run (raise EngineConfig.swap_space_bytes)",
-                        seq.request_id, seq.num_computed_tokens, self.swap.used_bytes, self.swap.budget_bytes)
+                        seq.request_id, seq.num_computed_tokens, swap.used_bytes, swap.budget_bytes)
         seq.block_table = own
         self._release(seq)
         seq.block_table = kept

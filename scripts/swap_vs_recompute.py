@@ -13,29 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from ragfuse.bench.engine import Sync, median_time
 from ragfuse.bench.shapes import shape_config
 from ragfuse.engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams
-
-
-def timed(fn, device: torch.device, repeats: int) -> float:
-    """Median seconds of ``fn`` over ``repeats`` calls, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -74,12 +58,12 @@ def main() -> None:
 
     def swap_out_only() -> None:
         assert swap.swap_out("bench", table)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync()
         swap.drop("bench")
 
-    t_round = timed(round_trip, device, args.repeats)
-    t_out = timed(swap_out_only, device, args.repeats)
+    sync = Sync(device)
+    t_round = median_time(round_trip, sync, args.repeats)
+    t_out = median_time(swap_out_only, sync, args.repeats)
     exact = bool(torch.equal(storage[:, :, torch.tensor(other, device=device)], original))
     nbytes = original.numel() * original.element_size()
     blocks.release(table)
@@ -92,7 +76,7 @@ def main() -> None:
         while eng.has_unfinished():
             eng.step()
 
-    t_prefill = timed(prefill, device, args.repeats)
+    t_prefill = median_time(prefill, sync, args.repeats)
     result = {
         "shape": args.shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "tokens": args.tokens, "kv_bytes": nbytes, "swap_round_trip_s": t_round, "swap_out_s": t_out,

@@ -64,7 +64,7 @@ class ServerMetrics:
             else:
                 self.kv_hits.labels(tier).inc()
 
-    def record_reuse(self, last: Delta) -> None:
+    def record_request(self, last: Delta) -> None:
         """A finished request's session and relay reuse (its last delta's ``reuse``) and preemptions."""
         reuse = last.reuse or {}
         if "session_id" in reuse:
@@ -98,7 +98,7 @@ class ServerMetrics:
         finally:
             self.requests.labels(endpoint, outcome).inc()
             if last is not None:
-                self.record_reuse(last)
+                self.record_request(last)
                 self.tokens.inc(last.completion_tokens)
                 self.prompt_tokens.inc(last.prompt_tokens)
                 span = time.perf_counter() - (first or t0)
