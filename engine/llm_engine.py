@@ -593,18 +593,22 @@ class LLMEngine:
         n = seq.num_computed_tokens
         conversation = turn.plan.conversation + seq.output_token_ids
         ranges = extend(turn.plan.ranges, len(turn.plan.conversation) + n - len(seq.prompt_token_ids))
-        snap = take_snapshot(self.runner.kv_cache, seq.block_table, n, self.runner.model.model.rotary,
-                             self._snapshot_stream)
+        swap = self.scheduler.swap
+        if swap is not None and swap.holds(seq.request_id):  # preempted: its KV is in host memory
+            k, v = swap.gather(seq.request_id, seq.block_table, n)
+        else:
+            k, v = self.runner.kv_cache.gather(seq.block_table, n)
+        snap = take_snapshot(k, v, self.runner.model.model.rotary, self._snapshot_stream)
         queue = [t.session_id for rid, t in self._session_turns.items() if rid != seq.request_id]
         self.sessions.save(turn.session_id, conversation, ranges, snap, queue)
 
     def _close_turn(self, request_id: str) -> None:
-        """Save a finished turn's session with whatever KV its pages hold (after its closing step,
-        every token; before it, all but the last) and free the pages. A turn preempted while closing
-        holds none in its pages (recomputed later, or swapped to host memory): its session keeps the
-        previous turn's KV."""
+        """Save a finished turn's session with whatever KV it holds (after its closing step, every
+        token; before it, all but the last; swapped out, from its host copy) and free it. A turn
+        preempted for recompute while closing holds at most a shared prefix, less than the history
+        its session already has: the session keeps the previous turn's KV."""
         seq, turn = self._closing.pop(request_id)
-        if seq.num_computed_tokens and not self.scheduler.swapped(seq):
+        if seq.num_computed_tokens >= len(seq.prompt_token_ids):
             self._save_session(seq, turn)
         self.scheduler.finish(seq, seq.finish_reason or "stop")
 
@@ -644,6 +648,11 @@ class LLMEngine:
             self._inflight.tokens()  # only stopped sequences' rows: wait for its copy, drop it
             self._inflight = None
         batch = self.scheduler.schedule()
+        for rid, (seq, _) in list(self._closing.items()):
+            # preempted before its closing step: saved now from its host copy (all but the last
+            # token), rather than swapped back in, taking blocks, to compute one token's KV
+            if self.scheduler.swapped(seq):
+                self._close_turn(rid)
         outputs += [self._emit_starved(seq) for seq in self.scheduler.take_starved()]
         if batch is None:
             return outputs

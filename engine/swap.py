@@ -64,6 +64,17 @@ class SwapSpace:
             start += src.shape[2]
         self.used_bytes -= _nbytes(host)
 
+    def gather(self, request_id: str, kept: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of a swapped sequence's first ``num_tokens`` tokens, as ``KVCache.gather`` gives
+        them for a sequence in the cache (new tensors on the cache's device): its ``kept`` leading
+        blocks (a shared prefix that stayed in the cache) and then its host copy. A session turn
+        preempted before its closing step is saved from here."""
+        storage = self.kv_cache.storage
+        parts = [storage[:, :, torch.tensor(kept, device=storage.device)]] if kept else []
+        parts += [h.to(storage.device, non_blocking=self._pin) for h in self._held[request_id]]
+        kv = torch.cat(parts, dim=2).flatten(2, 3)[:, :, :num_tokens]
+        return kv[:, 0], kv[:, 1]
+
     def drop(self, request_id: str) -> None:
         """Forget a swapped sequence's copy (it was aborted or finished while swapped out)."""
         host = self._held.pop(request_id, None)

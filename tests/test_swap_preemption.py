@@ -3,6 +3,8 @@ pressure they resume on exactly the KV they had, so the load on the engine never
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -137,11 +139,10 @@ def test_a_start_refused_behind_a_preempted_request_starts_once_it_resumes():
     assert {rid, late} <= set(outs) and eng.blocks.num_free == eng.blocks.num_blocks
 
 
-def test_a_session_turn_preempted_on_stored_history_is_swapped_and_saved_whole(tmp_path):
-    """A turn reusing its session's stored history is not recomputed when preempted; its session is
-    saved with the whole turn, so the next turn reuses every earlier token."""
-    eng = engine(36)
-    eng.enable_sessions(SessionStore(tmp_path, eng.fingerprint, torch.float32))
+def session_turn_behind_others(eng: LLMEngine, store: Path, max_tokens: int) -> tuple[list[int], str, list[str]]:
+    """A session's first turn alone, then five plain requests decoding and the session's second
+    turn (reusing the stored first): the newest, so the first preempted when the cache runs out."""
+    eng.enable_sessions(SessionStore(store, eng.fingerprint, torch.float32))
     first = prompts(1, 20)[0]
     eng.add_session_request("s", first, SamplingParams(max_tokens=8, ignore_eos=True))
     answer = finish(eng)
@@ -149,7 +150,15 @@ def test_a_session_turn_preempted_on_stored_history_is_swapped_and_saved_whole(t
     others = [eng.add_request(p, PARAMS) for p in prompts(5, 10)]
     for _ in range(2):
         eng.step()
-    rid = eng.add_session_request("s", conversation, SamplingParams(max_tokens=12, ignore_eos=True))
+    rid = eng.add_session_request("s", conversation, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return conversation, rid, others
+
+
+def test_a_session_turn_preempted_on_stored_history_is_swapped_and_saved_whole(tmp_path):
+    """A turn reusing its session's stored history is not recomputed when preempted; its session is
+    saved with the whole turn, so the next turn reuses every earlier token."""
+    eng = engine(36)
+    conversation, rid, others = session_turn_behind_others(eng, tmp_path, 12)
     out = finish(eng)
     assert out[rid].metrics["swapped"] >= 1 and set(others) <= set(out)
     nxt = eng.begin_session_turn("s", conversation + out[rid].token_ids + [5, 6], reserve=4, new_tokens=2)
@@ -163,3 +172,21 @@ def test_swap_space_must_be_a_byte_count(bad):
 
     with pytest.raises(ModelError, match="swap_space_bytes must be a non-negative integer"):
         EngineConfig(swap_space_bytes=bad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_session_turn_swapped_out_before_its_closing_step_is_saved_from_its_host_copy(device, tmp_path):
+    """A finished turn waits for one more decode step to compute its last token's KV; preempted
+    before that step, its KV is only in host memory. Its session is saved from there (all but the
+    last token), so the next turn reuses the finished turn instead of only the one before it."""
+    eng = engine(36, device)
+    conversation, rid, others = session_turn_behind_others(eng, tmp_path, 3)
+    done = None
+    while done is None:
+        done = next((o for o in eng.step() if o.request_id == rid and o.finished), None)
+    eng.step()  # the five others grow: the finished turn, the newest, is preempted before closing
+    nxt = eng.begin_session_turn("s", conversation + done.token_ids + [5, 6], reserve=4, new_tokens=2)
+    assert nxt.reused == len(conversation) + len(done.token_ids) - 1
+    nxt.close()
+    assert set(others) <= set(finish(eng))
+    assert eng.blocks.num_free == eng.blocks.num_blocks and eng.scheduler.swap.used_bytes == 0

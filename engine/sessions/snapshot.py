@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv_cache import KVCache
 from ..layers import RotaryEmbedding
 from ..ops import apply_rope
 
@@ -38,12 +37,12 @@ def unrotate(k: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) 
 
 
 def take_snapshot(
-    cache: KVCache, block_table: list[int], num_tokens: int, rotary: RotaryEmbedding,
-    stream: torch.cuda.Stream | None = None,
+    k: torch.Tensor, v: torch.Tensor, rotary: RotaryEmbedding, stream: torch.cuda.Stream | None = None,
 ) -> Snapshot:
-    """Start copying a sequence's first ``num_tokens`` tokens of KV to host memory; returns at once
-    on CUDA (``stream`` does the copy), after the copy elsewhere."""
-    k, v = cache.gather(block_table, num_tokens)  # [layers, tokens, kv_heads, dim], new tensors
+    """Start copying a sequence's gathered KV (``k``, ``v``: [layers, tokens, kv_heads, dim], new
+    tensors, K rotated to positions 0, 1, ...) to host memory; returns at once on CUDA (``stream``
+    does the copy), after the copy elsewhere. The caller gathers: from the paged cache
+    (``KVCache.gather``), or from the swap space's host copy of a preempted turn."""
     layers, n, heads, dim = k.shape
     positions = torch.arange(n, device=k.device)
     flat = k.permute(1, 0, 2, 3).reshape(n, layers * heads, dim)  # every layer's heads at once
