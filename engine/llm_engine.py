@@ -597,6 +597,8 @@ class LLMEngine:
         if swap is not None and swap.holds(seq.request_id):  # preempted: its KV is in host memory
             k, v = swap.gather(seq.request_id, seq.block_table, n)
         else:
+            if swap is not None:  # swapped back in, the copy maybe still on its way
+                swap.await_arrivals(seq.request_id)
             k, v = self.runner.kv_cache.gather(seq.block_table, n)
         snap = take_snapshot(k, v, self.runner.model.model.rotary, self._snapshot_stream)
         queue = [t.session_id for rid, t in self._session_turns.items() if rid != seq.request_id]

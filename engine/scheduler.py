@@ -88,6 +88,8 @@ class Scheduler:
             batch = self._schedule_prefill() or self._schedule_decode()
             if batch is not None or not self.has_work:
                 return batch
+            if self.swap is not None and self.swap.await_arrivals():  # only swapped-in sequences could run
+                continue
             if ran_alone:  # the next request cannot start in a cache that nothing running holds
                 self._starve(self.waiting[0])
             elif len(self.running) == 1:  # stuck mid-prefill alone: nothing else would free blocks for it
@@ -139,8 +141,8 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduledBatch | None:
         scheduled: list[Sequence] = []
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING or seq.num_uncomputed != 1:
-                continue  # preempted to make room, or still in a chunked prefill
+            if seq.status is not Status.RUNNING or seq.num_uncomputed != 1 or not self.arrived(seq):
+                continue  # preempted to make room, still in a chunked prefill, or its pages still coming back
             while not self._room(seq, seq.num_tokens):
                 victim = self.running[-1]
                 if victim is seq and len(self.running) == 1:  # alone and still no room: it never will have
@@ -192,6 +194,8 @@ class Scheduler:
         pressure it could be starved (finished "length" early) where the same request unpreempted
         completes. Tree blocks are released: a match finds them again."""
         self.running.remove(seq)
+        if self.swap is not None:  # its pages may still be coming back from an earlier swap
+            self.swap.await_arrivals(seq.request_id)
         kept = self._shared_prefix(seq)
         own = seq.block_table[len(kept):]
         computed = own[:self.blocks.blocks_needed(kept, seq.num_computed_tokens)]
@@ -212,6 +216,10 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def arrived(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s pages are in the cache (a swapped-in sequence's copy back has landed)."""
+        return self.swap is None or self.swap.arrived(seq.request_id)
 
     def swapped(self, seq: Sequence) -> bool:
         """Whether ``seq`` waits with its KV in host memory (``_preempt``)."""

@@ -7,9 +7,16 @@ server would decide it) and would pay the full prefill that reuse saved. Such a 
 copied to host memory instead (pinned on CUDA) and copied back into fresh pages when it resumes, so
 it decodes on exactly the KV it had. Bounded by a byte budget; a sequence that would exceed it is
 recomputed as before.
+
+On CUDA the copy back runs on a side stream, beside the running sequences' steps (a 388 MiB copy
+held a Mistral-7B batch ~9 ms on the compute stream); the resumed sequence joins a step only once
+its copy has landed (``arrived``). The copy out stays on the compute stream: the pages it reads are
+given to other sequences in the same step.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -28,6 +35,9 @@ class SwapSpace:
         # and contiguous: a strided host view made each copy go through a pageable staging buffer (1 GB/s)
         self._held: dict[str, list[torch.Tensor]] = {}
         self._pin = kv_cache.storage.device.type == "cuda"
+        self._stream = torch.cuda.Stream(kv_cache.storage.device) if self._pin else None
+        # request id -> (the copy back's event, its host runs: they must live until the copy has read them)
+        self._arriving: dict[str, tuple[torch.cuda.Event, list[torch.Tensor]]] = {}
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._held
@@ -53,16 +63,43 @@ class SwapSpace:
         return True
 
     def swap_in(self, request_id: str, blocks: list[int]) -> None:
-        """Copy a swapped sequence's pages back into ``blocks`` (as many as it gave) and free the host copy."""
+        """Copy a swapped sequence's pages back into ``blocks`` (as many as it gave) and free the host
+        copy; on CUDA the copy is queued on the side stream, after the work already queued on the
+        compute stream (the blocks' previous owner may still be using them)."""
         host = self._held.pop(request_id)
         storage = self.kv_cache.storage
         assert len(blocks) == sum(h.shape[2] for h in host), "swap_in needs as many blocks as were swapped out"
-        start = 0
-        for src in host:
-            idx = torch.tensor(blocks[start:start + src.shape[2]], device=storage.device)
-            storage[:, :, idx] = src.to(storage.device, non_blocking=self._pin)
-            start += src.shape[2]
+        stream = self._stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(storage.device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            start = 0
+            for src in host:
+                idx = torch.tensor(blocks[start:start + src.shape[2]], device=storage.device)
+                storage[:, :, idx] = src.to(storage.device, non_blocking=self._pin)
+                start += src.shape[2]
+            if stream is not None:
+                event = torch.cuda.Event()
+                event.record(stream)
+                self._arriving[request_id] = (event, host)
         self.used_bytes -= _nbytes(host)
+
+    def arrived(self, request_id: str) -> bool:
+        """Whether a sequence's pages are in the cache: not swapped, or its copy back has landed."""
+        pending = self._arriving.get(request_id)
+        if pending is not None and not pending[0].query():
+            return False
+        self._arriving.pop(request_id, None)
+        return True
+
+    def await_arrivals(self, request_id: str | None = None) -> bool:
+        """Make the compute stream wait for the copies back still on their way (one request's, or
+        all): before its pages are read or given away outside a scheduled step. Whether any was."""
+        ids = list(self._arriving) if request_id is None else [request_id] if request_id in self._arriving else []
+        for rid in ids:
+            event, _ = self._arriving.pop(rid)
+            torch.cuda.current_stream(self.kv_cache.storage.device).wait_event(event)
+        return bool(ids)
 
     def gather(self, request_id: str, kept: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a swapped sequence's first ``num_tokens`` tokens, as ``KVCache.gather`` gives
@@ -76,7 +113,9 @@ class SwapSpace:
         return kv[:, 0], kv[:, 1]
 
     def drop(self, request_id: str) -> None:
-        """Forget a swapped sequence's copy (it was aborted or finished while swapped out)."""
+        """Forget a swapped sequence's copy (it was aborted or finished while swapped out, or while
+        its copy back was on its way: its blocks are given back, so later work waits for that copy)."""
+        self.await_arrivals(request_id)
         host = self._held.pop(request_id, None)
         if host is not None:
             self.used_bytes -= _nbytes(host)

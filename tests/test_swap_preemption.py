@@ -190,3 +190,23 @@ def test_a_session_turn_swapped_out_before_its_closing_step_is_saved_from_its_ho
     nxt.close()
     assert set(others) <= set(finish(eng))
     assert eng.blocks.num_free == eng.blocks.num_blocks and eng.scheduler.swap.used_bytes == 0
+
+
+@pytest.mark.gpu
+def test_a_copy_back_runs_on_a_side_stream_and_lands_before_its_pages_are_read():
+    """On CUDA the copy back is queued beside the compute stream: the request counts as arrived
+    only once it has landed, and work that reads its pages first waits for it."""
+    eng = engine(96, "cuda")
+    swap, storage = eng.scheduler.swap, eng.runner.kv_cache.storage
+    table: list[int] = []
+    other: list[int] = []
+    eng.blocks.grow(table, 160)
+    eng.blocks.grow(other, 160)
+    src, dst = (torch.tensor(t, device=storage.device) for t in (table, other))
+    storage[:, :, src] = torch.randn_like(storage[:, :, src])
+    original = storage[:, :, src].clone()
+    assert swap.swap_out("r", table)
+    swap.swap_in("r", other)
+    assert swap.await_arrivals() and swap.arrived("r")
+    assert torch.equal(storage[:, :, dst], original)
+    assert swap.used_bytes == 0 and not swap.holds("r")
