@@ -5,8 +5,9 @@ A random-weight model of a real shape (timing does not depend on weight values),
 ``--tokens`` tokens: the swap's round trip (out, then in to other blocks; medians, CUDA-synchronised)
 against a plain prefill of the same tokens to its first token. The pages copied back are checked
 equal to the originals bit for bit. Then what a copy back costs the requests running meanwhile:
-two decode steps of ``--batch`` running requests with the copy queued just before them, against the
-same steps alone (on CUDA the copy runs on a side stream). Writes ``swap.json`` and ``swap.md`` under OUT.
+two decode steps of ``--batch`` running requests with the copy queued just before them, until the
+steps' own end, against the same steps alone (on CUDA the copy runs on a side stream).
+Writes ``swap.json`` and ``swap.md`` under OUT.
 
 Usage: python3 scripts/swap_vs_recompute.py OUT [--shape mistral-7b] [--tokens 3104] [--device cuda]
 """
@@ -92,9 +93,12 @@ def main() -> None:
         t = time.perf_counter()
         swap.swap_in("bench", other)
         steps()
+        if device.type == "cuda":  # the steps' own end: the copy back may go on beside them
+            torch.cuda.current_stream(device).synchronize()
+        took = time.perf_counter() - t
         swap.await_arrivals()
         sync()
-        return time.perf_counter() - t
+        return took
 
     t_steps = median_time(steps, sync, args.repeats)
     copy_back_beside_steps()  # warm-up
