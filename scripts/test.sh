@@ -6,6 +6,10 @@ bash scripts/setup.sh
 echo "setup: ${SECONDS} s" >&2  # each phase's end, so a slow CI run shows where its time went
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# this machine (and CI) sets PYTHONDONTWRITEBYTECODE=1 and uv installs no .pyc files, so every Python
+# process compiled torch's and transformers' sources again: ~7 s of a 12 s model load, paid by each
+# test worker and each of the suite's CLI and server subprocesses. Written once here, then read.
+unset PYTHONDONTWRITEBYTECODE
 ruff check .
 # two workers (one per core of the CI machine), each with one torch thread: the suite is mostly
 # Python-bound model and server setup, which one process leaves a core idle through; whole files go
