@@ -118,10 +118,20 @@ class AsyncEngine:
         server that is asked to stop (a signal): its streams end at once, not after its grace period."""
         self._stop()
 
-    def shutdown(self) -> None:
-        """End the loop (``stop``) and wait for its thread."""
+    def shutdown(self, notice_every: float = 10.0) -> None:
+        """End the loop (``stop``) and wait for its thread. A step or call it is in runs to its end
+        (neither can be cut short), however long that takes (a long prefill on a CPU, an upload's KV
+        batch): a caller goes on to close what the engine uses (stores, the session store) and to give
+        the engine to others, which must not happen under a running step. It had waited 10 s at most
+        and then went on beside it. Logs a line each ``notice_every`` seconds it waits."""
         self.stop()
-        self._worker.thread.join(timeout=10)
+        thread = self._worker.thread
+        if thread is threading.current_thread():  # called from a call on the engine thread: it ends after it
+            return
+        thread.join(timeout=notice_every)
+        while thread.is_alive():
+            log.warning("waiting for the engine's current step or call to end before it shuts down")
+            thread.join(timeout=notice_every)
 
     def _check_open(self) -> None:
         if not self._stop.alive:  # nothing would ever take the request: its caller would wait forever

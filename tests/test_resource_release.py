@@ -134,3 +134,35 @@ def test_a_request_in_flight_when_the_server_stops_is_a_503(llm, tmp_path: Path)
     (reply,) = replies
     assert reply.status_code == 503, reply.text
     assert "shut down while this request ran" in reply.json()["error"]["message"], reply.text
+
+
+def test_shutdown_waits_for_a_long_call_to_end_and_says_so(caplog):
+    """A step or call on the engine thread cannot be cut short; a shutdown that returned while it ran
+    let its caller close stores under it and hand the engine to others. It waits, and logs that it does."""
+    engine = random_engine(kv_blocks=64)
+    aeng = AsyncEngine(engine)
+    release = threading.Event()
+    ended: list[float] = []
+
+    def long_call(_engine) -> None:
+        release.wait(timeout=30)
+        time.sleep(0.2)  # still inside the call after it is released
+        ended.append(time.perf_counter())
+
+    async def start_call() -> asyncio.Task:
+        task = asyncio.create_task(aeng.call(long_call))
+        await asyncio.sleep(0.2)  # the engine thread is now inside the call
+        return task
+
+    loop = asyncio.new_event_loop()
+    try:
+        task = loop.run_until_complete(start_call())
+        threading.Timer(0.5, release.set).start()
+        with caplog.at_level("WARNING", logger="ragfuse.engine"):
+            aeng.shutdown(notice_every=0.1)
+        returned = time.perf_counter()
+        loop.run_until_complete(task)
+    finally:
+        loop.close()
+    assert ended and returned >= ended[0]
+    assert "waiting for the engine's current step or call to end" in caplog.text
