@@ -48,7 +48,8 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.rope, self.max_positions = head_dim, rope, max_positions
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
-        self.build_tables(self.cos.device)  # on "meta" while the model is built without memory
+        if self.cos.device.type != "meta":  # a model built on "meta" gets its tables once it has memory
+            self.build_tables(self.cos.device)  # (there, their math imported torch._dynamo: ~1.2 s a process)
 
     def build_tables(self, device: torch.device) -> None:
         """(Re)compute the tables on ``device`` in float32, whatever dtype the model is cast to. Pure

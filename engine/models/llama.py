@@ -104,7 +104,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaBackbone(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # built on the meta device and filled from the checkpoint (``model_runner._materialize``): no
+        # init, whose normal_ on meta imported torch._dynamo (1.2 s of every process's model load)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, self.rotary) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
