@@ -578,6 +578,7 @@ def test_metrics_report_ttft_tokens_and_queue(served, client):
     assert metric(served, "ragfuse_generated_tokens_total") >= 4
     text = httpx.get(f"{served.url}/metrics", headers=AUTH).text
     assert "ragfuse_queue_depth 0.0" in text and "ragfuse_decode_tokens_per_second_bucket" in text
+    assert "ragfuse_kv_cache_usage_ratio " in text and "ragfuse_swap_space_bytes 0.0" in text
 
 
 def test_serve_command_refuses_bad_arguments():

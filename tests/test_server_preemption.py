@@ -1,10 +1,11 @@
 """RAG queries served at once in a KV cache too small for them all: the engine preempts fused requests
 and swaps their KV to host memory; every answer is the one the same query gets alone, the metrics
-count the swaps, and nothing is left held (cache blocks, host copies)."""
+count the swaps and show the cache's use, and nothing is left held (cache blocks, host copies)."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -49,6 +50,13 @@ def preemptions(url: str) -> dict[str, float]:
             for line in text.splitlines() if line.startswith(prefix)}
 
 
+def gauges(url: str) -> dict[str, float]:
+    """The KV cache's gauges: blocks in use (share) and swapped bytes."""
+    lines = httpx.get(f"{url}/metrics", headers=AUTH).text.splitlines()
+    return {name: float(line.rpartition(" ")[2]) for line in lines
+            for name in ("ragfuse_kv_cache_usage_ratio", "ragfuse_swap_space_bytes") if line.startswith(name + " ")}
+
+
 def test_concurrent_rag_answers_survive_preemption_unchanged(tight):
     alone = [ask(tight.url, q) for q in QUESTIONS]
     assert preemptions(tight.url) == {"swapped": 0.0, "recomputed": 0.0}
@@ -57,6 +65,10 @@ def test_concurrent_rag_answers_survive_preemption_unchanged(tight):
                for i in range(len(QUESTIONS))]
     for t in threads:
         t.start()
+    seen = []  # the gauges while they answer
+    while any(t.is_alive() for t in threads):
+        seen.append(gauges(tight.url))
+        time.sleep(0.05)
     for t in threads:
         t.join()
     assert [together[i]["answer"] for i in range(len(QUESTIONS))] == [a["answer"] for a in alone]
@@ -66,3 +78,9 @@ def test_concurrent_rag_answers_survive_preemption_unchanged(tight):
     assert engine.scheduler.swap.used_bytes == 0 and not engine.scheduler.has_work
     relay_held = sum(len(engine.systems.get(sid).block_table) for sid in engine.relay_prompts._used)
     assert engine.blocks.num_free == engine.blocks.num_blocks - relay_held
+    # under that load the cache filled up and swapped KV sat in host memory; after it, only the relay
+    # instruction's blocks are held and no swapped KV is left
+    assert max(g["ragfuse_kv_cache_usage_ratio"] for g in seen) > 0.9
+    assert max(g["ragfuse_swap_space_bytes"] for g in seen) > 0
+    assert gauges(tight.url) == {"ragfuse_kv_cache_usage_ratio": relay_held / CACHE_BLOCKS,
+                                 "ragfuse_swap_space_bytes": 0.0}

@@ -25,7 +25,8 @@ from .state import ServerState
 def create_app(backend: Backend, settings: ServerSettings | None = None, close_backend: bool = True) -> FastAPI:
     """The server's app over ``backend``; with ``close_backend`` the app closes it on shutdown."""
     settings = settings or ServerSettings()
-    metrics = ServerMetrics(backend.queue_depth, backend.running, backend.relay_prompts)
+    metrics = ServerMetrics(backend.queue_depth, backend.running, backend.relay_prompts,
+                            backend.cache_usage if backend.cache_usage() is not None else None)
     state = ServerState(backend, settings, metrics)
     # FastAPI keeps the route and dependency functions it inspects in process-wide caches (4096 of
     # them, in fastapi.dependencies.models): what they hold strongly outlives the app, so every app

@@ -140,6 +140,17 @@ class RagAnswer:
     kv_tiers: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class CacheUsage:
+    """The engine's KV cache right now, for the metrics: blocks held (by requests and registered
+    system prompts; cached blocks nobody uses count as free, as a new request may take them), all
+    blocks, and the host memory holding preempted requests' swapped KV."""
+
+    blocks_used: int
+    blocks_total: int
+    swap_bytes: int
+
+
 class Backend(Protocol):
     name: str  # "ragfuse" or "vllm"
     model_id: str
@@ -175,5 +186,9 @@ class Backend(Protocol):
     def queue_depth(self) -> int: ...
 
     def running(self) -> int: ...
+
+    def cache_usage(self) -> CacheUsage | None:
+        """The KV cache's use now; None where the serving engine reports its own (vLLM's metrics)."""
+        ...
 
     def close(self) -> None: ...

@@ -24,7 +24,17 @@ from ragfuse.engine.sessions import SessionStore
 from ragfuse.engine.sessions.history import turn_floor
 from ragfuse.pipeline import Prepared, RagPipeline, Started
 
-from .backend import REUSE_KEYS, ChatPrompt, Delta, RagAnswer, RagOptions, Sampling, TextPrompt, refuse_full_prompt
+from .backend import (
+    REUSE_KEYS,
+    CacheUsage,
+    ChatPrompt,
+    Delta,
+    RagAnswer,
+    RagOptions,
+    Sampling,
+    TextPrompt,
+    refuse_full_prompt,
+)
 from .library import DocumentLibrary
 
 T = TypeVar("T")
@@ -212,6 +222,12 @@ class EngineBackend:
 
     def running(self) -> int:
         return self.loop.num_running
+
+    def cache_usage(self) -> CacheUsage:
+        engine = self.pipeline.engine
+        swap = engine.scheduler.swap
+        return CacheUsage(engine.blocks.num_blocks - engine.blocks.num_free, engine.blocks.num_blocks,
+                          swap.used_bytes if swap is not None else 0)
 
     def close(self) -> None:
         self.loop.shutdown()

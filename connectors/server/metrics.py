@@ -1,6 +1,6 @@
 """Prometheus metrics of one server: time to first token, token throughput, KV hits per tier, queue,
 session reuse (turns by the tier their history came from, tokens reused), relay (registered
-system prompts, tokens they served) and preemptions (a KV cache too small for the load).
+system prompts, tokens they served), preemptions and the KV cache's use (a cache too small for the load).
 
 Each app gets its own registry, so several servers (tests, benchmarks) can live in one process.
 """
@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from .backend import Delta
+from .backend import CacheUsage, Delta
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
@@ -23,7 +23,7 @@ T = TypeVar("T")
 
 class ServerMetrics:
     def __init__(self, queue_depth: Callable[[], int], running: Callable[[], int],
-                 relay_prompts: Callable[[], int]) -> None:
+                 relay_prompts: Callable[[], int], cache_usage: Callable[[], CacheUsage | None] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("ragfuse_requests", "finished generation requests", ["endpoint", "outcome"],
@@ -53,6 +53,20 @@ class ServerMetrics:
             relay_prompts)
         Gauge("ragfuse_queue_depth", "requests waiting for their first step", registry=r).set_function(queue_depth)
         Gauge("ragfuse_running_requests", "requests being decoded", registry=r).set_function(running)
+        if cache_usage is not None:  # the ragfuse engine's; vLLM reports its own
+            def used_share() -> float:
+                u = cache_usage()
+                return u.blocks_used / u.blocks_total if u is not None else 0.0
+
+            def swap_bytes() -> float:
+                u = cache_usage()
+                return u.swap_bytes if u is not None else 0.0
+
+            Gauge("ragfuse_kv_cache_usage_ratio", "share of the KV cache's blocks held by requests and registered "
+                  "system prompts (near 1 with preemptions rising: the cache is too small for the load)",
+                  registry=r).set_function(used_share)
+            Gauge("ragfuse_swap_space_bytes", "host memory holding preempted requests' swapped KV",
+                  registry=r).set_function(swap_bytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -244,6 +244,9 @@ class VLLMServeBackend(PromptBuilder):
     def running(self) -> int:
         return len(self._running)
 
+    def cache_usage(self) -> None:
+        return None  # vLLM's own metrics (vllm:kv_cache_usage_perc) report its cache
+
     def stop(self) -> None:
         """End every request at once (the server's SIGINT/SIGTERM): each one in flight, queued or
         running, raises ``EngineStopped`` (a stream's error event, a whole answer's 503) instead of
