@@ -7,6 +7,7 @@ docs pages are off (they would load scripts from a CDN).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any, cast
 
@@ -15,7 +16,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
 from . import errors, openai_routes, rag_routes
-from .backend import Backend
+from .backend import Backend, CacheUsage
 from .metrics import ServerMetrics
 from .security import BodyLimit, api_key_dependency, cors_kwargs
 from .settings import ServerSettings
@@ -25,8 +26,8 @@ from .state import ServerState
 def create_app(backend: Backend, settings: ServerSettings | None = None, close_backend: bool = True) -> FastAPI:
     """The server's app over ``backend``; with ``close_backend`` the app closes it on shutdown."""
     settings = settings or ServerSettings()
-    metrics = ServerMetrics(backend.queue_depth, backend.running, backend.relay_prompts,
-                            backend.cache_usage if backend.cache_usage() is not None else None)
+    usage = cast(Callable[[], CacheUsage], backend.cache_usage) if backend.cache_usage() is not None else None
+    metrics = ServerMetrics(backend.queue_depth, backend.running, backend.relay_prompts, usage)
     state = ServerState(backend, settings, metrics)
     # FastAPI keeps the route and dependency functions it inspects in process-wide caches (4096 of
     # them, in fastapi.dependencies.models): what they hold strongly outlives the app, so every app

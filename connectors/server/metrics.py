@@ -23,7 +23,7 @@ T = TypeVar("T")
 
 class ServerMetrics:
     def __init__(self, queue_depth: Callable[[], int], running: Callable[[], int],
-                 relay_prompts: Callable[[], int], cache_usage: Callable[[], CacheUsage | None] | None = None) -> None:
+                 relay_prompts: Callable[[], int], cache_usage: Callable[[], CacheUsage] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("ragfuse_requests", "finished generation requests", ["endpoint", "outcome"],
@@ -54,19 +54,11 @@ class ServerMetrics:
         Gauge("ragfuse_queue_depth", "requests waiting for their first step", registry=r).set_function(queue_depth)
         Gauge("ragfuse_running_requests", "requests being decoded", registry=r).set_function(running)
         if cache_usage is not None:  # the ragfuse engine's; vLLM reports its own
-            def used_share() -> float:
-                u = cache_usage()
-                return u.blocks_used / u.blocks_total if u is not None else 0.0
-
-            def swap_bytes() -> float:
-                u = cache_usage()
-                return u.swap_bytes if u is not None else 0.0
-
             Gauge("ragfuse_kv_cache_usage_ratio", "share of the KV cache's blocks held by requests and registered "
                   "system prompts (near 1 with preemptions rising: the cache is too small for the load)",
-                  registry=r).set_function(used_share)
+                  registry=r).set_function(lambda: (u := cache_usage()).blocks_used / u.blocks_total)
             Gauge("ragfuse_swap_space_bytes", "host memory holding preempted requests' swapped KV",
-                  registry=r).set_function(swap_bytes)
+                  registry=r).set_function(lambda: cache_usage().swap_bytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
