@@ -49,7 +49,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         if self.cos.device.type != "meta":  # a model built on "meta" gets its tables once it has memory
-            self.build_tables(self.cos.device)  # (there, their math imported torch._dynamo: ~1.2 s a process)
+            self.build_tables(self.cos.device)  # (there, their math imported torch._dynamo)
 
     def build_tables(self, device: torch.device) -> None:
         """(Re)compute the tables on ``device`` in float32, whatever dtype the model is cast to. Pure

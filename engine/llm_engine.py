@@ -594,11 +594,10 @@ class LLMEngine:
         conversation = turn.plan.conversation + seq.output_token_ids
         ranges = extend(turn.plan.ranges, len(turn.plan.conversation) + n - len(seq.prompt_token_ids))
         swap = self.scheduler.swap
-        if swap is not None and swap.holds(seq.request_id):  # preempted: its KV is in host memory
+        if swap is not None and self.scheduler.swapped(seq):  # preempted: its KV is in host memory
             k, v = swap.gather(seq.request_id, seq.block_table, n)
         else:
-            if swap is not None:  # swapped back in, the copy maybe still on its way
-                swap.await_arrivals(seq.request_id)
+            self.scheduler.settle(seq)  # swapped back in, the copy maybe still on its way
             k, v = self.runner.kv_cache.gather(seq.block_table, n)
         snap = take_snapshot(k, v, self.runner.model.model.rotary, self._snapshot_stream)
         queue = [t.session_id for rid, t in self._session_turns.items() if rid != seq.request_id]

@@ -194,8 +194,7 @@ class Scheduler:
         pressure it could be starved (finished "length" early) where the same request unpreempted
         completes. Tree blocks are released: a match finds them again."""
         self.running.remove(seq)
-        if self.swap is not None:  # its pages may still be coming back from an earlier swap
-            self.swap.await_arrivals(seq.request_id)
+        self.settle(seq)
         kept = self._shared_prefix(seq)
         own = seq.block_table[len(kept):]
         computed = own[:self.blocks.blocks_needed(kept, seq.num_computed_tokens)]
@@ -216,6 +215,12 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def settle(self, seq: Sequence) -> None:
+        """Make the compute stream wait for ``seq``'s pages where a copy back is still on its way:
+        before they are read or given away outside a scheduled step."""
+        if self.swap is not None:
+            self.swap.await_arrivals(seq.request_id)
 
     def arrived(self, seq: Sequence) -> bool:
         """Whether ``seq``'s pages are in the cache (a swapped-in sequence's copy back has landed)."""

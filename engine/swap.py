@@ -119,7 +119,7 @@ class SwapSpace:
         blocks (a shared prefix that stayed in the cache) and then its host copy. A session turn
         preempted before its closing step is saved from here."""
         storage = self.kv_cache.storage
-        parts = [storage[:, :, torch.tensor(kept, device=storage.device)]] if kept else []
+        parts = [storage[:, :, self._device_index(kept)]] if kept else []
         parts += [h.to(storage.device, non_blocking=self._pin) for h in self._held[request_id]]
         kv = torch.cat(parts, dim=2).flatten(2, 3)[:, :, :num_tokens]
         return kv[:, 0], kv[:, 1]
