@@ -41,7 +41,7 @@ from ..attention import RelayMetadata
 from ..errors import RequestError
 from ..models import LlamaForCausalLM
 from . import layer_step
-from .graphs import CheckShape, FirstShape, FusionGraphs
+from .graphs import CheckShape, FirstShape, FusionGraphs, PassInputs
 from .prefetch import LayerPrefetcher
 from .segments import Segment
 from .selection import SelectionPolicy, check_keep, keep_count, true_indices
@@ -217,112 +217,72 @@ def fuse_prefill(
     skip = [first_read if start < n and lay.fusable[start] else 0 for start in _starts(segments, used)]
     loader = LayerPrefetcher(sources, num_layers, device, ring=cap.ring if cap is not None else None, lazy=True,
                              skip=skip)
+    # the first layer replayed from a graph: every later one is too (the rest run eagerly)
+    graph_from = num_layers if cap is None else 0 if first_shapes else checks[0][0] if check_shapes else steady
     with loader, torch.inference_mode():
         # everything the pass indexes with, worked out in numpy and sent in one host-to-device
         # transfer: each torch op here would be a launch (~20 us of host time) before layer 0, while
-        # the GPU has nothing to do yet
+        # the GPU has nothing to do yet; the graphs' inputs go straight into theirs
         block_size = kv_layers[0][0].shape[1]
         table_h = np.asarray(block_table, dtype=np.int64)
         at = np.arange(n)
         slots_h = table_h[at // block_size] * block_size + at % block_size
         row_of = np.full(n, -1, dtype=np.int64)  # prompt position -> row of the loaded KV
         row_of[lay.stored] = np.arange(num_stored)
+        rows_h = np.maximum(row_of[lay.active], 0)  # each active token's row of the loaded KV (any if none)
         base = system.num_tokens if system is not None else 0  # page position p is model position base + p
-        host = {
-            "ids": ids[lay.active], "stored_at": lay.stored + base, "active": lay.active,
-            "active_at": lay.active + base, "slots": slots_h, "stored_slots": slots_h[lay.stored],
-            "active_slots": slots_h[lay.active],
-            "rows": np.maximum(row_of[lay.active], 0),  # each active token's row of the loaded KV (any if none)
-            "active_segment": lay.segment[lay.active],
-            "stored_segment": lay.segment[lay.stored], "table": table_h.astype(np.int32)[None],
-            "bounds": bounds, "fusable": lay.fusable,
-            "must_keep": ~lay.fusable | lay.forced,  # positions every check keeps: no stored KV, or forced in
-            "share": np.array(policy.shift_shares(), dtype=np.float32), "tail": np.int64(lay.tail),
-            "tail_pos": np.arange(n - lay.tail, n),  # the question's positions (it ranks by its attention)
-        }
-        if cap is not None:  # the graphs' static inputs, padded here: one copy each into place
-            assert graphs is not None
-            first = ((host["active_at"], host["active_slots"], host["rows"], host["active_segment"])
-                     if first_shapes else None)
-            host |= graphs.host_inputs(cap, host["stored_at"], host["stored_slots"],
-                                       host["stored_segment"] if shifting else None, slots_h, host["must_keep"],
-                                       first, first_shapes[0].rows if first_shapes else 0, lay.num_segments)
+        must_keep_h = ~lay.fusable | lay.forced  # positions every check keeps: no stored KV, or forced in
+        share_h = np.array(policy.shift_shares(), dtype=np.float32)
+        host: dict[str, np.ndarray] = {"ids": ids[lay.active], "bounds": bounds, "fusable": lay.fusable}
+        if graph_from > 0:  # what the eager layers index with
+            host |= {
+                "stored_at": lay.stored + base, "active": lay.active, "active_at": lay.active + base,
+                "slots": slots_h, "stored_slots": slots_h[lay.stored], "active_slots": slots_h[lay.active],
+                "rows": rows_h, "active_segment": lay.segment[lay.active],
+                "stored_segment": lay.segment[lay.stored], "table": table_h.astype(np.int32)[None],
+                "must_keep": must_keep_h, "share": share_h,
+                "tail_pos": np.arange(n - lay.tail, n),  # the question's positions (it ranks by its attention)
+            }
         dev = _to_device(device, host)
-        fusable, must_keep, slots = dev["fusable"], dev["must_keep"], dev["slots"]
-        # the torch attention (CPU) reads consecutive blocks' K/V as a view (0.4 ms of gathers a layer
-        # for a 3K-token prompt on the default model otherwise)
-        run = consecutive_slots(block_table, n, block_size) if device.type != "cuda" else None
-        seq_slots: torch.Tensor | slice = run if run is not None else slots
-        table, bounds_all = dev["table"], dev["bounds"]
-        stored_at, stored_slots = dev["stored_at"], dev["stored_slots"]
-        relays = [system.relay(a) for a in sizes] if system is not None else None
+        if cap is not None:
+            assert graphs is not None
+            # when layer 0 replays, the active tokens' state goes with these (no system prompt behind a
+            # graphed pass: prompt positions are model positions)
+            first = ((lay.active, slots_h[lay.active], rows_h, lay.segment[lay.active], bounds[0])
+                     if graph_from == 0 else None)
+            graphs.send(cap, PassInputs(
+                table=table_h, stored_at=lay.stored, stored_slots=slots_h[lay.stored],
+                stored_segment=lay.segment[lay.stored] if shifting else None, prompt_slots=slots_h,
+                must_keep=must_keep_h, share=share_h if shifting else None, tail=lay.tail,
+                num_segments=lay.num_segments, first=first))
+        bounds_all, fusable = dev["bounds"], dev["fusable"]
         hidden = block.embed_tokens(dev["ids"])
         residual: torch.Tensor | None = None
-        pos, pos_at, act_slots, rows = dev["active"], dev["active_at"], dev["active_slots"], dev["rows"]
         size_i, candidates = 0, lay.candidates
-        share = dev["share"] if shifting else None
-        stored_segment = dev["stored_segment"] if shifting else None
-        active_segment = dev["active_segment"]
-
-        def shift_index() -> ShiftIndex | None:
-            """The stale shift's indices for the current active set (made again when a check narrows it)."""
-            if share is None or stored_segment is None:
-                return None
-            return ShiftIndex(share, rows, active_segment, stored_segment, lay.num_segments)
-
-        shift = shift_index()
-        shift_from = checks[0][0] if checks else num_layers
         counts: list[int] = []
-        staged = False  # the active tokens' state sits in the graphs' static inputs (``graphs.stage``)
-        begun = False  # the pass's own inputs sit in the graphs' static ones (``graphs.load``)
+        if graph_from > 0:
+            must_keep, slots = dev["must_keep"], dev["slots"]
+            # the torch attention (CPU) reads consecutive blocks' K/V as a view (0.4 ms of gathers a layer
+            # for a 3K-token prompt on the default model otherwise)
+            run = consecutive_slots(block_table, n, block_size) if device.type != "cuda" else None
+            seq_slots: torch.Tensor | slice = run if run is not None else slots
+            table, stored_at, stored_slots = dev["table"], dev["stored_at"], dev["stored_slots"]
+            relays = [system.relay(a) for a in sizes] if system is not None else None
+            pos, pos_at, act_slots, rows = dev["active"], dev["active_at"], dev["active_slots"], dev["rows"]
+            share = dev["share"] if shifting else None
+            stored_segment = dev["stored_segment"] if shifting else None
+            active_segment = dev["active_segment"]
 
-        def stage() -> None:
-            """Before the first replay: the pass's inputs and the active tokens' state into the graphs'
-            static buffers (the state came padded from the host when layer 0 replays)."""
-            nonlocal begun
-            assert graphs is not None and cap is not None
-            if not begun:
-                graphs.load(cap, dev, table, share, dev["tail"], (hidden, bounds_all[0]) if first_shapes else None)
-                begun = True
-            if not first_shapes:
-                graphs.stage(cap, hidden, residual, pos_at, act_slots, rows, active_segment, bounds_all[size_i],
-                             lay.num_segments)
+            def shift_index() -> ShiftIndex | None:
+                """The stale shift's indices for the current active set (made again when a check narrows it)."""
+                if share is None or stored_segment is None:
+                    return None
+                return ShiftIndex(share, rows, active_segment, stored_segment, lay.num_segments)
 
-        for li, layer in enumerate(block.layers):
-            kv = kv_layers[li]
-            if cap is not None and li == steady:
-                assert graphs is not None and not checks
-                if not staged:
-                    stage()
-                for lj in range(steady, num_layers):
-                    loader.get(lj, ahead=False)  # the compute stream waits for the layer's stored KV
-                    graphs.replay(cap, lj)
-                    loader.ahead(lj)
-                    counts.append(sizes[size_i])
-                hidden, residual, pos = graphs.output(sizes[size_i])
-                break
-            if li < len(first_shapes):  # a layer before the first check from its graph
-                assert graphs is not None and cap is not None
-                if not staged:  # (its copies may run while the layer's stored KV is still on its way)
-                    stage()
-                    staged = True
-                loader.get(li, ahead=False)
-                graphs.check(cap, first_shapes[li], bounds_all[size_i])
-                loader.ahead(li)
-                counts.append(sizes[size_i])
-                continue
-            if check_shapes and checks and li == checks[0][0]:  # a whole check layer from its graph
-                assert graphs is not None and cap is not None
-                loader.get(li, ahead=False)
-                if not staged:
-                    stage()
-                    staged = True
-                graphs.check(cap, check_shapes[len(check_shapes) - len(checks)], bounds_all[size_i + 1])
-                loader.ahead(li)
-                _, (_, candidates) = checks.pop(0)
-                size_i += 1
-                counts.append(sizes[size_i])
-                continue
+            shift = shift_index()
+            shift_from = checks[0][0] if checks else num_layers
+        for li in range(graph_from):
+            layer, kv = block.layers[li], kv_layers[li]
             k_st = v_st = None
             if sources:
                 k_st, v_st = (t[:num_stored] for t in loader.get(li, ahead=False))
@@ -364,7 +324,27 @@ def fuse_prefill(
             # the next layers' loads only now: issuing them (~0.2 ms of host time a layer) between the
             # halves left the GPU idle in layer 0, whose host work the GPU is not yet behind
             loader.ahead(li)
-            staged = False
+        if cap is not None:  # the rest from graphs: the checks (and the layers before them), then the steady layers
+            assert graphs is not None
+            if graph_from > 0:  # the active tokens' state from the last eager layer
+                graphs.stage(cap, hidden, residual, pos_at, act_slots, rows, active_segment, bounds_all[size_i],
+                             lay.num_segments)
+            else:  # sent with the pass's inputs; the hidden state from the embedding
+                graphs.begin(hidden)
+            early = [*first_shapes, *check_shapes]  # one per layer from graph_from up to the steady ones
+            for li in range(graph_from, num_layers):
+                loader.get(li, ahead=False)  # the compute stream waits for the layer's stored KV
+                if li < steady:
+                    shape = early[li - graph_from]
+                    if isinstance(shape, CheckShape):  # its bounds are those of the rows it keeps
+                        _, (_, candidates) = checks.pop(0)
+                        size_i += 1
+                    graphs.check(cap, shape, bounds_all[size_i])
+                else:
+                    graphs.replay(cap, li)
+                loader.ahead(li)
+                counts.append(sizes[size_i])
+            hidden, residual, pos = graphs.output(sizes[size_i])
         assert residual is not None
         hidden, _ = block.norm(hidden[-1:], residual[-1:])
         logits = model.compute_logits(hidden)[0]

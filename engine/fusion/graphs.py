@@ -39,6 +39,7 @@ from torch import nn
 
 from .. import ops
 from ..cuda_graphs import PREFILL_BUCKETS, capture_call, prefill_bucket
+from ..staged_inputs import StagedInputs
 from .layer_step import KVCache, back, front, revert
 from .prefetch import RING_SLOTS
 from .selection import SelectionPolicy, check_keep
@@ -117,6 +118,23 @@ class FirstShape:
         return None if rows is None else cls(layer, rows)
 
 
+@dataclass
+class PassInputs:
+    """A pass's own inputs to the graphs, on the host (``FusionGraphs.send``)."""
+
+    table: np.ndarray  # the sequence's block table
+    stored_at: np.ndarray  # stored tokens' model positions, slots and stale-shift segments (None: no shift)
+    stored_slots: np.ndarray
+    stored_segment: np.ndarray | None
+    prompt_slots: np.ndarray  # every prompt position's cache slot
+    must_keep: np.ndarray  # bool per position: kept by every check
+    share: np.ndarray | None  # the stale shift's (K, V) shares (None: no shift)
+    tail: int  # the question's length
+    num_segments: int  # the fusor's segments, its spare (the last) becoming the graphs'
+    # the first layer's active tokens when it replays: model positions, slots, stored rows, segments, bounds
+    first: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+
+
 class _Stored:
     """The static stored-KV inputs of one stored capacity: the loader's ring and the stored tokens'
     model positions, cache slots and stale-shift segments (``spare`` = ``MAX_SEGMENTS``, past any real one, for
@@ -128,8 +146,10 @@ class _Stored:
         self.ring = (torch.zeros(shape, dtype=kv_cache[0].dtype, device=device),
                      torch.zeros(shape, dtype=kv_cache[0].dtype, device=device))
         self.spare = MAX_SEGMENTS
-        # positions, slots, segments: one tensor, filled by one copy a pass (``FusionGraphs.load``)
-        self.state = torch.tensor(STORED_PAD, device=device)[:, None].repeat(1, stored)
+        # positions, slots, segments: one tensor, sent from the host by one copy a pass (``FusionGraphs.send``)
+        self.staged = StagedInputs({"state": ((len(STORED_PAD), stored), torch.int64)}, device)
+        self.state = self.staged.device["state"]
+        self.state.copy_(torch.tensor(STORED_PAD, device=device)[:, None].expand(-1, stored))
         self.at, self.slots, self.segment = self.state.unbind(0)
 
 
@@ -159,19 +179,25 @@ class FusionGraphs:
         dtype = model.lm_head.weight.dtype
         self.hidden = torch.zeros(rows, hidden, dtype=dtype, device=device)
         self.residual = torch.zeros(rows, hidden, dtype=dtype, device=device)
-        # the active rows' state: model positions, cache slots, rows of the loaded stored KV, segments;
-        # one tensor, so a check layer narrows all four with one gather (and pads them with one copy)
-        self.state_pad = torch.tensor(STATE_PAD, device=device)[:, None]
-        self.state = self.state_pad.repeat(1, rows)
-        self.positions, self.slots, self.rows, self.segment = self.state.unbind(0)
-        self.table = torch.zeros(1, self.max_blocks, dtype=torch.int32, device=device)
-        self.bounds = torch.zeros(3, dtype=torch.int32, device=device)
-        self.share = torch.zeros(2, device=device)  # the stale shift's (K, V) shares; 0 shifts nothing
-        # per pass, read by the check layers: the prompt's slots, the positions always kept, the question's length
         positions = -(-max_model_len // PROMPT_STEP) * PROMPT_STEP
-        self.prompt_slots = torch.zeros(positions, dtype=torch.long, device=device)
-        self.must_keep = torch.zeros(positions, dtype=torch.bool, device=device)
-        self.tail = torch.zeros((), dtype=torch.long, device=device)
+        # a pass's own inputs, sent from the host by one copy (``send``): the active rows' state (model
+        # positions, cache slots, rows of the loaded stored KV, segments: one tensor, so a check layer
+        # narrows all four with one gather), the block table, ``bounds``, the stale shift's (K, V) shares
+        # (0 shifts nothing), and for the check layers the prompt's slots, the positions always kept and
+        # the question's length
+        self.staged = StagedInputs({
+            "state": ((len(STATE_PAD), rows), torch.int64), "table": ((1, self.max_blocks), torch.int32),
+            "bounds": ((3,), torch.int32), "share": ((2,), torch.float32),
+            "prompt_slots": ((positions,), torch.int64), "must_keep": ((positions,), torch.bool),
+            "tail": ((), torch.int64),
+        }, device)
+        staged = self.staged.device
+        self.state_pad = torch.tensor(STATE_PAD, device=device)[:, None]
+        self.state = staged["state"]
+        self.state.copy_(self.state_pad.expand(-1, rows))
+        self.positions, self.slots, self.rows, self.segment = self.state.unbind(0)
+        self.table, self.bounds, self.share = staged["table"], staged["bounds"], staged["share"]
+        self.prompt_slots, self.must_keep, self.tail = staged["prompt_slots"], staged["must_keep"], staged["tail"]
         self.stored_inputs: dict[int, _Stored] = {}  # by stored capacity
         self.capacities: dict[tuple[int, int], _Capacity] = {}
         # least recent first
@@ -214,63 +240,41 @@ class FusionGraphs:
             self.checks.popitem(last=False)
         return cap
 
-    def host_inputs(
-        self, cap: _Capacity, stored_at: np.ndarray, stored_slots: np.ndarray, stored_segment: np.ndarray | None,
-        prompt_slots: np.ndarray, must_keep: np.ndarray, active: tuple[np.ndarray, ...] | None = None,
-        rows: int = 0, num_segments: int = 0,
-    ) -> dict[str, np.ndarray]:
-        """A pass's own inputs, padded on the host to the static buffers they go to, for the pass to
-        send with its other indices in one transfer (``load`` then copies each into place with one
-        launch, where padding on the device took two a buffer: host time before layer 0). They are
-        the stored tokens' model positions, slots and segments (all the spare one without a stale
-        shift), the prompt's slots and the positions every check keeps. With ``active`` = (model
-        positions, slots, stored rows, segments) of the first layer's active tokens, also their
-        state, padded inert to ``rows``; the fusor's spare segment (``num_segments - 1``) becomes
-        the capacity's."""
-        spare = cap.inputs.spare
-        out = {}
-        stored = np.repeat(np.array(STORED_PAD)[:, None], cap.stored, axis=1)
-        s = len(stored_at)
-        stored[0, :s], stored[1, :s] = stored_at, stored_slots
-        if stored_segment is not None:
-            stored[2, :s] = stored_segment
-        out["graph_stored"] = stored
-        out["graph_prompt_slots"] = np.zeros(self.prompt_slots.shape[0], np.int64)
-        out["graph_prompt_slots"][: len(prompt_slots)] = prompt_slots
-        out["graph_must_keep"] = np.zeros(self.must_keep.shape[0], np.bool_)
-        out["graph_must_keep"][: len(must_keep)] = must_keep
-        if active is not None:
-            positions, slots, stored_rows, segment = active
-            state = np.repeat(np.array(STATE_PAD)[:, None], rows, axis=1)
+    def send(self, cap: _Capacity, inputs: PassInputs) -> None:
+        """Put a pass's own inputs into the static ones, padded inert (two copies from page-locked
+        host memory, in the stream's order: before the first replay, after any earlier pass)."""
+        stored = cap.inputs.staged.host()["state"]
+        stored[...] = np.array(STORED_PAD)[:, None]
+        s = len(inputs.stored_at)
+        stored[0, :s], stored[1, :s] = inputs.stored_at, inputs.stored_slots
+        if inputs.stored_segment is not None:
+            stored[2, :s] = inputs.stored_segment
+        h = self.staged.host()
+        h["table"][...] = 0
+        h["table"][0, : len(inputs.table)] = inputs.table
+        h["share"][...] = inputs.share if inputs.share is not None else 0.0
+        h["tail"][...] = inputs.tail
+        h["prompt_slots"][...] = 0
+        h["prompt_slots"][: len(inputs.prompt_slots)] = inputs.prompt_slots
+        h["must_keep"][...] = False
+        h["must_keep"][: len(inputs.must_keep)] = inputs.must_keep
+        state = h["state"]
+        state[...] = np.array(STATE_PAD)[:, None]
+        h["bounds"][...] = 0
+        if inputs.first is not None:
+            positions, slots, stored_rows, segment, bounds = inputs.first
             a = len(positions)
             state[0, :a], state[1, :a], state[2, :a] = positions, slots, stored_rows
-            state[3, :a] = np.where(segment == num_segments - 1, spare, segment)
-            out["graph_state"] = state
-        return out
+            state[3, :a] = np.where(segment == inputs.num_segments - 1, cap.inputs.spare, segment)
+            h["bounds"][...] = bounds
+        cap.inputs.staged.send()
+        self.staged.send()
 
-    def load(self, cap: _Capacity, inputs: dict[str, torch.Tensor], table: torch.Tensor, share: torch.Tensor | None,
-             tail: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Copy a pass's own inputs (``host_inputs``, on the device) into the static ones, before its
-        first replay, with the block table, the stale shift's share (zero without one) and the
-        question's length. ``first`` = (hidden, bounds) of the first layer's active tokens, whose
-        state ``inputs`` then holds: they are staged too (no residual yet: a zero one, as ``x + 0``
-        normed is ``x`` normed)."""
-        cap.inputs.state.copy_(inputs["graph_stored"])
-        self.prompt_slots.copy_(inputs["graph_prompt_slots"])
-        self.must_keep.copy_(inputs["graph_must_keep"])
-        self.table[:, : table.shape[1]].copy_(table)
-        if share is None:
-            self.share.zero_()
-        else:
-            self.share.copy_(share)
-        self.tail.copy_(tail)
-        if first is not None:
-            hidden, bounds = first
-            state = inputs["graph_state"]
-            self.state[:, : state.shape[1]].copy_(state)
-            self.hidden[: hidden.shape[0]].copy_(hidden)
-            self.residual[: hidden.shape[0]].zero_()
-            self.bounds.copy_(bounds)
+    def begin(self, hidden: torch.Tensor) -> None:
+        """Stage the first layer's hidden state (sent with ``PassInputs.first``). No residual yet: a
+        zero one, as ``x + 0`` normed is ``x`` normed."""
+        self.hidden[: hidden.shape[0]].copy_(hidden)
+        self.residual[: hidden.shape[0]].zero_()
 
     def stage(self, cap: _Capacity, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
               slots: torch.Tensor, rows: torch.Tensor, segment: torch.Tensor, bounds: torch.Tensor,
