@@ -174,6 +174,14 @@ def test_a_fused_prompt_past_the_models_context_is_a_request_error(tmp_path):
         engine.runner.fused_prefill(table, segs, "reuse", SelectionPolicy())
 
 
+def test_a_fused_prompt_without_tokens_is_a_request_error(tmp_path):
+    """Nothing to prefill (no segment, or only empty ones): a clear error, not an index error in the layout."""
+    engine = _short_context_mistral(tmp_path / "m", 64)
+    for segs in ([], [Segment([]), Segment([])]):
+        with engine.borrowed_blocks([[0]]) as (table,), pytest.raises(RequestError, match="fused prompt is empty"):
+            engine.runner.fused_prefill(table, segs, "full", SelectionPolicy())
+
+
 def test_the_gate_calibrates_a_model_whose_context_is_shorter_than_its_prompts(tmp_path):
     """The calibration prompts (3.7K tokens from the shared dev sets) are longer than a 2K model's
     context: the gate crashed in RoPE on such a model's first fusion. It now drops a prompt's last

@@ -26,6 +26,7 @@ the system prompt is.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -174,12 +175,15 @@ def fuse_prefill(
     # as such (no check layer computing every token only to select none of them)
     run = FusionMode.REUSE if mode is FusionMode.FUSE and policy.ratio == 0 and not policy.sink_tokens else mode
     device = model.lm_head.weight.device
-    ids = np.concatenate([np.asarray(s.token_ids, dtype=np.int64) for s in segments])
-    n = len(ids)
+    # one pass over the token lists (per-segment arrays joined took ~2x as long, before layer 0)
+    n = sum(len(s.token_ids) for s in segments)
+    ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in segments), dtype=np.int64, count=n)
     # the rotary tables end at the model's context: past it, RoPE indexing failed (CPU) or read past
     # the table (a GPU kernel) instead of refusing the prompt; callers that borrow pages (the gate's
     # calibration, evals) skip the engine's own length check
     limit = model.model.rotary.max_positions
+    if n == 0:
+        raise RequestError("fused prompt is empty: no segment has a token")
     if n + (system.num_tokens if system is not None else 0) > limit:
         raise RequestError(f"fused prompt of {n} tokens (after a system prompt of "
                            f"{system.num_tokens if system is not None else 0}) exceeds the context of {limit}")
