@@ -42,7 +42,7 @@ from ..attention import RelayMetadata
 from ..errors import RequestError
 from ..models import LlamaForCausalLM
 from . import layer_step
-from .graphs import CheckShape, FirstShape, FusionGraphs, PassInputs
+from .graphs import CheckShape, FirstInputs, FirstShape, FusionGraphs, PassInputs
 from .prefetch import LayerPrefetcher
 from .segments import Segment
 from .selection import SelectionPolicy, check_keep, keep_count, true_indices
@@ -226,7 +226,8 @@ def fuse_prefill(
     with loader, torch.inference_mode():
         # everything the pass indexes with, worked out in numpy and sent in one host-to-device
         # transfer: each torch op here would be a launch (~20 us of host time) before layer 0, while
-        # the GPU has nothing to do yet; the graphs' inputs go straight into theirs
+        # the GPU has nothing to do yet; the graphs' inputs go straight into theirs, and so does all
+        # a pass replaying from layer 0 reads
         block_size = kv_layers[0][0].shape[1]
         table_h = np.asarray(block_table, dtype=np.int64)
         at = np.arange(n)
@@ -237,9 +238,10 @@ def fuse_prefill(
         base = system.num_tokens if system is not None else 0  # page position p is model position base + p
         must_keep_h = ~lay.fusable | lay.forced  # positions every check keeps: no stored KV, or forced in
         share_h = np.array(policy.shift_shares(), dtype=np.float32)
-        host: dict[str, np.ndarray] = {"ids": ids[lay.active], "bounds": bounds, "fusable": lay.fusable}
-        if graph_from > 0:  # what the eager layers index with
-            host |= {
+        host: dict[str, np.ndarray] = {}
+        if graph_from > 0:  # what the eager layers index with (a pass replaying from layer 0 sends none)
+            host = {
+                "ids": ids[lay.active], "bounds": bounds, "fusable": lay.fusable,
                 "stored_at": lay.stored + base, "active": lay.active, "active_at": lay.active + base,
                 "slots": slots_h, "stored_slots": slots_h[lay.stored], "active_slots": slots_h[lay.active],
                 "rows": rows_h, "active_segment": lay.segment[lay.active],
@@ -247,18 +249,20 @@ def fuse_prefill(
                 "must_keep": must_keep_h, "share": share_h,
                 "tail_pos": np.arange(n - lay.tail, n),  # the question's positions (it ranks by its attention)
             }
-        dev = _to_device(device, host)
+        dev = _to_device(device, host) if host else {}
         if cap is not None:
             assert graphs is not None
-            # when layer 0 replays, the active tokens' state goes with these (no system prompt behind a
-            # graphed pass: prompt positions are model positions)
-            first = ((lay.active, slots_h[lay.active], rows_h, lay.segment[lay.active], bounds[0])
-                     if graph_from == 0 else None)
+            # when layer 0 replays, the active tokens' state goes with these, and what the pass reads
+            # itself (no system prompt behind a graphed pass: prompt positions are model positions)
+            first = (FirstInputs(lay.active, slots_h[lay.active], rows_h, lay.segment[lay.active], ids[lay.active],
+                                 bounds, lay.fusable) if graph_from == 0 else None)
             graphs.send(cap, PassInputs(
                 table=table_h, stored_at=lay.stored, stored_slots=slots_h[lay.stored],
                 stored_segment=lay.segment[lay.stored] if shifting else None, prompt_slots=slots_h,
                 must_keep=must_keep_h, share=share_h if shifting else None, tail=lay.tail,
                 num_segments=lay.num_segments, first=first))
+            if first is not None:
+                dev["ids"], dev["bounds"], dev["fusable"] = graphs.first_inputs(first)
         bounds_all, fusable = dev["bounds"], dev["fusable"]
         hidden = block.embed_tokens(dev["ids"])
         residual: torch.Tensor | None = None

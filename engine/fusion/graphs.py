@@ -131,8 +131,21 @@ class PassInputs:
     share: np.ndarray | None  # the stale shift's (K, V) shares (None: no shift)
     tail: int  # the question's length
     num_segments: int  # the fusor's segments, its spare (the last) becoming the graphs'
-    # the first layer's active tokens when it replays: model positions, slots, stored rows, segments, bounds
-    first: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+    first: FirstInputs | None = None  # when layer 0 replays
+
+
+@dataclass
+class FirstInputs:
+    """What a pass replaying from layer 0 sends besides (``PassInputs.first``): its active tokens'
+    state, and what the pass reads itself, so that it sends nothing else before layer 0."""
+
+    positions: np.ndarray  # the active tokens' model positions, cache slots, rows of the loaded stored KV, segments
+    slots: np.ndarray
+    stored_rows: np.ndarray
+    segment: np.ndarray
+    ids: np.ndarray  # their token ids
+    sizes_bounds: np.ndarray  # [active-set sizes, 3]: ``bounds`` of each, in the pass's order
+    fusable: np.ndarray  # bool per prompt position: a recompute candidate
 
 
 class _Stored:
@@ -185,11 +198,14 @@ class FusionGraphs:
         # narrows all four with one gather), the block table, ``bounds``, the stale shift's (K, V) shares
         # (0 shifts nothing), and for the check layers the prompt's slots, the positions always kept and
         # the question's length
+        # (and for a pass replaying from layer 0, what it reads itself: its tokens' ids, the bounds of
+        # each active-set size, which positions are recompute candidates)
         self.staged = StagedInputs({
             "state": ((len(STATE_PAD), rows), torch.int64), "table": ((1, self.max_blocks), torch.int32),
             "bounds": ((3,), torch.int32), "share": ((2,), torch.float32),
             "prompt_slots": ((positions,), torch.int64), "must_keep": ((positions,), torch.bool),
-            "tail": ((), torch.int64),
+            "tail": ((), torch.int64), "ids": ((rows,), torch.int64),
+            "sizes_bounds": ((model.config.num_layers + 1, 3), torch.int32), "fusable": ((positions,), torch.bool),
         }, device)
         staged = self.staged.device
         self.state_pad = torch.tensor(STATE_PAD, device=device)[:, None]
@@ -262,13 +278,23 @@ class FusionGraphs:
         state[...] = np.array(STATE_PAD)[:, None]
         h["bounds"][...] = 0
         if inputs.first is not None:
-            positions, slots, stored_rows, segment, bounds = inputs.first
-            a = len(positions)
-            state[0, :a], state[1, :a], state[2, :a] = positions, slots, stored_rows
-            state[3, :a] = np.where(segment == inputs.num_segments - 1, cap.inputs.spare, segment)
-            h["bounds"][...] = bounds
+            first = inputs.first
+            a = len(first.positions)
+            state[0, :a], state[1, :a], state[2, :a] = first.positions, first.slots, first.stored_rows
+            state[3, :a] = np.where(first.segment == inputs.num_segments - 1, cap.inputs.spare, first.segment)
+            h["bounds"][...] = first.sizes_bounds[0]
+            h["ids"][:a] = first.ids
+            h["sizes_bounds"][: len(first.sizes_bounds)] = first.sizes_bounds
+            h["fusable"][: len(first.fusable)] = first.fusable
         cap.inputs.staged.send()
         self.staged.send()
+
+    def first_inputs(self, first: FirstInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The device views of what ``send`` staged for a pass replaying from layer 0: its active
+        tokens' ids, the bounds of each active-set size, and which positions are candidates."""
+        d = self.staged.device
+        sizes, n = len(first.sizes_bounds), len(first.fusable)
+        return d["ids"][: len(first.ids)], d["sizes_bounds"][:sizes], d["fusable"][:n]
 
     def begin(self, hidden: torch.Tensor) -> None:
         """Stage the first layer's hidden state (sent with ``PassInputs.first``). No residual yet: a
