@@ -1,5 +1,5 @@
 """Static graph inputs filled from host twins by one copy: every view gets its own values, aligned,
-and a send waits for nothing the host writes afterwards."""
+and keeps its address from one send to the next (the graphs read it there)."""
 
 from __future__ import annotations
 

@@ -123,9 +123,9 @@ class PassInputs:
     """A pass's own inputs to the graphs, on the host (``FusionGraphs.send``)."""
 
     table: np.ndarray  # the sequence's block table
-    stored_at: np.ndarray  # stored tokens' model positions, slots and stale-shift segments (None: no shift)
+    stored_at: np.ndarray  # the stored tokens' model positions, cache slots, stale-shift segments
     stored_slots: np.ndarray
-    stored_segment: np.ndarray | None
+    stored_segment: np.ndarray | None  # None: no stale shift
     prompt_slots: np.ndarray  # every prompt position's cache slot
     must_keep: np.ndarray  # bool per position: kept by every check
     share: np.ndarray | None  # the stale shift's (K, V) shares (None: no shift)
@@ -136,8 +136,8 @@ class PassInputs:
 
 @dataclass
 class FirstInputs:
-    """What a pass replaying from layer 0 sends besides (``PassInputs.first``): its active tokens'
-    state, and what the pass reads itself, so that it sends nothing else before layer 0."""
+    """What a pass that replays from layer 0 sends as well (``PassInputs.first``): its active
+    tokens' state, and what the pass itself reads, so that it makes no other transfer before layer 0."""
 
     positions: np.ndarray  # the active tokens' model positions, cache slots, rows of the loaded stored KV, segments
     slots: np.ndarray
@@ -196,10 +196,9 @@ class FusionGraphs:
         # a pass's own inputs, sent from the host by one copy (``send``): the active rows' state (model
         # positions, cache slots, rows of the loaded stored KV, segments: one tensor, so a check layer
         # narrows all four with one gather), the block table, ``bounds``, the stale shift's (K, V) shares
-        # (0 shifts nothing), and for the check layers the prompt's slots, the positions always kept and
-        # the question's length
-        # (and for a pass replaying from layer 0, what it reads itself: its tokens' ids, the bounds of
-        # each active-set size, which positions are recompute candidates)
+        # (0 shifts nothing), for the check layers the prompt's slots, the positions always kept and the
+        # question's length, and for a pass replaying from layer 0 what it reads itself (its tokens' ids,
+        # the bounds of each active-set size, which positions are recompute candidates)
         self.staged = StagedInputs({
             "state": ((len(STATE_PAD), rows), torch.int64), "table": ((1, self.max_blocks), torch.int32),
             "bounds": ((3,), torch.int32), "share": ((2,), torch.float32),
