@@ -38,6 +38,7 @@ from ragfuse.kernels.relay import max_system_tiles, system_tiles
 from ragfuse.kernels.two_phase import TwoPhasePlan
 
 from .attention import AttentionMetadata, RelayMetadata
+from .staged_inputs import StagedInputs
 
 GRAPHS_ENV = "RAGFUSE_CUDA_GRAPHS"  # "0" turns decode graphs off
 # captured when the cache is allocated; 48 too, or a batch shrinking from 64 to 48 (requests finishing)
@@ -123,27 +124,31 @@ def capture_decode(model: nn.Module, args: tuple, pool: tuple) -> _Captured:
     return _Captured(graph, hidden, logits, greedy)
 
 
+def decode_step_fields(rows: int, max_blocks: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``DecodeGraphs``' static inputs for up to ``rows`` sequences of up to ``max_blocks`` cache
+    blocks, as ``StagedInputs`` fields: ids, positions and cache slots (one int64 tensor), lengths,
+    then the block tables last, so that a step sends only the table rows it uses."""
+    return {"longs": ((3, rows), torch.int64), "seq_lens": ((rows,), torch.int32),
+            "block_tables": ((rows, max_blocks), torch.int32)}
+
+
 def pack_decode_step(
-    longs: np.ndarray, ints: np.ndarray, block_size: int, size: int,
+    host: dict[str, np.ndarray], block_size: int, size: int,
     ids: list[int], positions: list[int], seq_lens: list[int], tables: list[list[int]],
-) -> int:
+) -> None:
     """Write a plain decode step of ``n = len(ids)`` sequences, run as a graph of ``size`` rows, into
-    the host images of ``DecodeGraphs``' packed inputs: ``longs`` [3, B] (ids, positions, cache slots)
-    and ``ints`` [B + B * W] (lengths, then B block-table rows of width W). Rows ``n..size`` are made
-    inert (slot -1, length 0). Returns how many leading ``ints`` the step needs copied."""
-    n, rows_total = len(ids), longs.shape[1]
+    the host twins of ``DecodeGraphs``' inputs (``decode_step_fields``). Rows ``n..size`` are made
+    inert (slot -1, length 0); the table rows past ``n`` are neither written nor sent."""
+    n, longs, lens, rows = len(ids), host["longs"], host["seq_lens"], host["block_tables"]
     longs[0, :n] = ids
     longs[1, :n] = positions
     # the new token is the sequence's seq_len-th own token: its slot is in the block holding index seq_len-1
     longs[2, :n] = [t[(m - 1) // block_size] * block_size + (m - 1) % block_size for t, m in zip(tables, seq_lens)]
     longs[2, n:size] = -1
-    ints[:n] = seq_lens
-    ints[n:size] = 0
-    width = (ints.shape[0] - rows_total) // rows_total
-    rows = ints[rows_total:].reshape(rows_total, width)
+    lens[:n] = seq_lens
+    lens[n:size] = 0
     for i, table in enumerate(tables):
         rows[i, : len(table)] = table
-    return rows_total + n * width
 
 
 def pack_relay_tiles(packed: np.ndarray, most: int, tokens_per_tile: int, token_system: list[int]) -> None:
@@ -187,24 +192,17 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // block_size)
         n = MAX_GRAPH_BATCH
-        # Static inputs, packed by dtype so that ``run_host`` fills each group with one copy from pinned
-        # host memory: ids, positions, slots (int64 rows) and lengths, then block tables (int32).
-        self._longs = torch.zeros(3, n, dtype=torch.long, device=device)
-        self.input_ids, self.positions, self.slot_mapping = self._longs.unbind(0)
+        # static inputs, sent by ``run_host`` from their page-locked host twins with one copy
+        self.staged = StagedInputs(decode_step_fields(n, self.max_blocks), device)
+        self.input_ids, self.positions, self.slot_mapping = self.staged.device["longs"].unbind(0)
         self.slot_mapping.fill_(-1)
-        self._ints = torch.zeros(n * (1 + self.max_blocks), dtype=torch.int32, device=device)
-        self.seq_lens = self._ints[:n]
-        self.block_tables = self._ints[n:].view(n, self.max_blocks)
-        self._host_longs = torch.zeros(self._longs.shape, dtype=torch.long).pin_memory()
-        self._host_ints = torch.zeros(self._ints.shape, dtype=torch.int32).pin_memory()
-        self._host_copied = torch.cuda.Event()  # the last copies out of the host buffers are done
+        self.seq_lens, self.block_tables = self.staged.device["seq_lens"], self.staged.device["block_tables"]
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, _Captured] = {}  # by padded size
         self.relay_graphs: dict[int, _Captured] = {}  # by padded size, for batches behind system prompts
         self.relay: RelayMetadata | None = None  # static relay inputs, made at the first relay batch
-        self._relay_packed: torch.Tensor | None = None  # the device tensor self.relay's tiles are views of
-        self._host_relay: torch.Tensor | None = None  # its pinned host image, for run_host
+        self._relay_staged: StagedInputs | None = None  # self.relay's tiles are views of its one field
         # two-phase decode: graphs by (size, item rows, partial slots, relay), over one set of plan buffers
         self.tree_graphs: dict[tuple[int, int, int, bool], _Captured] = {}
         self.plan_items = torch.zeros(PLAN_ITEMS[-1], 5, dtype=torch.int32, device=device)
@@ -277,20 +275,15 @@ class DecodeGraphs:
         captured = graphs.get(size)
         if captured is None:
             captured = graphs[size] = self._capture(size, self.relay if relay else None)
-        self._host_copied.synchronize()  # the previous step's copies have read the host buffers
-        used = pack_decode_step(self._host_longs.numpy(), self._host_ints.numpy(), self.block_size, size,
-                                ids, positions, seq_lens, tables)
-        self._longs.copy_(self._host_longs, non_blocking=True)
-        self._ints[:used].copy_(self._host_ints[:used], non_blocking=True)
+        pack_decode_step(self.staged.host(), self.block_size, size, ids, positions, seq_lens, tables)
+        self.staged.send(upto=("block_tables", n))
         if gather_from is not None:
             self.input_ids[:n].copy_(gather_from.index_select(0, self.input_ids[:n]))
         if relay:
-            assert self.relay is not None and self._relay_packed is not None and self._host_relay is not None
-            assert token_system is not None
-            pack_relay_tiles(self._host_relay.numpy(), self.relay.tile_system.shape[0], self._per_tile(self.relay),
-                             token_system)
-            self._relay_packed.copy_(self._host_relay, non_blocking=True)
-        self._host_copied.record()
+            assert self.relay is not None and self._relay_staged is not None and token_system is not None
+            pack_relay_tiles(self._relay_staged.host()["tiles"], self.relay.tile_system.shape[0],
+                             self._per_tile(self.relay), token_system)
+            self._relay_staged.send()
         captured.graph.replay()
         self.replays += 1
         self.host_replays += 1
@@ -354,9 +347,9 @@ class DecodeGraphs:
             return
         most = max_system_tiles(MAX_GRAPH_BATCH, tokens_per_tile, GRAPH_SYSTEMS)
         # tile systems | tile tokens in one tensor, so run_host sends a step's tiles in one copy
-        packed = torch.full((most * (1 + tokens_per_tile),), -1, dtype=torch.int32, device=sys_lens.device)
-        self._relay_packed = packed
-        self._host_relay = torch.empty(packed.shape, dtype=torch.int32).pin_memory()
+        self._relay_staged = StagedInputs({"tiles": ((most * (1 + tokens_per_tile),), torch.int32)}, sys_lens.device)
+        packed = self._relay_staged.device["tiles"]
+        packed.fill_(-1)
         self.relay = RelayMetadata(
             token_system=[], tile_tokens=packed[most:], tile_system=packed[:most],
             sys_tables=sys_tables, sys_lens=sys_lens, max_sys_len=self.max_model_len,

@@ -32,6 +32,7 @@ class StagedInputs:
             nbytes = math.prod(shape) * dtype.itemsize
             spans[name] = (total, nbytes)
             total += -(-nbytes // _ALIGN) * _ALIGN
+        self._ends = {name: start + nbytes for name, (start, nbytes) in spans.items()}
         self._device_buf = torch.zeros(total, dtype=torch.uint8, device=device)
         self._host_buf = torch.zeros(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
         raw = self._host_buf.numpy()
@@ -50,10 +51,21 @@ class StagedInputs:
             self._sent.synchronize()
         return self._host
 
-    def send(self) -> None:
-        """Copy every host twin into its device tensor, in the current stream's order (the graphs
-        replayed after it read the new values; the host goes on at once)."""
-        self._device_buf.copy_(self._host_buf, non_blocking=True)
+    def send(self, upto: tuple[str, int] | None = None) -> None:
+        """Copy the host twins into their device tensors, in the current stream's order (the graphs
+        replayed after it read the new values; the host goes on at once). ``upto=(name, rows)``
+        sends only the buffer's bytes up to the end of field ``name``'s first ``rows`` rows, so the
+        fields laid out after it are not sent either: a decode step copies the block-table rows of
+        its own sequences, not the table's rows for the largest batch (2 MiB at 256 rows of a 32K
+        context)."""
+        end = self._device_buf.shape[0]
+        if upto is not None:
+            name, rows = upto
+            field = self._host[name]
+            if field.ndim == 0 or not 0 <= rows <= field.shape[0]:
+                raise ValueError(f"staged input {name!r} of shape {field.shape}: cannot send {rows} rows")
+            end = self._ends[name] - (field.shape[0] - rows) * field[0].nbytes
+        self._device_buf[:end].copy_(self._host_buf[:end], non_blocking=True)
         if self._device_buf.is_cuda:
             self._sent = torch.cuda.Event()
             self._sent.record()

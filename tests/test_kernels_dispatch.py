@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from ragfuse.engine.attention import AttentionMetadata
-from ragfuse.engine.cuda_graphs import pack_decode_step, pack_relay_tiles, padded_size
+from ragfuse.engine.cuda_graphs import decode_step_fields, pack_decode_step, pack_relay_tiles, padded_size
 from ragfuse.engine.ops import resolve_backend
+from ragfuse.engine.staged_inputs import StagedInputs
 from ragfuse.kernels.relay import system_tiles
 
 
@@ -62,24 +63,25 @@ def test_metadata_build_matches_per_token_definition() -> None:
 
 
 def test_host_packed_decode_step_matches_metadata() -> None:
-    """The pinned-buffer image of a decode step (``DecodeGraphs.run_host``) holds what
+    """The host twins of a decode step's inputs (``DecodeGraphs.run_host``) hold what
     ``AttentionMetadata.build`` computes for it, after a larger batch left its rows behind; padding
-    rows are inert and only the rows in use are counted for the copy."""
+    rows are inert, and sending up to the step's table rows leaves the rows past them as they were."""
     bs, rows, width = 4, 8, 5
-    longs = torch.zeros(3, rows, dtype=torch.long)
-    ints = torch.zeros(rows * (1 + width), dtype=torch.int32)
-    pack_decode_step(longs.numpy(), ints.numpy(), bs, 8, list(range(6)), list(range(6)), [2] * 6, [[1, 2, 3]] * 6)
+    staged = StagedInputs(decode_step_fields(rows, width), torch.device("cpu"))
+    pack_decode_step(staged.host(), bs, 8, list(range(6)), list(range(6)), [2] * 6, [[1, 2, 3]] * 6)
+    staged.send()
     seq_lens, tables = [6, 2, 13], [[0, 5], [3], [7, 1, 4, 6]]
-    used = pack_decode_step(longs.numpy(), ints.numpy(), bs, padded_size(3), [11, 12, 13], [5, 1, 12], seq_lens,
-                            tables)
+    pack_decode_step(staged.host(), bs, padded_size(3), [11, 12, 13], [5, 1, 12], seq_lens, tables)
+    staged.host()["block_tables"][3:] = -7  # not sent: past the step's rows
+    staged.send(upto=("block_tables", 3))
     meta = AttentionMetadata.build([1, 1, 1], seq_lens, tables, bs, torch.device("cpu"))
+    longs, lens, table_rows = (staged.device[k] for k in ("longs", "seq_lens", "block_tables"))
     assert longs[0, :3].tolist() == [11, 12, 13] and longs[1, :3].tolist() == [5, 1, 12]
     assert longs[2, :4].tolist() == meta.slot_mapping.tolist() + [-1] == [21, 13, 24, -1]
-    assert ints[:4].tolist() == meta.seq_lens.tolist() + [0]
-    table_rows = ints[rows:].view(rows, width)
+    assert lens[:4].tolist() == meta.seq_lens.tolist() + [0]
     for i, table in enumerate(tables):
         assert table_rows[i, : len(table)].tolist() == meta.block_tables[i, : len(table)].tolist()
-    assert used == rows + 3 * width
+    assert table_rows[3:6, :3].tolist() == [[1, 2, 3]] * 3 and not bool((table_rows == -7).any())
 
 
 def test_host_packed_relay_tiles_match_system_tiles() -> None:

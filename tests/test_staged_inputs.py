@@ -46,6 +46,29 @@ def test_each_field_arrives_with_its_values_shape_and_dtype(device: str):
     assert d["table"].cpu().tolist() == [[9, 8, 7, 6, 5]]  # untouched fields are sent again as they were
 
 
+@pytest.mark.parametrize("device", _devices())
+def test_a_send_up_to_some_rows_leaves_the_rest_as_it_was(device: str):
+    """``send(upto=(name, rows))`` sends the fields before ``name`` and its first ``rows`` rows only:
+    a decode step sends its own block-table rows, not the whole table."""
+    staged = StagedInputs(FIELDS, torch.device(device))
+    staged.host()["state"][...] = 1
+    staged.host()["table"][...] = 1
+    staged.send()
+    h = staged.host()
+    h["state"][...] = np.arange(4 * 33).reshape(4, 33)
+    h["flags"][...] = True
+    h["table"][...] = 2
+    staged.send(upto=("state", 2))
+    d = staged.device
+    assert torch.equal(d["state"][:2].cpu(), torch.arange(2 * 33).view(2, 33))
+    assert bool((d["state"][2:] == 1).all()) and not bool(d["flags"].any()) and bool((d["table"] == 1).all())
+    staged.send(upto=("flags", 7))
+    assert bool(d["flags"].all()) and bool((d["table"] == 1).all())
+    for bad in (("state", 5), ("tail", 0)):
+        with pytest.raises(ValueError, match="cannot send"):
+            staged.send(upto=bad)
+
+
 def test_unsupported_dtypes_are_refused():
     with pytest.raises(TypeError, match="unsupported dtype"):
         StagedInputs({"x": ((2,), torch.float16)}, torch.device("cpu"))
