@@ -262,10 +262,11 @@ class DecodeGraphs:
         """As ``run_logits`` for a decode step without shared tree blocks, from host values: sequence
         i's token ``ids[i]`` at ``positions[i]`` is its ``seq_lens[i]``-th own token, cached through
         block table ``tables[i]``, behind system prompt ``token_system[i]`` (relay; -1 or no list:
-        none; check ``takes_from_host`` first). Written into pinned buffers and sent by two copies
-        (three with relay), with no ``AttentionMetadata`` built: with this and the head in the graph,
-        the host's share of a batch-1 step on an H100 fell from 1.05 to 0.18 ms (kernels/NOTES.md).
-        The caller reads the results before the next step: they live in the graph's buffers.
+        none; check ``takes_from_host`` first). Written into the page-locked twins of the static
+        inputs (``StagedInputs``) and sent by one copy (two with relay), with no ``AttentionMetadata``
+        built: with this and the head in the graph, the host's share of a batch-1 step on an H100 fell
+        from 1.05 to 0.18 ms (kernels/NOTES.md). The caller reads the results before the next step:
+        they live in the graph's buffers.
 
         ``gather_from``: the token ids are on the device, not yet known to the host (a step launched
         before its predecessor's tokens were read); ``ids`` are then row indices into it."""

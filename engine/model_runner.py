@@ -207,7 +207,7 @@ class ModelRunner:
         from host values, else None: one last token per sequence, every block table within the
         graphs' width, and any system prompts (relay) within what a relay graph's tiles hold. Relay
         batches went through ``AttentionMetadata`` and a dozen device copies before, ~1 ms more host
-        work a step than plain decode's two copies."""
+        work a step than plain decode's one copy."""
         graphs = self.graphs
         if (graphs is None or batch.is_prefill or len(batch.seqs) > MAX_GRAPH_BATCH
                 or not all(s.num_uncomputed == 1 and len(s.block_table) <= graphs.max_blocks for s in batch.seqs)):

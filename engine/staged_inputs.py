@@ -5,7 +5,8 @@ as device tensors copied into place, that is one launch per input, and before it
 become device tensors (a transfer, then a view per array): on an H200 the fused prefill spent ~0.6 ms of
 host time on that before its first layer while the GPU sat idle. Here the inputs are typed views of
 one device buffer, with a page-locked host buffer laid out the same: the host writes the values
-straight into its numpy views and one non-blocking copy sends them all.
+straight into its numpy views and one non-blocking copy sends them all. The fused prefill's graphs
+(``fusion/graphs.py``) and the decode graphs (``cuda_graphs.DecodeGraphs``) take their inputs so.
 """
 
 from __future__ import annotations

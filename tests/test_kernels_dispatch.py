@@ -85,7 +85,7 @@ def test_host_packed_decode_step_matches_metadata() -> None:
 
 
 def test_host_packed_relay_tiles_match_system_tiles() -> None:
-    """The pinned image of a relay decode step's static tiles (``DecodeGraphs.run_host``) holds the
+    """The host twin of a relay decode step's static tiles (``DecodeGraphs.run_host``) holds the
     tiles ``system_tiles`` cuts for the step, and a larger earlier step's tiles are emptied."""
     most, per_tile = 6, 4
     packed = np.zeros(most * (1 + per_tile), dtype=np.int32)
