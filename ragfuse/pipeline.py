@@ -286,27 +286,33 @@ class RagPipeline:
     ) -> EntrySource | LayerwiseSource:
         """The stored KV under ``key``, else the KV of ``token_ids`` after ``context``, computed and stored."""
         assert self.store is not None
+        before = len(notes)
         src = self._lookup(key, len(token_ids), notes)
         if src is not None:
             return src
+        # after a damaged entry (noted by the lookup) the KV was stored, only not usable
+        what = "" if len(notes) > before else " was not stored:"
         (k, v), = self.engine.compute_kv([token_ids], context)
         entry = StoredKV.from_kv(key, k, v)
         try:
             self.store.kv.put(entry)
-            notes.append(f"KV of {len(token_ids)} tokens was not stored: computed and stored now")
+            notes.append(f"KV of {len(token_ids)} tokens{what} computed and stored now")
         except (KVStoreError, OSError) as exc:  # a full disk: answer anyway, say why nothing was kept
             log.warning("KV entry %s was computed but not stored: %s", key, exc)
-            notes.append(f"KV of {len(token_ids)} tokens was not stored: computed, but storing it failed ({exc})")
+            notes.append(f"KV of {len(token_ids)} tokens{what} computed, but storing it failed ({exc})")
         return EntrySource(entry, "computed")
 
     def _lookup(self, key: str, num_tokens: int, notes: list[str]) -> EntrySource | LayerwiseSource | None:
-        """The stored KV under ``key``, if it is this model's KV of ``num_tokens`` tokens; else None,
-        and an entry of another shape (damaged) is dropped, so what the caller computes instead can
-        be stored. A tier that fails (an I/O error, Redis gone) is a miss with a note: the answer
-        still comes."""
+        """The stored KV under ``key``, if it is this model's KV of ``num_tokens`` tokens; else None.
+        A damaged entry (it does not open, or holds another shape) is dropped with a note, so what
+        the caller computes instead can be stored; a tier that fails (an I/O error, Redis gone) is a
+        miss with a note. Either way the answer still comes."""
         assert self.store is not None
+        damaged: list[str] = []
         try:
-            return open_source(self.store.kv, key, self.kv_shape, num_tokens)
+            src = open_source(self.store.kv, key, self.kv_shape, num_tokens, damaged)
+            notes += [f"KV entry {key[:12]} was damaged ({why}): recomputed, not served" for why in damaged]
+            return src
         except KVStoreError as exc:
             log.warning("KV entry %s could not be looked up: %s", key, exc)
             notes.append(f"KV entry {key[:12]} could not be read ({exc}): recomputed")

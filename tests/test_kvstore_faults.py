@@ -194,7 +194,9 @@ def test_a_damaged_shape_field_in_the_header_is_corrupt_not_served(tmp_path, fie
         disk.put(e)
         _flip_header_digit(disk.path_of(e.key), field, mask)
     assert disk.get(a.key) is None
-    assert open_source(store, b.key) is None
+    damaged: list[str] = []
+    assert open_source(store, b.key, damaged=damaged) is None
+    assert len(damaged) == 1 and damaged[0].startswith("disk: ")  # told, so the caller can say so
     assert disk.stats().corrupt == 2 and disk.entry_keys() == []
     assert not list(tmp_path.glob("data/*/*.safetensors"))
 

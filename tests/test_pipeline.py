@@ -255,9 +255,33 @@ def test_stored_kv_of_another_length_is_dropped_and_replaced(pipeline):
     again = pipeline.ask(QUESTION, mode="reuse", top_k=1, params=params)
     assert again.token_ids == first.token_ids
     assert disk.stats().corrupt == corrupt + 1
+    assert any(n.startswith(f"KV entry {key[:12]} was damaged (") for n in again.notes), again.notes
+    assert f"KV of {good.meta.num_tokens} tokens computed and stored now" in again.notes
     assert pipeline.store.kv.get(key).meta.num_tokens == good.meta.num_tokens
     third = pipeline.ask(QUESTION, mode="reuse", top_k=1, params=params)
     assert not any("not stored" in n for n in third.notes) and third.token_ids == first.token_ids
+
+
+@pytest.mark.parametrize("damage", [b"", b"\x10\x00\x00\x00\x00\x00\x00\x00{not json"], ids=["empty", "header"])
+def test_an_entry_file_that_does_not_open_is_told_damaged_not_missing(pipeline, damage):
+    """An entry file emptied or with a damaged header: dropped and recomputed like one failing a
+    layer's checksum, and the notes say so (they said its KV "was not stored")."""
+    from ragfuse.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=8)
+    first = pipeline.ask(QUESTION, mode="reuse", top_k=1, params=params)
+    key = _first_chunk_key(pipeline, first)
+    for tier in pipeline.store.kv.tiers:  # the next read comes from disk
+        if not tier.persistent:
+            tier.delete(key)
+    disk = next(t for t in pipeline.store.kv.tiers if isinstance(t, DiskTier))
+    disk.path_of(key).write_bytes(damage)
+    again = pipeline.ask(QUESTION, mode="reuse", top_k=1, params=params)
+    assert again.token_ids == first.token_ids
+    damaged = [n for n in again.notes if "was damaged" in n]
+    assert len(damaged) == 1 and damaged[0].startswith(f"KV entry {key[:12]} was damaged (disk: ")
+    assert damaged[0].endswith("recomputed, not served") and not any("not stored" in n for n in again.notes)
+    assert disk.get(key) is not None  # stored again, whole
 
 
 def test_kv_files_removed_behind_the_store_are_stored_again(pipeline):

@@ -278,7 +278,9 @@ class DiskTier(Tier):
 
     def open(self, key: str) -> DiskEntryReader | None:
         """A layer-by-layer reader of ``key``, or None when absent. Counts a hit; the caller must
-        call ``drop(key)`` if a layer later fails its checksum."""
+        call ``drop(key)`` if a layer later fails its checksum. An entry whose file does not open as
+        one (empty, a damaged header) is dropped and raises ``CorruptEntryError``: the caller says
+        that what it recomputes replaces damaged KV, not KV that was never stored."""
         rows = self._sql("SELECT file, checksum FROM entries WHERE key=?", (key,))
         if not rows:
             self._stats.misses += 1
@@ -291,13 +293,16 @@ class DiskTier(Tier):
             return None
         except CorruptEntryError:
             self.drop(key)
-            return None
+            raise
         self._stats.hits += 1
         self._sql("UPDATE entries SET last_access=? WHERE key=?", (time.time(), key))
         return reader
 
     def get(self, key: str, device: torch.device | None = None) -> StoredKV | None:
-        reader = self.open(key)
+        try:
+            reader = self.open(key)
+        except CorruptEntryError:  # dropped: a miss to this caller
+            return None
         if reader is None:
             return None
         device = torch.device(device or "cpu")

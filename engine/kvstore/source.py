@@ -106,13 +106,16 @@ class LayerwiseSource:
 
 
 def open_source(
-    store: TieredKVStore, key: str, shape: KVShape | None = None, num_tokens: int | None = None
+    store: TieredKVStore, key: str, shape: KVShape | None = None, num_tokens: int | None = None,
+    damaged: list[str] | None = None,
 ) -> EntrySource | LayerwiseSource | None:
     """A layer source for ``key`` from the fastest tier that holds it, or None on a miss.
 
     With ``shape`` (the reading model's) and ``num_tokens`` (its text's), an entry whose metadata
     says otherwise is corrupt: it is dropped from its tier (counted, its reader closed) and the
-    next tier is tried, so the caller's recomputed KV can be stored in its place."""
+    next tier is tried, so the caller's recomputed KV can be stored in its place. So is an entry
+    that does not open (an empty file, a damaged header). Each one dropped is told in ``damaged``
+    (its tier and why), so the caller can say the KV it recomputes replaces damaged KV."""
     for tier in store.tiers:
         if not tier.contains(key):
             continue
@@ -120,7 +123,11 @@ def open_source(
         if isinstance(tier, DiskTier | RedisTier):
             try:
                 src = LayerwiseSource(store, tier, key)
-            except (KeyError, CorruptEntryError):  # gone since ``contains`` (evicted), or corrupt and dropped
+            except KeyError:  # gone since ``contains`` (evicted)
+                continue
+            except CorruptEntryError as exc:  # dropped by the tier
+                if damaged is not None:
+                    damaged.append(f"{tier.name}: {exc}")
                 continue
         else:
             entry = tier.get(key)
@@ -131,6 +138,8 @@ def open_source(
         if why is None:
             return src
         log.warning("KV entry %s in tier %s %s: dropped", key, tier.name, why)
+        if damaged is not None:
+            damaged.append(f"{tier.name}: {why}")
         if isinstance(src, LayerwiseSource):
             src.drop()
         else:

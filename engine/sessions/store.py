@@ -38,7 +38,7 @@ import torch
 
 from ..atomic_file import write_atomic
 from ..errors import RequestError
-from ..kvstore import DiskTier, KVStoreError, StoredKV, kv_key
+from ..kvstore import CorruptEntryError, DiskTier, KVStoreError, StoredKV, kv_key
 from ..kvstore.entry import DTYPES, EntryMeta, dtype_name, layer_checksum
 from .history import Ranges, total
 from .placement import Move, SessionInfo, SessionPlacement, make_policy
@@ -482,7 +482,10 @@ class SessionStore:
         read (truncated, damaged header) or holds other rows than its record says (the caller drops
         the session and recomputes, ``begin_turn``)."""
         assert self.disk is not None
-        reader = self.disk.open(rec.key)
+        try:
+            reader = self.disk.open(rec.key)
+        except CorruptEntryError as exc:
+            raise SessionCorruptError(rec.session_id, f"was not readable on disk ({exc})") from exc
         if reader is None:
             raise SessionCorruptError(rec.session_id, "was not readable on disk")
         if why := _rows_mismatch(rec, reader.meta):
