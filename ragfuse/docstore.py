@@ -138,6 +138,11 @@ class DocStore:
                             (path, content_hash, len(chunks), time.time()))
         return removed, new_ids
 
+    def set_kv_keys(self, keys: Mapping[int, str]) -> None:
+        """Key chunks' KV (chunk id -> key) in place: the chunks, so the index, stay as they are."""
+        with self._tx(bump=False):
+            self.db.executemany("UPDATE chunks SET kv_key=? WHERE id=?", [(k, i) for i, k in keys.items()])
+
     def remove_files(self, paths: Sequence[str]) -> list[int]:
         """Remove ``paths`` with their chunks; return the chunk ids removed. None to remove commits
         nothing: a generation bumped with no chunk changed would leave the saved index stale, to be

@@ -2,7 +2,11 @@
 
 A file that cannot be read as text (empty, binary, undecodable, too large, a PDF or JSON file that
 cannot be parsed, a record file without the asked-for text field, or a name that is not UTF-8) is
-reported by name with the reason and skipped; it never stops an ingest.
+reported by name with the reason and skipped; it never stops an ingest. Text is UTF-8 unless the caller
+names a fallback encoding for files that are not (Latin-1 and Windows-1252 files are common in old
+document sets): guessing one from the bytes is unreliable on short files (charset detectors read a
+Latin-1 sentence as Baltic cp775 and KOI8-R as Shift-JIS), and a wrong guess would be stored silently.
+What was read only in part (records without the text field) or through the fallback is noted by file.
 """
 
 from __future__ import annotations
@@ -36,12 +40,22 @@ class LoadedFile:
     path: str
     content_hash: str
     documents: list[Document] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what of it was not read as asked, for the report
 
 
 @dataclass(frozen=True)
 class SkippedFile:
     path: str
     reason: str
+
+
+@dataclass(frozen=True)
+class FileNote:
+    """Something about a file that was ingested, but not quite as asked (read in part, or through
+    the fallback encoding)."""
+
+    path: str
+    note: str
 
 
 class _Unreadable(Exception):
@@ -161,8 +175,9 @@ def _is_folder(entry: os.DirEntry[str]) -> bool:
 
 
 def load_file(path: Path, max_bytes: int = DEFAULT_MAX_BYTES, text_field: str = "text",
-              title_field: str | None = "title") -> LoadedFile | SkippedFile:
-    """Read ``path`` into documents, or say why it was skipped."""
+              title_field: str | None = "title", encoding: str | None = None) -> LoadedFile | SkippedFile:
+    """Read ``path`` into documents, or say why it was skipped. ``encoding``: how to read a text
+    file that is not valid UTF-8 (by default it is skipped)."""
     if not utf8_name(path):
         return SkippedFile(_display_path(path), "file name is not valid UTF-8 (rename the file)")
     try:
@@ -175,14 +190,20 @@ def load_file(path: Path, max_bytes: int = DEFAULT_MAX_BYTES, text_field: str = 
         suffix = path.suffix.lower()
         if suffix not in SUFFIXES:
             return SkippedFile(str(path), f"unsupported file type {suffix or '(none)'}")
+        notes: list[str] = []
+        used: str | None = None
         if suffix == ".pdf":
             docs = [Document(_pdf_text(data), str(path))]
         else:
-            text = _decode(data)
+            text, used = _decode(data, encoding)
+            if used is not None:
+                notes.append(f"not UTF-8: read as {used}")
             if suffix in HTML_SUFFIXES:
                 docs = [Document(_html_text(text), str(path))]
             elif suffix in RECORD_SUFFIXES:
-                docs = list(_record_documents(text, suffix, str(path), text_field, title_field))
+                docs, without = _record_documents(text, suffix, str(path), text_field, title_field)
+                if without:
+                    notes.append(f"{without} of its records have no string field {text_field!r}: left out")
             else:
                 docs = [Document(text, str(path))]
     except OSError as exc:
@@ -195,10 +216,12 @@ def load_file(path: Path, max_bytes: int = DEFAULT_MAX_BYTES, text_field: str = 
     if not docs:
         return SkippedFile(str(path), "no text in it")
     digest = hashlib.sha256(data)
+    if used is not None:  # read through the fallback: another fallback reads other text from the same bytes
+        digest.update(b"\0encoding=" + used.encode())
     if suffix in RECORD_SUFFIXES:  # which fields were read is part of what was ingested: a re-ingest
         # asking for other fields must read the file again, not find it unchanged
         digest.update(b"\0" + json.dumps([text_field, title_field]).encode())
-    return LoadedFile(str(path), digest.hexdigest(), docs)
+    return LoadedFile(str(path), digest.hexdigest(), docs, notes)
 
 
 def utf8_name(path: Path) -> bool:
@@ -216,13 +239,22 @@ def _display_path(path: str | Path) -> str:
     return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
-def _decode(data: bytes) -> str:
+def _decode(data: bytes, fallback: str | None) -> tuple[str, str | None]:
+    """The text, and the fallback encoding where it took that to read it (None: UTF-8)."""
     if b"\0" in data[:8192]:
         raise _Unreadable("binary (NUL bytes)")
     try:
-        return data.decode("utf-8-sig")
+        return data.decode("utf-8-sig"), None
     except UnicodeDecodeError as exc:
-        raise _Unreadable(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+        if fallback is None:
+            raise _Unreadable(f"not UTF-8 text ({exc.reason} at byte {exc.start}): convert it to UTF-8, or name "
+                              "its encoding (`ragfuse ingest --encoding`, e.g. cp1252)") from exc
+        utf8_error = exc
+    try:
+        return data.decode(fallback), fallback
+    except UnicodeDecodeError as exc:
+        raise _Unreadable(f"neither UTF-8 ({utf8_error.reason} at byte {utf8_error.start}) nor {fallback} "
+                          f"({exc.reason} at byte {exc.start})") from exc
 
 
 def _html_text(html: str) -> str:
@@ -249,8 +281,9 @@ def _pdf_text(data: bytes) -> str:
 
 
 def _record_documents(text: str, suffix: str, source: str, text_field: str,
-                      title_field: str | None) -> Iterator[Document]:
-    """Documents from JSON (a list of records, or one record) or JSONL (one record a line).
+                      title_field: str | None) -> tuple[list[Document], int]:
+    """Documents from JSON (a list of records, or one record) or JSONL (one record a line), and how
+    many records gave none (reported: a file of records read in part must not look read whole).
 
     ``text_field`` is a dotted path; ``[]`` after a name walks a list, so ``ctxs[].text`` takes the
     ``text`` of every element of each record's ``ctxs``. When the object holding the text also has
@@ -266,16 +299,19 @@ def _record_documents(text: str, suffix: str, source: str, text_field: str,
             records = loaded if isinstance(loaded, list) else [loaded]
     except RecursionError as exc:  # the decoder recurses once per level of nesting
         raise _Unreadable("JSON nested too deeply to read") from exc
-    found = False
+    docs: list[Document] = []
+    without = 0
     for i, rec in enumerate(records):
+        before = len(docs)
         for where, holder, value in _walk(rec, text_field.split("."), f"#{i}"):
             if not isinstance(value, str):
                 continue
-            found = True
             title = holder.get(title_field) if title_field and isinstance(holder, dict) else None
-            yield Document(f"{title}\n{value}" if isinstance(title, str) and title else value, source + where)
-    if not found:
+            docs.append(Document(f"{title}\n{value}" if isinstance(title, str) and title else value, source + where))
+        without += len(docs) == before
+    if not docs:
         raise _Unreadable(f"no record has a string field {text_field!r} (choose one with --text-field)")
+    return docs, without
 
 
 def _json(doc: str, first_line: int = 1) -> Any:

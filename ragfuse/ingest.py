@@ -3,8 +3,8 @@
 Order matters for "nothing stored is lost": embeddings and KV are computed first; only then is each
 file's set of chunks swapped in one docstore transaction, and the index updated. An error before
 that (disk full, bad file) leaves the store exactly as it was. Unchanged files (same content hash
-and same settings, which the store enforces, and, for an ingest that precomputes KV, every chunk's KV
-stored) are not touched at all. KV no chunk uses any more is deleted last, once every file's new
+and same settings, which the store enforces) keep their chunks as they are: for an ingest that
+precomputes KV, the chunks whose KV is missing get it, keyed in place. KV no chunk uses any more is deleted last, once every file's new
 chunks are in: a chunk that moved from one file to another keeps its KV.
 """
 
@@ -22,9 +22,19 @@ from tqdm.auto import tqdm
 from ragfuse.chunk_kv import ChunkKV
 from ragfuse.chunking import TokenChunker
 from ragfuse.docstore import NewChunk
-from ragfuse.documents import DEFAULT_MAX_BYTES, FoundFiles, LoadedFile, SkippedFile, find_files, load_file, utf8_name
+from ragfuse.documents import (
+    DEFAULT_MAX_BYTES,
+    FileNote,
+    FoundFiles,
+    LoadedFile,
+    SkippedFile,
+    find_files,
+    load_file,
+    utf8_name,
+)
 from ragfuse.embeddings import Embedder
 from ragfuse.engine.kvstore import StoredKV
+from ragfuse.prompt import RagPromptBuilder
 from ragfuse.rag_store import RagStore
 
 T = TypeVar("T")
@@ -47,11 +57,12 @@ class IngestReport:
     replaced_files: list[str] = field(default_factory=list)
     removed_files: list[str] = field(default_factory=list)  # gone from an ingested folder, or no root reaches it
     unchanged_files: list[str] = field(default_factory=list)
-    # unchanged files read again only because their chunks' KV was missing (a --no-kv ingest, KV
-    # evicted) and computed now: listed among unchanged_files too, as their text did not change, so
-    # the counts of changed files and chunks keep meaning changed text
+    # unchanged files whose chunks' KV was missing (a --no-kv ingest, KV evicted or dropped as damaged)
+    # and computed now, their chunks kept as they were (ids, embeddings): listed among unchanged_files
+    # too, as their text did not change, so the counts of changed files and chunks keep meaning changed text
     kv_filled_files: list[str] = field(default_factory=list)
     skipped: list[SkippedFile] = field(default_factory=list)
+    notes: list[FileNote] = field(default_factory=list)  # files read, but in part or through the fallback encoding
     chunks_added: int = 0
     chunks_removed: int = 0
     kv_computed: int = 0
@@ -70,14 +81,23 @@ class _Pending:
     token_ids: list[tuple[int, ...]]
 
 
+@dataclass
+class _KVFill:
+    """An unchanged file whose stored chunks lack their KV (or its key): by chunk id, the tokens."""
+
+    path: str
+    chunks: dict[int, tuple[int, ...]]
+
+
 class Ingestor:
     def __init__(self, store: RagStore, engine: Any, embedder: Embedder, precompute_kv: bool = True,
                  kv_batch_tokens: int = 4096, max_bytes: int = DEFAULT_MAX_BYTES, text_field: str = "text",
                  title_field: str | None = "title", progress: bool = True, on_engine: EngineRunner = run_here,
-                 tokenizer: Any = None) -> None:
+                 tokenizer: Any = None, encoding: str | None = None) -> None:
         """``on_engine``: how to run a step that uses the engine or the store; ``tokenizer``: the
         chunker's (default the engine's; a caller chunking on another thread passes its own copy,
-        since a fast tokenizer's settings are shared state)."""
+        since a fast tokenizer's settings are shared state); ``encoding``: how to read text files
+        that are not UTF-8 (None: skip them)."""
         self.store, self.engine, self.embedder = store, engine, embedder
         self.on_engine = on_engine
         self.chunker = TokenChunker(tokenizer if tokenizer is not None else engine.tokenizer,
@@ -85,8 +105,12 @@ class Ingestor:
         # how the store's chunks get their KV (after the instruction prefix, or alone): the
         # pipeline keys and computes them the same way, from the same store setting
         self.chunk_kv = ChunkKV.for_context(engine, store.config.chunk_kv_context) if precompute_kv else None
+        # every RAG prompt starts with the instruction prefix, whose KV the pipeline keys alone (it is an
+        # exact prefix): stored with the chunks, so the first question after an ingest computes none
+        self.prefix = RagPromptBuilder(engine.tokenizer).prefix if precompute_kv else None
         self.kv_batch_tokens = kv_batch_tokens
         self.max_bytes, self.text_field, self.title_field = max_bytes, text_field, title_field
+        self.encoding = encoding
         self.progress = progress
 
     def ingest(self, paths: Iterable[str | Path]) -> IngestReport:
@@ -105,23 +129,30 @@ class Ingestor:
         roots = _storable_roots({root: files for root, files in found.roots.items() if root not in found.incomplete})
         report.removed_files = self.on_engine(lambda: self._gone_files(found, roots))
         pending: list[_Pending] = []
+        fills: list[_KVFill] = []
         for path in tqdm(found.files, desc="reading", unit="file", disable=not self.progress):
-            loaded = load_file(path, self.max_bytes, self.text_field, self.title_field)
+            loaded = load_file(path, self.max_bytes, self.text_field, self.title_field, self.encoding)
             if isinstance(loaded, SkippedFile):
                 report.skipped.append(loaded)
-            elif self.on_engine(lambda loaded=loaded: self._unchanged(loaded)):
-                report.unchanged_files.append(loaded.path)
-            else:
+                continue
+            report.notes += [FileNote(loaded.path, note) for note in loaded.notes]
+            fill = self.on_engine(lambda loaded=loaded: self._kv_fill(loaded))
+            if fill is None:
                 pending.append(self._chunk(loaded))
+                continue
+            report.unchanged_files.append(loaded.path)
+            if fill.chunks:
+                fills.append(fill)
         texts = [t for p in pending for t in p.texts]
         vectors = self.embedder.encode(texts, progress=self.progress and bool(texts))
         chunk_kv = self.chunk_kv
         with self.store.ingesting():  # its new KV is no chunk's until the commit: `store gc` must keep it
             if chunk_kv is not None:
                 t1 = time.perf_counter()
-                self._precompute(chunk_kv, [ids for p in pending for ids in p.token_ids], report)
+                self._precompute(chunk_kv, [ids for p in pending for ids in p.token_ids]
+                                 + [ids for f in fills for ids in f.chunks.values()], report)
                 report.kv_seconds = time.perf_counter() - t1
-            self.on_engine(lambda: self._commit(pending, vectors, report, roots))
+            self.on_engine(lambda: self._commit(pending, fills, vectors, report, roots))
         report.seconds = time.perf_counter() - t0
         return report
 
@@ -141,10 +172,10 @@ class Ingestor:
                      if f not in reached and had <= walked_roots]
         return list(dict.fromkeys(deleted + sorted(unreached)))
 
-    def _commit(self, pending: list[_Pending], vectors: Any, report: IngestReport,
+    def _commit(self, pending: list[_Pending], fills: list[_KVFill], vectors: Any, report: IngestReport,
                 roots: dict[str, list[str]]) -> None:
-        """Swap each file's chunks in, record what each root reached, update the index once, then
-        forget KV no chunk uses."""
+        """Swap each changed file's chunks in, key the KV-filled files' chunks in place, record what
+        each root reached, update the index once, then forget KV no chunk uses."""
         chunk_kv = self.chunk_kv
         offset = 0
         all_removed: list[int] = []
@@ -164,14 +195,15 @@ class Ingestor:
             all_removed += removed
             all_added += added
             offset += n
-            if stored_hash == p.file.content_hash:  # same text, read again only for its chunks' KV
-                report.unchanged_files.append(p.file.path)
-                report.kv_filled_files.append(p.file.path)
-                continue
             (report.replaced_files if stored_hash is not None else report.new_files).append(p.file.path)
             report.chunks_added += len(added)
             report.chunks_removed += len(removed)
             report.tokens += sum(len(ids) for ids in p.token_ids)
+        if fills:
+            assert chunk_kv is not None
+            old_refs += self.store.docs.kv_refs([f.path for f in fills])
+            self.store.docs.set_kv_keys({i: chunk_kv.key(ids) for f in fills for i, ids in f.chunks.items()})
+            report.kv_filled_files += [f.path for f in fills]
         self.store.docs.record_roots(roots)
         if pending or all_removed:  # one index update (and save) for the whole ingest; until then the saved
             # index is behind the docstore's generation and a crash would make the next open rebuild it
@@ -181,17 +213,21 @@ class Ingestor:
         # their stored KV and also what `ask` stored for them (as `store rm` does)
         report.kv_removed = self.store.forget_chunk_kv(old_refs)
 
-    def _unchanged(self, loaded: LoadedFile) -> bool:
-        """Stored with the same content and, when this ingest precomputes KV, with every chunk's KV
-        keyed and stored: a file ingested with --no-kv (or whose KV is gone) is ingested again."""
+    def _kv_fill(self, loaded: LoadedFile) -> _KVFill | None:
+        """None where ``loaded`` is new or its text changed (it is chunked again); else its stored
+        chunks that lack their KV, when this ingest precomputes KV (none: the file is unchanged). A
+        file ingested with --no-kv, or whose KV was evicted or dropped, keeps its chunks as they are
+        (the store's settings fix the chunking): their ids stay what clients saw, and they are not
+        embedded again."""
         if self.store.docs.file_hash(loaded.path) != loaded.content_hash:
-            return False
+            return None
         chunk_kv = self.chunk_kv
         if chunk_kv is None:
-            return True
+            return _KVFill(loaded.path, {})
         chunks = self.store.docs.chunks(self.store.docs.chunk_ids(loaded.path)).values()
-        return all(c.kv_key == chunk_kv.key(c.token_ids) and self.store.kv.locate(c.kv_key) is not None
-                   for c in chunks)
+        kv = self.store.kv
+        return _KVFill(loaded.path, {c.id: c.token_ids for c in chunks
+                                     if c.kv_key != chunk_kv.key(c.token_ids) or kv.locate(c.kv_key) is None})
 
     def _chunk(self, loaded: LoadedFile) -> _Pending:
         p = _Pending(loaded, [], [], [])
@@ -210,12 +246,23 @@ class Ingestor:
         stored = self.on_engine(lambda: {k for k in keyed if self.store.kv.locate(k) is not None})
         report.kv_reused += len(stored)
         todo = {k: ids for k, ids in keyed.items() if k not in stored}
+        prefix = self.prefix
+        if prefix:  # not counted among the chunks' KV
+            self.on_engine(lambda: self._store_prefix_kv(prefix))
         with tqdm(total=sum(map(len, todo.values())), desc="precomputing KV", unit="tok",
                   disable=not self.progress or not todo) as bar:
             for batch in token_batches(list(todo.items()), self.kv_batch_tokens):
                 self.on_engine(lambda batch=batch: self._store_kv(chunk_kv, batch))
                 report.kv_computed += len(batch)
                 bar.update(sum(len(ids) for _, ids in batch))
+
+    def _store_prefix_kv(self, prefix: list[int]) -> None:
+        """The instruction prefix's KV, computed alone, where it is not stored yet."""
+        alone = ChunkKV(self.engine)
+        key = alone.key(prefix)
+        if self.store.kv.locate(key) is None:
+            (k, v), = alone.compute([prefix])
+            self.store.kv.put(StoredKV.from_kv(key, k, v))
 
     def _store_kv(self, chunk_kv: ChunkKV, batch: list[tuple[str, tuple[int, ...]]]) -> None:
         for (key, _), (k, v) in zip(batch, chunk_kv.compute([list(ids) for _, ids in batch])):

@@ -27,7 +27,7 @@ def test_cli_ingest_search_stats_rm(tmp_path, capsys, engine):
 
     assert main(["store", "stats", "--store", store, "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
-    assert stats["files"] == 2 and stats["kv"]["disk"]["entries"] == 2
+    assert stats["files"] == 2 and stats["kv"]["disk"]["entries"] == 3  # and the instruction prefix's
 
     assert main(["store", "rm", str(docs / "b.txt"), "--store", store]) == 0
     assert "removed 1 files, 1 chunks, 1 KV entries" in capsys.readouterr().out
@@ -84,3 +84,36 @@ def test_cli_profile_caches_a_profile(tmp_path, capsys, engine):
     assert set(prof["bandwidth"]) == {"cpu", "disk"} and prof["kv_bytes_per_token"] == 30 * 3 * 64 * 2 * 4
     assert out["decision"]["num_tokens"] == 1024 and 0.15 <= out["decision"]["recompute_ratio"] <= 1
     assert len(list((store / "profiles").glob("profile-*.json"))) == 1
+
+
+def test_cli_ingest_of_nothing_fails_and_makes_no_store(tmp_path, capsys):
+    """A mistyped path, or a new store's folder without documents, is an error before any model loads,
+    and no store is left behind (a later `ask` would only then say the store is empty)."""
+    store = tmp_path / "store"
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("Photosynthesis turns light into sugar.")
+    assert main(["ingest", str(docs), str(tmp_path / "typo.md"), "--store", str(store)]) == 2
+    assert f"no such file or directory: {tmp_path / 'typo.md'} (nothing was ingested)" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["ingest", str(tmp_path / "empty"), "--store", str(store)]) == 2
+    assert "no documents in" in capsys.readouterr().err
+    assert not store.exists()
+    with pytest.raises(SystemExit, match="2"):  # argparse's own error
+        main(["ingest", str(docs), "--store", str(store), "--encoding", "no-such-codec"])
+    assert "unknown encoding 'no-such-codec'" in capsys.readouterr().err
+
+
+def test_cli_ingest_that_skips_every_file_fails_and_a_fallback_encoding_reads_them(tmp_path, capsys, engine):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "menu.txt").write_bytes("Caf\u00e9 cr\u00e8me is served at the Hollowpoint ferry.".encode("latin-1"))
+    (docs / "blob.txt").write_bytes(b"\x00\x01")
+    args = ["--store", str(tmp_path / "store"), "--device", "cpu", "--chunk-tokens", "128"]
+    assert main(["ingest", str(docs), *args]) == 2
+    captured = capsys.readouterr()
+    assert "skipped" in captured.out and "not UTF-8 text" in captured.out
+    assert "nothing ingested: every file was skipped" in captured.err
+    assert main(["ingest", str(docs), *args, "--encoding", "windows-1252"]) == 0
+    out = capsys.readouterr().out
+    assert f"note {docs / 'menu.txt'}: not UTF-8: read as cp1252" in out and "1 new" in out

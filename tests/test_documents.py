@@ -89,3 +89,38 @@ def test_linked_folders_are_followed_once_and_hidden_ones_left_out(tmp_path):
     assert not found.missing
     assert found.files == [(docs / "a.txt").resolve(), (shared / "deep" / "notes.md").resolve()]
     assert set(found.folders) == {docs.resolve(), shared.resolve(), (shared / "deep").resolve()}
+
+
+def test_text_that_is_not_utf8_is_read_only_through_a_named_fallback(tmp_path):
+    """A Latin-1 file is skipped with a hint by default; with a fallback encoding it is read, noted,
+    and its content hash depends on the fallback (another one reads other text from the same bytes).
+    A file that is valid UTF-8 is read as UTF-8 whatever the fallback."""
+    text = "Caf\u00e9 cr\u00e8me, na\u00efve r\u00e9sum\u00e9."
+    latin = tmp_path / "menu.txt"
+    latin.write_bytes(text.encode("latin-1"))
+    skipped = load_file(latin)
+    assert isinstance(skipped, SkippedFile) and skipped.reason.startswith("not UTF-8 text")
+    assert "--encoding" in skipped.reason
+    cp1252 = load_file(latin, encoding="cp1252")
+    assert isinstance(cp1252, LoadedFile) and cp1252.documents[0].text == text
+    assert cp1252.notes == ["not UTF-8: read as cp1252"]
+    koi8 = load_file(latin, encoding="koi8_r")
+    assert isinstance(koi8, LoadedFile) and koi8.content_hash != cp1252.content_hash
+    ascii_only = load_file(latin, encoding="ascii")
+    assert isinstance(ascii_only, SkippedFile) and ascii_only.reason.startswith("neither UTF-8 (")
+    utf8 = tmp_path / "menu-utf8.txt"
+    utf8.write_text("Caf\u00e9 cr\u00e8me.", encoding="utf-8")
+    read = load_file(utf8, encoding="cp1252")
+    assert isinstance(read, LoadedFile) and read.documents[0].text == "Caf\u00e9 cr\u00e8me." and not read.notes
+    assert read.content_hash == load_file(utf8).content_hash
+
+
+def test_records_without_the_text_field_are_counted_not_dropped_in_silence(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"text": "The ferry leaves at 9."}\n{"nope": 1}\n[1, 2]\n{"text": 5}\n')
+    loaded = load_file(path)
+    assert isinstance(loaded, LoadedFile) and [d.text for d in loaded.documents] == ["The ferry leaves at 9."]
+    assert loaded.notes == ["3 of its records have no string field 'text': left out"]
+    whole = tmp_path / "whole.json"
+    whole.write_text('[{"text": "One."}, {"text": "Two."}]')
+    assert load_file(whole).notes == []

@@ -139,10 +139,13 @@ def test_a_no_kv_ingest_then_a_kv_ingest_precomputes_the_kv(tmp_path, corpus, en
     eiffel = corpus / "eiffel.txt"
     first = _ingest(store, engine, embedder, [eiffel], precompute_kv=False)
     assert first.new_files and first.kv_computed == 0
-    # the same unchanged file, now wanting KV: its chunks have none, so it is read again for their KV
+    ids = store.docs.chunk_ids(str(eiffel.resolve()))
+    generation = store.docs.generation
+    # the same unchanged file, now wanting KV: its chunks have none, so they get it, kept as they are
+    # (the same ids, which clients saw in sources; not embedded again, so the index is untouched)
     second = _ingest(store, engine, embedder, [eiffel])
     assert second.kv_filled_files == second.unchanged_files == [str(eiffel.resolve())] and second.kv_computed == 1
-    ids = store.docs.chunk_ids(str(eiffel.resolve()))
+    assert store.docs.chunk_ids(str(eiffel.resolve())) == ids and store.docs.generation == generation
     assert [store.kv.locate(c.kv_key) for c in store.docs.chunks(ids).values()] == ["disk"]
     third = _ingest(store, engine, embedder, [eiffel])
     assert third.unchanged_files and third.kv_computed == 0 and third.chunks_added == 0

@@ -91,11 +91,11 @@ def test_reingest_computes_the_kv_whose_file_was_removed_behind_the_store(tmp_pa
     try:
         ingestor = Ingestor(store, engine, embedder, progress=False)
         assert ingestor.ingest([docs]).kv_computed == 1
-        (key,) = store.kv.tier("disk").entry_keys()
+        keeper = [str((docs / "keeper.txt").resolve())]
+        (key,) = [c.kv_key for c in store.docs.chunks(store.docs.chunk_ids(keeper[0])).values()]
         store.kv.tier("disk").path_of(key).unlink()
         assert store.kv.locate(key) is None
-        report = ingestor.ingest([docs])
-        keeper = [str((docs / "keeper.txt").resolve())]  # read again for its KV alone: its text is unchanged
+        report = ingestor.ingest([docs])  # read again for its KV alone: its text is unchanged
         assert report.kv_filled_files == report.unchanged_files == keeper and report.kv_computed == 1
         assert store.kv.get(key) is not None
     finally:

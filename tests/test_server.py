@@ -363,7 +363,18 @@ def test_documents_upload_list_delete(served):
                                                           "top_k": 1, "max_tokens": 4}, headers=AUTH, timeout=120)
     assert ans.json()["sources"][0]["text"] == text
     binary = httpx.post(url, files=[("files", ("blob.txt", b"\x00\x01\x02"))], headers=AUTH, timeout=60)
-    assert binary.status_code == 200 and binary.json()["skipped"][0]["name"] == "blob.txt"
+    assert binary.status_code == 422 and binary.json()["error"]["message"] == \
+        "nothing ingested: blob.txt: binary (NUL bytes)"
+    # a file read only in part is stored and noted; beside it, a skipped one is reported, not an error
+    records = b'{"text": "The Zephyr carries 40 bicycles."}\n{"body": "no text field"}\n'
+    mixed = httpx.post(url, files=[("files", ("bikes.jsonl", records)), ("files", ("blob.txt", b"\x00"))],
+                       headers=AUTH, timeout=120)
+    assert mixed.status_code == 200, mixed.text
+    assert [d["name"] for d in mixed.json()["data"]] == ["bikes.jsonl"]
+    assert mixed.json()["skipped"] == [{"name": "blob.txt", "reason": "binary (NUL bytes)"}]
+    assert mixed.json()["notes"] == [{"name": "bikes.jsonl",
+                                      "note": "1 of its records have no string field 'text': left out"}]
+    assert httpx.delete(f"{url}/{mixed.json()['data'][0]['id']}", headers=AUTH).json()["deleted"] is True
     assert httpx.delete(f"{url}/{doc['id']}", headers=AUTH).json()["deleted"] is True
     assert httpx.delete(f"{url}/{doc['id']}", headers=AUTH).status_code == 404
     assert doc["id"] not in {d["id"] for d in httpx.get(url, headers=AUTH).json()["data"]}
@@ -440,12 +451,12 @@ def test_a_skipped_replacement_loses_nothing(served, content):
     (doc,) = r.json()["data"]
     listed = httpx.get(url, headers=AUTH).json()["data"]
     r = httpx.post(url, files=[("files", ("buoys.md", content))], headers=AUTH, timeout=120)
-    assert r.status_code == 200, r.text
-    assert r.json()["data"] == [] and [s["name"] for s in r.json()["skipped"]] == ["buoys.md"]
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["message"].startswith("nothing ingested: buoys.md: ")
     assert httpx.get(url, headers=AUTH).json()["data"] == listed
     assert (served.store / "uploads" / "buoys.md").read_text() == text
     r = httpx.post(url, files=[("files", ("new-blank.md", content))], headers=AUTH, timeout=120)
-    assert r.json()["data"] == [] and not (served.store / "uploads" / "new-blank.md").exists()
+    assert r.status_code == 422 and not (served.store / "uploads" / "new-blank.md").exists()
     assert httpx.get(url, headers=AUTH).json()["data"] == listed
     assert httpx.delete(f"{url}/{doc['id']}", headers=AUTH).json()["deleted"] is True  # the next tests' store
 
@@ -456,9 +467,8 @@ def test_an_upload_nested_too_deeply_is_skipped_not_a_server_error(served):
     url = f"{served.url}/v1/documents"
     listed = httpx.get(url, headers=AUTH).json()["data"]
     r = httpx.post(url, files=[("files", ("deep.json", b"[" * 100_000))], headers=AUTH, timeout=120)
-    assert r.status_code == 200, r.text
-    assert r.json()["data"] == []
-    assert r.json()["skipped"] == [{"name": "deep.json", "reason": "JSON nested too deeply to read"}]
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["message"] == "nothing ingested: deep.json: JSON nested too deeply to read"
     assert httpx.get(url, headers=AUTH).json()["data"] == listed
     assert not (served.store / "uploads" / "deep.json").exists()
 

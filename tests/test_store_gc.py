@@ -19,6 +19,7 @@ from filelock import FileLock
 
 from ragfuse.cli import main
 from ragfuse.docstore import DocStore
+from ragfuse.engine.kvstore import kv_key
 from ragfuse.prompt import RagPromptBuilder
 from ragfuse.rag_store import DEAD_TEMP_AGE_S, RagStore
 from ragfuse.store_dir import StoreError
@@ -92,12 +93,14 @@ def test_gc_removes_kv_of_chunks_removed_without_it_and_ask_still_reuses_the_res
     answer = json.loads(capsys.readouterr().out)
     assert {s["source"] for s in answer["sources"]} and all("bakery" not in s["source"] for s in answer["sources"])
     assert "disk" in answer["tiers"] and "computed" not in answer["tiers"], answer  # read from the store
-    # the only KV computed was the instruction prefix's, which ingest does not store: ask stored it
-    prefix = len(RagPromptBuilder(engine.tokenizer).prefix)
-    assert answer["notes"] == [f"KV of {prefix} tokens was not stored: computed and stored now"]
+    # the instruction prefix's KV too: ingest stored it with the chunks, and gc kept it (every question uses it)
+    assert answer["notes"] == []
+    prefix_key = kv_key(engine.fingerprint, engine.dtype, RagPromptBuilder(engine.tokenizer).prefix)
     entries = _files(root / "kv" / "data")
-    assert len(entries) == len(kept) + 1
-    # every question uses it: the next gc keeps it
+    assert len(entries) == len(kept) + 1 and prefix_key not in kept
+    store = RagStore.open_existing(root)
+    assert store.kv.locate(prefix_key) == "disk"
+    store.close()
     assert _gc(capsys, root)["unreferenced_entries"] == 0 and _files(root / "kv" / "data") == entries
 
 

@@ -83,9 +83,10 @@ def sources_markdown(turn: Turn) -> str:
 
 def ingest_summary(report: Any) -> str:
     skipped = "".join(f"\n- skipped {Path(s.path).name}: {s.reason}" for s in report.skipped)
+    notes = "".join(f"\n- {Path(n.path).name}: {n.note}" for n in report.notes)
     return (f"Ingested: {len(report.new_files)} new, {len(report.replaced_files)} changed, "
             f"{len(report.unchanged_files)} unchanged files; +{report.chunks_added} chunks, "
-            f"KV of {report.kv_computed} chunks precomputed ({report.seconds:.1f} s){skipped}")
+            f"KV of {report.kv_computed} chunks precomputed ({report.seconds:.1f} s){skipped}{notes}")
 
 
 def build_app(backend: DemoBackend) -> gr.Blocks:

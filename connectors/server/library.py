@@ -20,6 +20,8 @@ from ragfuse.engine.errors import RequestError
 from ragfuse.ingest import Ingestor
 from ragfuse.rag_store import RagStore
 
+from .errors import APIError
+
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,126}")
 
 
@@ -51,7 +53,9 @@ class DocumentLibrary:
     def add(self, files: list[tuple[str, bytes]]) -> dict[str, Any]:
         """Store and ingest ``(name, content)`` pairs; an upload with the name of an earlier one
         replaces it. A file the ingest skips (binary, empty...) is reported and changes nothing: its
-        earlier upload, if any, stays on disk and in the store as it was."""
+        earlier upload, if any, stays on disk and in the store as it was. When every file is skipped
+        the request failed (422, with each one's reason): a client checking only the status must
+        not take it for stored."""
         if not files:
             raise RequestError("no documents in the request")
         names = [check_name(n) for n, _ in files]
@@ -68,12 +72,16 @@ class DocumentLibrary:
         skipped = {Path(s.path).name for s in report.skipped}
         for name in skipped:
             self._restore(name, before[name])  # the ingest left the store's record of it alone
+        if len(skipped) == len(names):
+            raise APIError(422, "nothing ingested: " + "; ".join(f"{Path(s.path).name}: {s.reason}"
+                                                                 for s in report.skipped), param="documents")
         wanted = {str(p) for p in paths if p.name not in skipped}
         stored = self.ingestor.on_engine(lambda: self.store.docs.files(str(self.uploads)))
         return {
             "object": "list",
             "data": [self._info(p, n) for p, n in stored if p in wanted],
             "skipped": [{"name": Path(s.path).name, "reason": s.reason} for s in report.skipped],
+            "notes": [{"name": Path(n.path).name, "note": n.note} for n in report.notes],
             "ingest": {k: v for k, v in asdict(report).items() if isinstance(v, (int, float))},
         }
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
+import os
 import sys
 from dataclasses import asdict
 from typing import Any
@@ -35,6 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="field of JSON/JSONL records holding text; `a[].b` walks lists (e.g. ctxs[].text)")
     p.add_argument("--title-field", default="title", help="field put above the text when present ('' for none)")
     p.add_argument("--max-file-mb", type=float, default=50.0, help="skip files larger than this")
+    p.add_argument("--encoding", type=_encoding, metavar="NAME",
+                   help="read text files that are not valid UTF-8 in this encoding (e.g. cp1252, latin-1); "
+                        "without it they are skipped (UTF-8 is always tried first)")
     p.add_argument("--no-kv", action="store_true", help="do not precompute per-chunk KV")
     p.add_argument("--chunk-kv-context", choices=CHUNK_KV_CONTEXTS, default=None,
                    help="compute each chunk's KV after the RAG prompt's instruction prefix (closer to full "
@@ -46,15 +51,23 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ragfuse.documents import SUFFIXES, find_files
     from ragfuse.embeddings import Embedder
     from ragfuse.engine import EngineConfig, LLMEngine
-    from ragfuse.engine.errors import ModelError
+    from ragfuse.engine.errors import ModelError, RagfuseError
     from ragfuse.ingest import Ingestor
     from ragfuse.rag_store import RagStore
     from ragfuse.store_dir import check_chunking, resolve_store_dir
 
+    # a mistyped path is the user's mistake, told before anything loads or a store is made
+    missing = [p for p in args.paths if not os.path.exists(p)]
+    if missing:
+        raise RagfuseError(f"no such file or directory: {', '.join(missing)} (nothing was ingested)")
     root = resolve_store_dir(args.store)
     existing = StoreConfig.load(root)
+    if existing is None and not find_files(args.paths).files:  # (for a store, an emptied folder removes its files)
+        raise RagfuseError(f"no documents in {', '.join(args.paths)}: ingest reads "
+                           f"{' '.join(sorted(SUFFIXES))} files (nothing was ingested, no store made)")
     settings = _settings(args, existing)
     # the user's mistakes are told before a model loads (the store checks again, with the embedder's dim)
     check_chunking(settings["chunk_tokens"], settings["chunk_overlap"])
@@ -70,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         ingestor = Ingestor(store, engine, embedder, precompute_kv=not args.no_kv,
                             max_bytes=int(args.max_file_mb * 2**20), text_field=args.text_field,
-                            title_field=args.title_field or None)
+                            title_field=args.title_field or None, encoding=args.encoding)
         report = ingestor.ingest(args.paths)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what to do next, before the CLI's one-line reason
         sys.stderr.write("ragfuse ingest: stopped; the same command again adds what is missing, reusing the "
@@ -83,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         for s in report.skipped:
             print(f"skipped {s.path}: {s.reason}")
+        for n in report.notes:
+            print(f"note {n.path}: {n.note}")
         for path in report.removed_files:
             print(f"removed {path}: no longer in its folder")
         print(f"{len(report.new_files)} new, {len(report.replaced_files)} changed, "
@@ -91,7 +106,19 @@ def run(args: argparse.Namespace) -> int:
               f"+{report.chunks_added} -{report.chunks_removed} chunks ({report.tokens} tokens); "
               f"KV computed {report.kv_computed}, reused {report.kv_reused}, removed {report.kv_removed}; "
               f"{report.seconds:.1f} s (KV {report.kv_seconds:.1f} s) -> {store.root}")
+    if report.skipped and not (report.new_files or report.replaced_files or report.unchanged_files):
+        # scripts check the status: an ingest that read no file of those it was given did not work
+        sys.stderr.write("ragfuse: error: nothing ingested: every file was skipped (the reasons are above)\n")
+        return 2
     return 0
+
+
+def _encoding(name: str) -> str:
+    """``--encoding``: a codec Python knows, by its canonical name (the name goes into the content hash)."""
+    try:
+        return codecs.lookup(name).name
+    except LookupError:
+        raise argparse.ArgumentTypeError(f"unknown encoding {name!r}") from None
 
 
 # a new store's settings where the command line leaves them out (embedding_dim: the embedder's)

@@ -30,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="allow browser calls from this origin (repeatable; default: none)")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body, uploads included")
     p.add_argument("--max-tokens", type=positive_int, default=1024, help="most tokens one request may generate")
+    p.add_argument("--max-top-k", type=positive_int, default=20, help="most chunks one RAG query may retrieve")
     p.add_argument("--sessions-dir", metavar="DIR",
                    help="where sessions' KV is kept between turns (default: the store's sessions/ directory)")
     p.add_argument("--session-memory-gb", type=float, default=4.0, help="host memory for sessions' KV")
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
     settings = ServerSettings(api_key=args.api_key, cors_origins=tuple(args.cors_origin),
                               max_body_bytes=int(args.max_body_mb * 2**20), max_tokens=args.max_tokens,
-                              relay=not args.no_relay)
+                              max_top_k=args.max_top_k, relay=not args.no_relay)
     backend = build_backend(args)
     app = create_app(backend, settings)
     # a signal ends the engine's requests at once: their streams close with an error event instead of
