@@ -382,7 +382,7 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ModelError("--device cuda was asked for but no CUDA device is available")
+            raise ModelError("device cuda was asked for but no CUDA device is available")
         if self.device not in ("cpu",) and not self.device.startswith("cuda"):
             raise ModelError(f"unknown device {self.device!r} (auto, cpu or cuda)")
         return torch.device(self.device)

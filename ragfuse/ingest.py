@@ -4,8 +4,9 @@ Order matters for "nothing stored is lost": embeddings and KV are computed first
 file's set of chunks swapped in one docstore transaction, and the index updated. An error before
 that (disk full, bad file) leaves the store exactly as it was. Unchanged files (same content hash
 and same settings, which the store enforces) keep their chunks as they are: for an ingest that
-precomputes KV, the chunks whose KV is missing get it, keyed in place. KV no chunk uses any more is deleted last, once every file's new
-chunks are in: a chunk that moved from one file to another keeps its KV.
+precomputes KV, the chunks whose KV is missing get it, keyed in place. KV no chunk uses any more is
+deleted last, once every file's new chunks are in: a chunk that moved from one file to another keeps
+its KV.
 """
 
 from __future__ import annotations

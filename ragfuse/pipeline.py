@@ -238,7 +238,8 @@ class RagPipeline:
             if chunk is not None and passage.text and passage.text.strip() != chunk.text.strip():
                 chunk = None  # the id names other text now (re-ingested): go by the text
         if chunk is None and not passage.text.strip():
-            raise RequestError(f"passage {passage.id} is neither in the store nor given as text")
+            raise RequestError("a passage given as text is empty" if passage.id is None
+                               else f"passage {passage.id} is neither in the store nor given as text")
         if chunk is None and self.store is not None:  # text that is exactly a stored chunk is that chunk
             found = self.finder.split(passage.text.strip())
             if len(found) == 1 and isinstance(found[0], Passage):

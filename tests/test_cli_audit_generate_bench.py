@@ -43,6 +43,8 @@ def test_generate_json_prompt_tokens_count_a_relayed_system_prompt() -> None:
     assert relayed["relay"] and not plain["relay"]
     assert relayed["prompt_tokens"] == plain["prompt_tokens"]
     assert 0 < relayed["relay_system_tokens"] < relayed["prompt_tokens"] and plain["relay_system_tokens"] == 0
+    # registering the system prompt (its KV computed before the request) is timed on its own, not hidden
+    assert relayed["system_s"] > 0 and plain["system_s"] == 0
 
 
 def test_generate_refuses_system_with_raw(capsys) -> None:

@@ -155,3 +155,12 @@ def test_bad_input_is_refused():
         ChatRagfuse(mode="magic", device="cpu").invoke("hi")
     with pytest.raises(ValueError):
         ChatRagfuse(max_tokens=0)
+    # documents need a question to answer; a document given as text must have some
+    with pytest.raises(ValueError, match="documents= need a question: the last user message is empty"):
+        model.invoke("   ", documents=[UNSTORED])
+    with pytest.raises(ValueError, match="documents= need a question: there is no user message"):
+        model.invoke([INSTRUCTION], documents=[UNSTORED])
+    from ragfuse.engine.errors import RequestError
+
+    with pytest.raises(RequestError, match="a passage given as text is empty"):
+        model.invoke(QUESTION, documents=[""])

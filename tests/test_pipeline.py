@@ -356,6 +356,12 @@ def test_cli_ask_json_compares_fuse_with_full(store, tmp_path, monkeypatch, caps
         assert key in out
     assert out["mode"] == "fuse" and out["compare"]["full"]["mode"] == "full"
     assert {"id", "text", "source", "score"} <= set(out["sources"][0])
+    # as text: full prefill's answer is printed where it differs (the line said only "answers differ")
+    assert main(["ask", QUESTION, "--store", str(store), "--compare", "--top-k", "2", "--mode", "reuse",
+                 "--recompute-ratio", "0.3", "--max-tokens", "16"]) == 0
+    text = capsys.readouterr().out
+    assert "full prefill: TTFT" in text
+    assert ("full prefill's answer: " in text) == ("answers differ" in text)
 
 
 def test_cli_ask_refuses_bad_input(store, tmp_path):

@@ -205,9 +205,12 @@ def _message_parts(message: BaseMessage) -> list[str | Passage]:
 
 
 def _add_documents(turns: list[tuple[str, list[str | Passage]]], passages: list[Passage]) -> None:
-    """Documents open the last user message (before its question), as RAG prompts put them."""
+    """Documents open the last user message (before its question), as RAG prompts put them. A
+    blank question is refused: the model would answer the documents with whatever it makes up."""
     for role, parts in reversed(turns):
         if role == "user":
+            if not any(isinstance(p, str) and p.strip() for p in parts):
+                raise ValueError("documents= need a question: the last user message is empty")
             parts[:0] = passages
             return
-    turns.append(("user", list(passages)))
+    raise ValueError("documents= need a question: there is no user message")

@@ -84,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"full prefill: TTFT {baseline.ttft_s * 1e3:.0f} ms -> {args.mode} is "
               f"{speed_phrase(baseline.ttft_s / result.ttft_s, 1)} to the first token "
               f"(answers {'match' if baseline.answer == result.answer else 'differ'})")
+        if baseline.answer != result.answer:
+            print(f"full prefill's answer: {baseline.answer}")
     if result.session is not None:
         s = result.session
         print(f"session {args.session}: {s['session_tokens_reused']} history tokens reused from "

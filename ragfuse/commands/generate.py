@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(_usage_error(f"--max-tokens {args.max_tokens} is more than the context of "
                                       f"{llm.engine.model_name}, {llm.engine.max_model_len} tokens"))
     system_id = None
+    system_s = 0.0  # registering a relayed system prompt: its KV computed once, outside any request's timing
     if transcript is not None:
         final = _session_turn(llm, args, params, transcript, history)
     else:
@@ -90,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
         if args.raw:
             prompt = args.prompt
         elif args.system and not args.no_relay:
+            t1 = time.perf_counter()
             system_id, prompt = llm.relay_chat_ids(messages, args.system)
+            system_s = time.perf_counter() - t1
         else:
             prompt = llm.chat_ids(messages, args.system)
         final = None
@@ -111,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
             "text": final.text, "token_ids": final.token_ids, "prompt_tokens": final.prompt_tokens + relay_tokens,
             "relay_system_tokens": relay_tokens,
             "completion_tokens": len(final.token_ids), "finish_reason": final.finish_reason,
-            "ttft_s": final.ttft_s, "total_s": final.total_s, "load_s": load_s,
+            "ttft_s": final.ttft_s, "total_s": final.total_s, "load_s": load_s, "system_s": system_s,
             "model": llm.engine.model_name, "device": str(llm.engine.device), "relay": system_id is not None,
             **{k: v for k, v in final.metrics.items() if k.startswith("session") or k == "prefilled_tokens"},
         }))
