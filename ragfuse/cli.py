@@ -27,6 +27,7 @@ COMMANDS = {
     "eval": "eval",
     "serve": "serve",
     "demo": "demo",
+    "session": "session",
 }
 
 

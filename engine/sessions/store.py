@@ -203,6 +203,12 @@ class SessionStore:
 
     # ---- records on disk -----------------------------------------------------------------------
 
+    @classmethod
+    def browse(cls, root: str | Path) -> SessionStore:
+        """The sessions saved under ``root`` by any model, to list and delete (``ragfuse session``)
+        without loading one: this store has no model's fingerprint, so it must save no turn."""
+        return cls(root, fingerprint="", dtype=torch.float32, cpu_bytes=0)
+
     def _record_path(self, session_id: str) -> Path:
         assert self.root is not None
         return self.root / "records" / f"{session_id}.json"

@@ -123,13 +123,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _transcript_path(args: argparse.Namespace) -> Path:
-    """Where session ``args.session``'s messages live: ``chats/ID.json`` beside the sessions' KV."""
+def sessions_dir(given: str | None) -> Path:
+    """Where `generate --session` keeps sessions: ``given`` (``--session-dir``), else
+    ``$RAGFUSE_SESSIONS``, else the per-user data directory's ``sessions``."""
     import platformdirs
 
-    root = Path(args.session_dir or os.environ.get("RAGFUSE_SESSIONS")
+    return Path(given or os.environ.get("RAGFUSE_SESSIONS")
                 or Path(platformdirs.user_data_dir("ragfuse")) / "sessions").expanduser()
-    return root / "chats" / f"{args.session}.json"
+
+
+def transcript_path(root: Path, session: str) -> Path:
+    """Where a `generate` session's messages live: ``chats/ID.json`` beside the sessions' KV."""
+    return root / "chats" / f"{session}.json"
+
+
+def _transcript_path(args: argparse.Namespace) -> Path:
+    return transcript_path(sessions_dir(args.session_dir), args.session)
 
 
 def _read_transcript(path: Path, session: str) -> list[dict[str, str]]:

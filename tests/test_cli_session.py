@@ -1,0 +1,39 @@
+"""`ragfuse session ls|rm`: the conversations `generate --session` keeps, listed and deleted without a
+server; a look at a folder without sessions creates nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ragfuse.cli import main
+
+
+def test_sessions_are_listed_and_removed_with_their_transcripts(tmp_path, capsys, engine):
+    where = ["--session-dir", str(tmp_path / "sessions")]
+    assert main(["session", "ls", *where]) == 0
+    assert "no sessions under" in capsys.readouterr().out and not (tmp_path / "sessions").exists()
+    for sid in ("ana", "bo"):
+        assert main(["generate", "Hi, I am Ana.", "--session", sid, "--max-tokens", "3", "--device", "cpu",
+                     *where]) == 0
+    capsys.readouterr()
+    assert main(["session", "ls", *where, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert sorted(s["session_id"] for s in listed["sessions"]) == ["ana", "bo"]
+    assert all(s["tokens"] > 0 and s["nbytes"] > 0 for s in listed["sessions"])
+    assert main(["session", "rm", "ana", *where]) == 0
+    assert "removed session ana" in capsys.readouterr().out
+    assert not (tmp_path / "sessions" / "chats" / "ana.json").exists()
+    assert main(["session", "ls", *where, "--json"]) == 0
+    assert [s["session_id"] for s in json.loads(capsys.readouterr().out)["sessions"]] == ["bo"]
+    assert main(["session", "rm", "ana", "bo", *where]) == 2  # bo removed, ana named as missing
+    captured = capsys.readouterr()
+    assert "removed session bo" in captured.out and "no session ana under" in captured.err
+
+
+def test_a_bad_session_id_is_refused(tmp_path, capsys):
+    assert main(["session", "rm", "../x", "--session-dir", str(tmp_path)]) == 2
+    assert "must be 1-128 letters" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one place at a time
+        main(["session", "ls", "--session-dir", str(tmp_path), "--store", str(tmp_path)])
