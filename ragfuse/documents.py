@@ -203,7 +203,8 @@ def load_file(path: Path, max_bytes: int = DEFAULT_MAX_BYTES, text_field: str = 
             elif suffix in RECORD_SUFFIXES:
                 docs, without = _record_documents(text, suffix, str(path), text_field, title_field)
                 if without:
-                    notes.append(f"{without} of its records have no string field {text_field!r}: left out")
+                    records = "record" if without == 1 else "records"
+                    notes.append(f"left out {without} {records} without a string field {text_field!r}")
             else:
                 docs = [Document(text, str(path))]
     except OSError as exc:

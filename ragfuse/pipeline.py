@@ -291,7 +291,7 @@ class RagPipeline:
         src = self._lookup(key, len(token_ids), notes)
         if src is not None:
             return src
-        # after a damaged entry (noted by the lookup) the KV was stored, only not usable
+        # after a damaged or unreadable entry (the lookup noted it) the KV had been stored, only not usable
         what = "" if len(notes) > before else " was not stored:"
         (k, v), = self.engine.compute_kv([token_ids], context)
         entry = StoredKV.from_kv(key, k, v)

@@ -223,7 +223,7 @@ def test_a_prompt_refused_while_assembled_leaves_no_stored_kv_open(calls: Calls)
         errors: list[RequestError] = []
         for _ in range(3):
             for refuse in refusals:
-                with pytest.raises(RequestError, match="neither in the store nor given as text") as caught:
+                with pytest.raises(RequestError, match="a passage given as text is empty") as caught:
                     refuse()
                 errors.append(caught.value)  # kept, with its traceback
         assert open_readers() == 0

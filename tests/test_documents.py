@@ -120,7 +120,7 @@ def test_records_without_the_text_field_are_counted_not_dropped_in_silence(tmp_p
     path.write_text('{"text": "The ferry leaves at 9."}\n{"nope": 1}\n[1, 2]\n{"text": 5}\n')
     loaded = load_file(path)
     assert isinstance(loaded, LoadedFile) and [d.text for d in loaded.documents] == ["The ferry leaves at 9."]
-    assert loaded.notes == ["3 of its records have no string field 'text': left out"]
+    assert loaded.notes == ["left out 3 records without a string field 'text'"]
     whole = tmp_path / "whole.json"
     whole.write_text('[{"text": "One."}, {"text": "Two."}]')
     assert load_file(whole).notes == []

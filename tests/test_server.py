@@ -373,7 +373,7 @@ def test_documents_upload_list_delete(served):
     assert [d["name"] for d in mixed.json()["data"]] == ["bikes.jsonl"]
     assert mixed.json()["skipped"] == [{"name": "blob.txt", "reason": "binary (NUL bytes)"}]
     assert mixed.json()["notes"] == [{"name": "bikes.jsonl",
-                                      "note": "1 of its records have no string field 'text': left out"}]
+                                      "note": "left out 1 record without a string field 'text'"}]
     assert httpx.delete(f"{url}/{mixed.json()['data'][0]['id']}", headers=AUTH).json()["deleted"] is True
     assert httpx.delete(f"{url}/{doc['id']}", headers=AUTH).json()["deleted"] is True
     assert httpx.delete(f"{url}/{doc['id']}", headers=AUTH).status_code == 404
