@@ -15,6 +15,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
 
+from ragfuse import __version__
+
 # subcommand -> module in ragfuse.commands that defines ``register(subparsers)``
 COMMANDS = {
     "generate": "generate",
@@ -33,6 +35,10 @@ COMMANDS = {
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
+        if self._subparsers is not None and "required" in message:  # a command (group) named alone
+            choices = self._subparsers._group_actions[0].choices or {}
+            message = f"name a command: {', '.join(choices)}"
+            sys.stderr.write(self.format_usage())
         sys.stderr.write(f"ragfuse: error: {message}\n")
         raise SystemExit(2)
 
@@ -42,6 +48,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     then imports nothing of the others (the benchmarks load torch just to declare their options)."""
     parser = _Parser(prog="ragfuse", description="RAG middleware with a KV-cache fusion engine.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
+    parser.add_argument("--version", action="version", version=f"ragfuse {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     modules = [COMMANDS[command]] if command in COMMANDS else dict.fromkeys(COMMANDS.values())
     for module in modules:

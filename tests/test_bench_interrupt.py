@@ -126,7 +126,7 @@ def _interrupt_at(monkeypatch: pytest.MonkeyPatch, module: str, desc: str) -> No
 
 
 def test_tree_interrupted_through_the_command_line(tmp_path, monkeypatch, capsys):
-    """Before any row: nothing written, the command line's own message, exit status 130. After the op
+    """Before any row: nothing written, a line that says so, exit status 130. After the op
     part: its rows written, marked, one line on stderr, exit status 130, and a results.png of an
     earlier run in the folder replaced by this run's."""
     out = tmp_path / "none"
@@ -134,7 +134,8 @@ def test_tree_interrupted_through_the_command_line(tmp_path, monkeypatch, capsys
         _interrupt_at(patch, "tree", "bench tree (attention op)")
         assert main([*TREE, "--out", str(out)]) == 130
     assert list(out.iterdir()) == []
-    assert _last_line(capsys.readouterr().err) == "ragfuse: interrupted"
+    assert _last_line(capsys.readouterr().err) == ("ragfuse: bench tree: stopped by the user before any row "
+                                                   "finished (during attention op): nothing written")
 
     out = tmp_path / "tree"
     out.mkdir()
@@ -176,12 +177,12 @@ def test_report_interrupted_writes_its_rows_and_skips_a_plot_they_cannot_draw(tm
     assert sorted(p.name for p in out.iterdir()) == ["results.json", "results.md"]
 
 
-def test_report_interrupted_before_any_row_lets_the_interrupt_go_on(tmp_path):
+def test_report_interrupted_before_any_row_writes_nothing_and_says_so(tmp_path):
     report = Report(tmp_path / "out", "bench t", {}, ["a"])
-    with pytest.raises(KeyboardInterrupt) as info, report.interruptible():
+    with pytest.raises(BenchInterrupted, match=r"before any row finished \(during a\): nothing written"), \
+            report.interruptible():
         report.begin("a")
         raise KeyboardInterrupt
-    assert type(info.value) is KeyboardInterrupt
     assert not (tmp_path / "out").exists()
 
 

@@ -45,6 +45,8 @@ def test_generate_streams_plain_text_with_system_prompt():
         (("generate", "   "), "empty"),
         (("generate", "hi", "--temperature", "-2"), "temperature"),
         (("frobnicate",), "invalid choice"),
+        (("store",), "name a command: stats, rm, gc"),  # said "required: store_command"
+        (("search", "x", "--top-k", "abc"), "must be a whole number, got 'abc'"),  # said "invalid positive_int"
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(args, needle):
@@ -53,6 +55,11 @@ def test_bad_input_is_one_line_and_exit_code_2(args, needle):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("usage")]
     assert len(lines) == 1 and needle in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_version_and_python_dash_m():
+    r = subprocess.run([sys.executable, "-m", "ragfuse", "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ragfuse 0.1.0", r.stderr
 
 
 def _transcript(session_dir, session="s1"):

@@ -57,6 +57,17 @@ def test_backend_ingests_picked_and_uploaded_documents(backend, tmp_path):
     assert dict(backend.stored_files()).keys() == {"lighthouses.md", "solar.md"}
     again = backend.ingest([], [str(upload)])  # the same upload again: kept in the store, unchanged
     assert again.unchanged_files and not again.new_files
+    # uploads the ingest skips do not stay: a new one goes, one over an earlier upload puts it back
+    blob, broken = tmp_path / "gradio-tmp" / "blob.md", tmp_path / "broken" / "solar.md"
+    broken.parent.mkdir()
+    blob.write_bytes(b"\x00\x01")
+    broken.write_bytes(b"\x00\x02")
+    skipped = backend.ingest([], [str(blob), str(broken)])
+    assert sorted(Path(s.path).name for s in skipped.skipped) == ["blob.md", "solar.md"]
+    assert not (backend.uploads / "blob.md").exists()
+    assert (backend.uploads / "solar.md").read_bytes() == (DEMO / "solar.md").read_bytes()
+    with pytest.raises(RequestError, match="no uploaded file gone.md"):
+        backend.ingest([], [str(tmp_path / "gone.md")])
 
 
 def test_backend_streams_the_answer_then_compares_ttft(backend):

@@ -81,6 +81,27 @@ def test_as_remote_tier_below_memory_and_disk(redis_url, tmp_path):
 def test_unreachable_server_is_a_clear_error():
     with pytest.raises(KVStoreError, match="not reachable"):
         RedisTier(f"redis://127.0.0.1:{free_port()}/0", 1 << 20)
+    # a URL redis-py refuses to parse raised its ValueError: a traceback in every command taking --redis
+    with pytest.raises(KVStoreError, match="bad Redis URL 'notaurl'"):
+        RedisTier("notaurl", 1 << 20)
+
+
+@pytest.mark.parametrize("command", [["ingest", "README.md"], ["ask", "Why?"], ["profile"]])
+def test_commands_refuse_a_bad_redis_url_before_the_model_loads(command, tmp_path, capsys, monkeypatch):
+    """ingest, ask and profile told an unreachable server only after loading the model (profile after
+    its whole measurement), and a malformed URL with a traceback."""
+    from ragfuse.cli import main
+    from ragfuse.engine import llm_engine
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model loaded before the Redis URL was checked")
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", no_model)
+    store = tmp_path / "store"
+    store.mkdir()
+    for url, why in (("notaurl", "bad Redis URL"), (f"redis://127.0.0.1:{free_port()}/0", "not reachable")):
+        assert main([*command, "--store", str(store), "--redis", url]) == 2
+        assert why in capsys.readouterr().err
 
 
 def test_redis_gone_mid_read_is_unreadable_not_corrupt():

@@ -65,8 +65,8 @@ def ttft_headline(turn: Turn) -> str:
     f = turn.fused
     tiers = f" from {', '.join(f.tiers)}" if f.tiers else ""
     return (f"**TTFT: {f.mode} {f.ttft_s * 1e3:.0f} ms vs full prefill {turn.full.ttft_s * 1e3:.0f} ms "
-            f"({turn.speedup:.1f}x)** · {f.reused_tokens} of {f.prompt_tokens} prompt tokens reused, "
-            f"{f.recompute_ratio:.0%} of them recomputed  \n"
+            f"({turn.speedup:.1f}x)** · KV of {f.reused_tokens} of {f.prompt_tokens} prompt tokens reused; "
+            f"{f.recomputed_tokens} stored chunk tokens ({f.recompute_ratio:.0%}) recomputed  \n"
             f"{f.mode}: retrieval {f.retrieve_s * 1e3:.0f} ms · KV load {f.load_s * 1e3:.0f} ms{tiers} "
             f"({f.load_hidden:.0%} hidden behind compute) · prefill compute {f.recompute_s * 1e3:.0f} ms · "
             f"answer of {len(f.token_ids)} tokens in {f.total_s:.1f} s"

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ragfuse.app import DEFAULT_MODEL, open_pipeline
-from ragfuse.documents import SUFFIXES
+from ragfuse.documents import DEFAULT_MAX_BYTES, SUFFIXES
 from ragfuse.engine import RagfuseError, RequestError, SamplingParams
 from ragfuse.ingest import Ingestor, IngestReport
 from ragfuse.pipeline import AskResult, RagPipeline
@@ -95,7 +95,9 @@ class DemoBackend:
 
     def ingest(self, picked: list[str], uploaded: list[str]) -> IngestReport:
         """Ingest picked sample documents and uploaded files (copied into the store's ``uploads/``
-        first, under their own names: uploading a file again replaces its chunks, not doubles them)."""
+        first, under their own names: uploading a file again replaces its chunks, not doubles them).
+        An upload the ingest skips (binary, empty...) does not stay there: its earlier upload, if
+        any, is put back, as the server does."""
         unknown = [name for name in picked if name not in self.sample_docs()]
         if unknown:
             raise RequestError(f"not a demo document: {', '.join(unknown)}")
@@ -104,16 +106,31 @@ class DemoBackend:
         twice = sorted({name for name in names if names.count(name) > 1})
         if twice:  # copied under one name, the last would silently replace the others
             raise RequestError(f"uploads with the same name: {', '.join(twice)}; rename all but one")
+        for src in uploaded:
+            size = Path(src).stat().st_size if Path(src).is_file() else None
+            if size is None:
+                raise RequestError(f"no uploaded file {Path(src).name}")
+            if size > DEFAULT_MAX_BYTES:  # refused before it is copied
+                raise RequestError(f"{Path(src).name} is larger than {DEFAULT_MAX_BYTES >> 20} MB")
+        if not paths and not uploaded:
+            raise RequestError("pick or upload at least one document")
         if uploaded:
             self.uploads.mkdir(parents=True, exist_ok=True)
+        earlier: dict[Path, bytes | None] = {}  # each upload's path -> what was there before
         for src in uploaded:
             dest = self.uploads / Path(src).name
+            earlier[dest] = dest.read_bytes() if dest.is_file() else None
             shutil.copyfile(src, dest)
             paths.append(dest)
-        if not paths:
-            raise RequestError("pick or upload at least one document")
         ingestor = Ingestor(self.pipe.store, self.pipe.engine, self.pipe.retriever.embedder)
-        return self._call(ingestor.ingest, paths)
+        try:
+            report = self._call(ingestor.ingest, paths)
+        except BaseException:
+            _put_back(earlier)
+            raise
+        skipped = {Path(s.path).name for s in report.skipped}
+        _put_back({dest: old for dest, old in earlier.items() if dest.name in skipped})
+        return report
 
     # ---- questions ---------------------------------------------------------------------------
 
@@ -147,3 +164,12 @@ class DemoBackend:
         # TTFT needs only the first token: full prefill of the same prompt, stopped there
         full = self.pipe.ask(question, mode="full", top_k=top_k, params=SamplingParams(max_tokens=1))
         yield Turn(question, result, full)
+
+
+def _put_back(earlier: dict[Path, bytes | None]) -> None:
+    """Each upload's path as it was before: its earlier bytes, or no file."""
+    for dest, old in earlier.items():
+        if old is None:
+            dest.unlink(missing_ok=True)
+        else:
+            dest.write_bytes(old)

@@ -9,7 +9,7 @@ from .disk import DiskEntryReader, DiskFullError, DiskTier
 from .entry import CorruptEntryError, EntryMeta, KVShape, KVStoreError, StoredKV, UnreadableEntryError, kv_key
 from .memory import MemoryTier
 from .profile import DelayProfile, measure_prefill, measure_read_bandwidth, profile_path
-from .redis_tier import RedisTier
+from .redis_tier import RedisTier, check_redis
 from .source import EntrySource, LayerwiseSource, open_source
 from .store import TieredKVStore
 from .tier import Tier, TierStats
@@ -17,6 +17,7 @@ from .tier import Tier, TierStats
 __all__ = [
     "CorruptEntryError", "DelayProfile", "EntrySource", "LayerwiseSource", "open_source",
     "DiskEntryReader", "DiskFullError", "DiskTier", "EntryMeta", "KVShape", "KVStoreError",
-    "LoadingController", "LoadingDecision", "MemoryTier", "RedisTier", "StoredKV", "Tier", "TierEstimate", "TierStats",
+    "LoadingController", "LoadingDecision", "MemoryTier", "RedisTier", "StoredKV", "check_redis", "Tier",
+    "TierEstimate", "TierStats",
     "TieredKVStore", "UnreadableEntryError", "kv_key", "measure_prefill", "measure_read_bandwidth", "profile_path",
 ]

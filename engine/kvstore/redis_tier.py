@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -69,25 +70,45 @@ DEFAULT_MAX_BULK = 512 << 20  # Redis's proto-max-bulk-len when the server will 
 _SCAN_BATCH = 1000  # entries' sizes asked in one round trip
 
 
+def connect(url: str) -> Any:
+    """A client of the Redis server at ``url``, which answered a ping; ``KVStoreError`` (one line,
+    no traceback) for a URL Redis does not take, a server that does not answer, or no ``redis``
+    package. Commands call it before they load a model: a mistyped URL is told at once."""
+    try:
+        import redis
+    except ImportError as exc:
+        raise KVStoreError("the Redis tier needs the `redis` package: pip install 'ragfuse[rag]'") from exc
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=30)
+    except ValueError as exc:  # no or an unknown scheme, a bad port or database number
+        raise KVStoreError(f"bad Redis URL {url!r}: {exc}") from exc
+    try:
+        client.ping()
+    except (redis.RedisError, OSError) as exc:
+        client.close()
+        raise KVStoreError(f"Redis at {url} is not reachable: {exc}") from exc
+    return client
+
+
+def check_redis(url: str | None) -> None:
+    """Refuse a Redis URL that ``connect`` refuses (None: no Redis asked for)."""
+    if url is not None:
+        connect(url).close()
+
+
 class RedisTier(Tier):
     persistent = True
 
     def __init__(self, url: str, capacity_bytes: int, prefix: str = "ragfuse:kv", name: str = "redis") -> None:
-        try:
-            import redis
-        except ImportError as exc:
-            raise KVStoreError("the Redis tier needs the `redis` package: pip install 'ragfuse[rag]'") from exc
+        self._r = connect(url)
+        import redis  # there: ``connect`` said so otherwise
+
         self.name = name
         self.url = url
         self.capacity_bytes = int(capacity_bytes)
         self.prefix = prefix
         self._redis_errors = (redis.RedisError, OSError)
         self._refused = redis.ResponseError
-        self._r = redis.Redis.from_url(url, socket_timeout=30)
-        try:
-            self._r.ping()
-        except self._redis_errors as exc:
-            raise KVStoreError(f"Redis at {url} is not reachable: {exc}") from exc
         self._put_script = self._r.register_script(_PUT)
         self._remove_script = self._r.register_script(_REMOVE)
         self._stats = TierStats(capacity=self.capacity_bytes)

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from .args import choice_list, positive_int, ratio_list, unit_ratio
 from .partial import Report
-from .report import machine_info, speed_phrase
+from .report import machine_info, markdown_table, speed_phrase
 from .shapes import SHAPES
 
 TIERS = ("cpu", "disk", "gpu")
@@ -70,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
                     plot=lambda fig: _plot(fig, report.rows, sweeps),
                     notes=lambda: "\n".join([_notes(report.rows),
                                              *(f"- {name}: {ex['skipped']}" for name, ex in extra.items()
-                                               if "skipped" in ex)]))
+                                               if "skipped" in ex),
+                                             *(_sweep_table(name, pts) for name, pts in sweeps.items() if pts)]))
     with report.interruptible():
         for shape, label in zip(shapes, labels, strict=True):
             first = len(report.rows)
@@ -210,9 +211,9 @@ def bench_shape(
             res = fused(tier, "fuse", decision.recompute_ratio)
             rows.append({"model": name, "tier": tier, "mode": "fuse@controller", **res,
                          "speedup_vs_full": full["ttft_s"] / res["ttft_s"], "controller_reason": decision.reason})
+        report.begin(f"{PARTS[2]} [{label}]")  # its reference logits are part of it: the controller is done
         with torch.inference_mode():
             ref = _first_logits(eng, chunks, query) if shape is None else None
-        report.begin(f"{PARTS[2]} [{label}]")
         for ratio in tqdm(args.sweep, desc="ratio sweep"):
             res = fused(tiers[0], "fuse" if ratio > 0 else "reuse", ratio)
             point = {"ratio": ratio, **res}
@@ -247,6 +248,12 @@ def _notes(rows: list[dict[str, Any]]) -> str:
         if r["mode"] == "fuse@controller":
             lines.append(f"- {r['model']} {r['tier']}: controller ratio {r['ratio']:.0%} ({r['controller_reason']})")
     return "\n".join(lines)
+
+
+def _sweep_table(name: str, points: list[dict[str, Any]]) -> str:
+    """The ratio sweep of one model as a table of its own (the plot's numbers, for readers of the text)."""
+    keys = [k for k in ("ratio", "ttft_s", "load_s", "compute_s", "hidden", "kl_first") if k in points[0]]
+    return f"\nRatio sweep, {name} (the first tier):\n\n" + markdown_table([{k: p[k] for k in keys} for p in points])
 
 
 def _plot(fig: Any, rows: list[dict[str, Any]], sweeps: dict[str, list[dict[str, Any]]]) -> None:

@@ -6,8 +6,7 @@ to ``report.rows`` as soon as it is measured, names each part as it starts (``be
 measuring inside ``report.interruptible()``. On Ctrl-C there the finished rows are written with
 ``write_report``, the results marked ``"interrupted"`` with what finished and what did not, and
 ``BenchInterrupted`` raised; ``ragfuse bench`` turns it into one line on stderr and exit status 130.
-Without a finished row nothing is written and the KeyboardInterrupt goes on as it came (the command
-line says "interrupted" and exits 130).
+Without a finished row nothing is written, and ``BenchInterrupted`` says so (exit status 130 too).
 """
 
 from __future__ import annotations
@@ -71,13 +70,14 @@ class Report:
     @contextlib.contextmanager
     def interruptible(self) -> Iterator[None]:
         """Run the block; on Ctrl-C in it, write the finished rows marked interrupted and raise
-        ``BenchInterrupted`` (none finished: the KeyboardInterrupt goes on, nothing written)."""
+        ``BenchInterrupted`` (none finished: nothing written, and its message says so)."""
         try:
             yield
         except KeyboardInterrupt:
             _close_progress_bars()
             if not self.rows:
-                raise
+                where = f" (during {self.part})" if self.part else ""
+                raise BenchInterrupted(f"stopped by the user before any row finished{where}: nothing written") from None
             self.results["interrupted"] = self.interrupted_mark()
             path = self.write()
             raise BenchInterrupted(f"{self.results['interrupted']}; the finished rows are in {path}") from None

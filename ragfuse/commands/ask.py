@@ -35,6 +35,10 @@ def run(args: argparse.Namespace) -> int:
     # the user's mistakes are told before the engine (seconds of imports and loading) starts
     if not args.question.strip():
         raise _usage("QUESTION is empty")
+    if args.redis is not None:  # (imports torch: only when asked for)
+        from ragfuse.engine.kvstore import check_redis
+
+        check_redis(args.redis)
     _check_has_chunks(args.store)
     if args.session is not None:
         from ragfuse.engine.sessions import check_session_id

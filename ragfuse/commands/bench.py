@@ -28,7 +28,7 @@ def _checked(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Nam
     that loads the model and dies, its log pasted into the error) and an ``--out`` that is a file or
     cannot be written (found by the report writer only once the results were ready). Ctrl-C after
     some rows finished (``BenchInterrupted``: they were written, marked) is one line on stderr and
-    exit status 130, as ``ragfuse eval qa``'s; before any, the command line's own handling applies."""
+    exit status 130, as ``ragfuse eval qa``'s; before any, the line says nothing was written."""
 
     @functools.wraps(run)
     def checked(args: argparse.Namespace) -> int:

@@ -36,14 +36,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def positive_int(value: str) -> int:
-    n = int(value)
+    try:
+        n = int(value)
+    except ValueError:  # argparse's own message names this function ("invalid positive_int value")
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {value!r}") from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
     return n
 
 
 def unit_ratio(value: str) -> float:
-    r = float(value)
+    try:
+        r = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {value!r}") from None
     if not 0.0 <= r <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {r}")
     return r

@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from ragfuse.embeddings import Embedder
     from ragfuse.engine import EngineConfig, LLMEngine
     from ragfuse.engine.errors import ModelError, RagfuseError
+    from ragfuse.engine.kvstore import check_redis
     from ragfuse.ingest import Ingestor
     from ragfuse.rag_store import RagStore
     from ragfuse.store_dir import check_chunking, resolve_store_dir
@@ -63,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     missing = [p for p in args.paths if not os.path.exists(p)]
     if missing:
         raise RagfuseError(f"no such file or directory: {', '.join(missing)} (nothing was ingested)")
+    check_redis(args.redis)
     root = resolve_store_dir(args.store)
     existing = StoreConfig.load(root)
     if existing is None and not find_files(args.paths).files:  # (for a store, an emptied folder removes its files)

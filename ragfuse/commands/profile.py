@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from ragfuse.engine.kvstore import (
         DelayProfile,
         LoadingController,
+        check_redis,
         measure_prefill,
         measure_read_bandwidth,
         profile_path,
@@ -86,9 +87,12 @@ def run(args: argparse.Namespace) -> int:
     if named and not root.exists():  # a mistyped store would get a new folder holding nothing but the profile
         raise StoreError(f"no store at {root} (pass an existing --store, or run `ragfuse ingest` first)")
     prepare_out_dir(root / "profiles", "--store")
+    check_redis(args.redis)  # before the model loads and the prefill is measured
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
     if lengths[-1] > engine.max_model_len:
         raise RagfuseError(f"--lengths goes past the model's context of {engine.max_model_len}")
+    if args.context > engine.max_model_len:  # a decision for prompts the model cannot take
+        raise RagfuseError(f"--context {args.context} goes past the model's context of {engine.max_model_len}")
     mc = engine.model_config
     points = measure_prefill(engine.compute_kv, lengths, mc.vocab_size, engine.device)
     entries = [synthetic_entry(f"profile-{i}", mc.num_layers, args.entry_tokens, mc.num_kv_heads, mc.head_dim,
@@ -110,8 +114,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for n, s in points:
         print(f"prefill {n:6d} tokens: {s * 1e3:9.1f} ms ({s / n * 1e6:.1f} us/token)")
+    # the tier in the compute device's own memory hands its tensors over where they lie: what it times
+    # is a lookup, not a read (thousands of GB/s), so it is named for what it is
+    resident = "gpu" if engine.device.type == "cuda" else "cpu"
     for name, bw in bandwidth.items():
-        print(f"read from {name:6s}: {bw / 1e9:8.2f} GB/s")
+        print(f"read from {name:6s}: " + ("resident, used in place (no copy)" if name == resident
+                                          else f"{bw / 1e9:8.2f} GB/s"))
     print(f"profile saved to {path}")
     print(f"for {args.context} tokens: store in {decision.tier}, recompute {decision.recompute_ratio:.1%} "
           f"({decision.reason})")
