@@ -60,6 +60,9 @@ def test_bench_writes_results_table_and_plot(args, tmp_path):
         modes = {row["mode"] for row in results["rows"]}
         assert {"full", "prefix", "reuse", "fuse", "fuse@controller"} <= modes
         assert {row["tier"] for row in results["rows"]} == {"cpu", "disk"}
+        # prefix computes every chunk after the first: ratio 1, as `ask` reports it (the table said 0)
+        assert {row["ratio"] for row in results["rows"] if row["mode"] in ("prefix", "full")} == {1.0}
+        assert {row["ratio"] for row in results["rows"] if row["mode"] == "reuse"} == {0.0}
         sweep = results["sweeps"]["tiny-llama"]  # the ratio sweep as a table in results.md too
         assert "Ratio sweep, tiny-llama" in (out / "results.md").read_text() and sweep
         assert f"| {sweep[-1]['ratio']:.4g} | {sweep[-1]['ttft_s']:.4g} |" in (out / "results.md").read_text()

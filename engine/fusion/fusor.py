@@ -362,7 +362,10 @@ def fuse_prefill(
     recomputed = candidates  # stored tokens still active after the last layer
     stats = FusionStats(
         mode=mode.value,
-        recompute_ratio=recomputed / num_fusable if num_fusable else float(_recomputes_all(mode, policy)),
+        # without a recompute candidate: 1 where every chunk was computed (``prefix`` computes all after
+        # the first, as ``ask`` reports it), else 0 (``reuse``, or a prompt of an exact prefix only)
+        recompute_ratio=(recomputed / num_fusable if num_fusable
+                         else float(_recomputes_all(mode, policy) or mode is FusionMode.PREFIX)),
         prompt_tokens=n,
         stored_tokens=num_stored,
         reused_tokens=num_stored - recomputed,
