@@ -93,8 +93,8 @@ def build_app(backend: DemoBackend) -> gr.Blocks:
     def on_ingest(picked: list[str], uploaded: list[str] | None, progress: gr.Progress = TRACK_TQDM):
         try:
             report = backend.ingest(picked or [], uploaded or [])
-        except RagfuseError as exc:
-            raise gr.Error(str(exc)) from exc
+        except RagfuseError as exc:  # the user's mistake, shown on the page: no traceback in the server's log
+            raise gr.Error(str(exc), print_exception=False) from exc
         return ingest_summary(report), files_table(backend), [], None
 
     def on_ask(question: str, mode: str, top_k: float, history: list[dict], turns: list[Turn]):
@@ -115,7 +115,7 @@ def build_app(backend: DemoBackend) -> gr.Blocks:
                     yield history, *skip
         except RagfuseError as exc:
             yield history[:-2], *skip  # the question stays in its box (no .success below) to fix and resend
-            raise gr.Error(str(exc)) from exc
+            raise gr.Error(str(exc), print_exception=False) from exc
 
     with gr.Blocks(title="ragfuse demo", analytics_enabled=False) as demo:
         gr.Markdown(INTRO)
