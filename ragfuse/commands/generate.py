@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         if args.raw:
             raise SystemExit(_usage_error("--session needs the chat template (drop --raw)"))
         check_session_id(args.session)
-        transcript = _transcript_path(args)
+        transcript = transcript_path(sessions_dir(args.session_dir), args.session)
         history = _read_transcript(transcript, args.session)  # before the model loads: a bad one fails at once
     t0 = time.perf_counter()
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
@@ -141,10 +141,6 @@ def sessions_dir(given: str | None) -> Path:
 def transcript_path(root: Path, session: str) -> Path:
     """Where a `generate` session's messages live: ``chats/ID.json`` beside the sessions' KV."""
     return root / "chats" / f"{session}.json"
-
-
-def _transcript_path(args: argparse.Namespace) -> Path:
-    return transcript_path(sessions_dir(args.session_dir), args.session)
 
 
 def _read_transcript(path: Path, session: str) -> list[dict[str, str]]:
