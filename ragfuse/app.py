@@ -10,7 +10,7 @@ import torch
 
 from ragfuse.engine import EngineConfig, LLMEngine
 from ragfuse.engine.errors import RagfuseError
-from ragfuse.engine.kvstore import DelayProfile, LoadingController, MemoryTier, profile_path
+from ragfuse.engine.kvstore import DelayProfile, KVStoreError, LoadingController, MemoryTier, profile_path
 from ragfuse.engine.kvstore.entry import dtype_name
 from ragfuse.pipeline import RagPipeline
 from ragfuse.rag_store import RagStore
@@ -53,8 +53,12 @@ def open_pipeline(
     if prof_file.exists():
         # the controller's floor is the gate's r*: with its own default (15%) it raised every ratio the
         # gate had measured safe below that, so profiling a store made its answers slower
-        profile = DelayProfile.load(prof_file)
-        controller = LoadingController(profile) if r_star is None else LoadingController(profile, r_star=r_star)
+        try:
+            profile = DelayProfile.load(prof_file)
+        except KVStoreError as exc:  # damaged, or made by an older ragfuse: answers need no profile
+            log.warning("%s; recompute ratio r* without the controller", exc)
+        else:
+            controller = LoadingController(profile) if r_star is None else LoadingController(profile, r_star=r_star)
     else:
         log.info("no delay profile at %s (run `ragfuse profile`): recompute ratio r* without the controller",
                  prof_file)

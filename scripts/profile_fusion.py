@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ragfuse.bench.fusion import _engine, random_prompt
+from ragfuse.bench.fusion import _engine
+from ragfuse.bench.stored_prompt import random_prompt
 from ragfuse.engine.fusion import Segment, SelectionPolicy
 from ragfuse.engine.kvstore import MemoryTier, StoredKV, TieredKVStore, kv_key, open_source
 

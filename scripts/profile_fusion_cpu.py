@@ -14,7 +14,7 @@ from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
-from ragfuse.bench.fusion import random_prompt
+from ragfuse.bench.stored_prompt import random_prompt
 from ragfuse.engine import EngineConfig, LLMEngine
 from ragfuse.engine.fusion import Segment, SelectionPolicy, TensorKV
 

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from ragfuse.bench.fusion import _engine, random_prompt
+from ragfuse.bench.fusion import _engine
+from ragfuse.bench.stored_prompt import random_prompt
 from ragfuse.engine.fusion import Segment, SelectionPolicy, fusor
 from ragfuse.engine.fusion.prefetch import LayerPrefetcher
 from ragfuse.engine.kvstore import MemoryTier, StoredKV, TieredKVStore, kv_key, open_source

@@ -184,15 +184,19 @@ def test_bench_sessions_bad_rates_fail_before_the_ttft_part(tmp_path, capsys) ->
 
 def test_profile_store_that_is_a_file_fails_before_measuring(tmp_path, capsys) -> None:
     """The store folder was made only after the measurement: a path that is a file (or a profiles/
-    that is one) ended the run with a FileExistsError traceback, the measurement lost."""
+    that is one) ended the run with a FileExistsError traceback, the measurement lost. A path that is
+    a file holds no store, which is said before anything else."""
+    from ragfuse.store_dir import StoreConfig
+
     store = tmp_path / "store"
     store.mkdir()
+    StoreConfig("smollm2-135m-instruct", "all-MiniLM-L6-v2", 384, "flat", 64, 0).save(store)
     (store / "profiles").write_text("x")
     argv = ["profile", "--store", str(store), "--lengths", "16", "--entry-tokens", "16", "--entries", "2"]
     assert "a file is in the way" in _runtime_error(argv, capsys)
     afile = Path(tmp_path / "afile")
     afile.write_text("x")
-    assert "a file is in the way" in _runtime_error([*argv[:2], str(afile), *argv[3:]], capsys)
+    assert f"no ragfuse store at {afile}" in _runtime_error([*argv[:2], str(afile), *argv[3:]], capsys)
 
 
 @pytest.mark.parametrize("argv", [["--entries", "0"], ["--entry-tokens", "0"], ["--context", "0"],

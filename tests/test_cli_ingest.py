@@ -74,15 +74,29 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 
 
 def test_cli_profile_caches_a_profile(tmp_path, capsys, engine):
+    docs = tmp_path / "a.txt"
+    docs.write_text("Photosynthesis turns light, water and carbon dioxide into sugar and oxygen.")
     store = tmp_path / "store"
-    store.mkdir()  # profile refuses a --store that does not exist
-    assert main(["profile", "--store", str(store), "--device", "cpu", "--lengths", "64,128", "--entries", "2",
-                 "--entry-tokens", "64", "--context", "1024", "--json"]) == 0
+    store.mkdir()
+    args = ["--store", str(store), "--device", "cpu", "--lengths", "64,128", "--entries", "2",
+            "--entry-tokens", "64", "--context", "160"]
+    assert main(["profile", *args]) == 2  # a folder nothing was ingested into holds no store to profile for
+    assert "no ragfuse store at" in capsys.readouterr().err and not (store / "profiles").exists()
+    assert main(["ingest", str(docs), "--store", str(store), "--device", "cpu", "--chunk-tokens", "64"]) == 0
+    assert main(["profile", *args, "--model", "qwen2-0.5b"]) == 2  # not the store's model
+    assert "ingested with model 'smollm2-135m-instruct'" in capsys.readouterr().err
+    assert main(["profile", *args, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     prof = out["profile"]
     assert [n for n, _ in prof["prefill_points"]] == [64, 128] and all(s > 0 for _, s in prof["prefill_points"])
+    # fused passes over 40 and 160 stored tokens (64 + 64 + 32) at each ratio, every point a share of a
+    # full pass's time; over 160 tokens (5x what a pass always computes) recomputing none costs less
+    # than recomputing all (over 40 the passes' fixed costs make the curve flat)
+    curves = {n: [(r, f) for m, r, f in prof["recompute_points"] if m == n] for n in (40, 160)}
+    assert all([r for r, _ in c] == [0.0, 0.05, 0.15, 0.3, 0.5, 1.0] for c in curves.values())
+    assert all(f > 0 for c in curves.values() for _, f in c) and curves[160][0][1] < curves[160][-1][1]
     assert set(prof["bandwidth"]) == {"cpu", "disk"} and prof["kv_bytes_per_token"] == 30 * 3 * 64 * 2 * 4
-    assert out["decision"]["num_tokens"] == 1024 and 0.15 <= out["decision"]["recompute_ratio"] <= 1
+    assert out["decision"]["num_tokens"] == 160 and 0.15 <= out["decision"]["recompute_ratio"] <= 1
     assert len(list((store / "profiles").glob("profile-*.json"))) == 1
 
 

@@ -34,7 +34,8 @@ def test_profiled_store_never_raises_the_ratio_above_the_gates_r_star(engine, tm
     dtype = dtype_name(engine.dtype)
     DelayProfile(model=engine.fingerprint, device=str(engine.device), dtype=dtype,
                  kv_bytes_per_token=engine.model_config.kv_bytes_per_token(engine.dtype),
-                 prefill_points=[(512, 1.0), (4096, 8.0)], bandwidth={"cpu": 1e12, "disk": 1e12},
+                 prefill_points=[(512, 1.0), (4096, 8.0)], recompute_points=[(512, 0.0, 0.1), (512, 1.0, 1.0)],
+                 bandwidth={"cpu": 1e12, "disk": 1e12},
                  ).save(profile_path(store / "profiles", engine.fingerprint, str(engine.device), dtype))
 
     pipeline = open_pipeline(str(store), engine=engine)

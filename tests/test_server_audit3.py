@@ -26,7 +26,7 @@ def test_profile_refuses_a_store_that_does_not_exist(tmp_path, capsys) -> None:
     missing = tmp_path / "nowhere" / "store"
     assert main(["profile", "--store", str(missing), "--lengths", "16", "--entries", "2"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"no store at {missing}" in err, err
+    assert err.count("\n") == 1 and f"no ragfuse store at {missing}" in err, err
     assert not (tmp_path / "nowhere").exists()
 
 

@@ -4,8 +4,10 @@ Two questions, two answers:
 - given where a context's KV lies, which recompute ratio costs no extra delay? Loading and selective
   recompute are pipelined layer by layer, so recomputing is free while it is no slower than loading:
   r = max(r*, r_balanced) with T_recompute(r_balanced, L) = T_load(L, tier), where
-  T_recompute(r, L) = r x Prefill(L) and T_load(L, tier) = KV bytes per token x L / bandwidth(tier);
-  r* is the least ratio that keeps quality (15% in the paper);
+  T_recompute(r, L) = curve(r) x Prefill(L), the curve measured by fused passes at several ratios
+  (the paper's r x Prefill(L) leaves out a fused pass's fixed part: its check layers run every token,
+  and it took ~25% of a full prefill at r = 15%), and T_load(L, tier) = KV bytes per token x L /
+  bandwidth(tier); r* is the least ratio that keeps quality (15% in the paper);
 - where should a context's KV be stored? In the cheapest configured tier whose T_load does not
   exceed T_recompute(r*, L): any faster tier would cost more and save nothing.
 Each answer is a ``LoadingDecision`` carrying its estimates, so callers can show why.
@@ -61,7 +63,7 @@ class LoadingController:
         self.cost_per_gb_hour = {**DEFAULT_COST_PER_GB_HOUR, **(cost_per_gb_hour or {})}
 
     def t_recompute(self, ratio: float, num_tokens: int) -> float:
-        return ratio * self.profile.prefill_s(num_tokens)
+        return self.profile.recompute_s(ratio, num_tokens)
 
     def t_load(self, num_tokens: int, tier: str) -> float:
         return self.profile.load_s(num_tokens, tier)
@@ -77,10 +79,11 @@ class LoadingController:
             raise KVStoreError(f"a context needs at least one token, got {num_tokens}")
         prefill = self.profile.prefill_s(num_tokens)
         t_load = self.t_load(num_tokens, tier)
-        r_bal = t_load / prefill
-        ratio = min(1.0, max(self.r_star, r_bal))
+        r_bal = 1.0 if t_load >= prefill else self.profile.ratio_for(t_load, num_tokens)
+        ratio = max(self.r_star, r_bal)
         if r_bal >= 1.0:
-            why = f"loading from {tier} ({t_load * 1e3:.2f} ms) is no faster than a full prefill: recompute all"
+            why = (f"loading from {tier} ({t_load * 1e3:.2f} ms) is no faster than recomputing every token: "
+                   "recompute all")
         elif r_bal > self.r_star:
             why = (f"loading from {tier} takes {t_load * 1e3:.2f} ms, as long as recomputing {r_bal:.1%}: "
                    "recompute that much for free")

@@ -1,4 +1,5 @@
-"""Delay profiles: measured prefill time and per-tier read bandwidth for one (model, device, dtype).
+"""Delay profiles: measured prefill time, fused-pass time per recompute ratio and per-tier read
+bandwidth for one (model, device, dtype).
 
 The loading controller decides from these numbers, not from constants: a profile is measured once
 (``ragfuse profile``) and cached as JSON next to the store, keyed by model fingerprint and device.
@@ -29,8 +30,30 @@ class DelayProfile:
     dtype: str
     kv_bytes_per_token: int
     prefill_points: list[tuple[int, float]]  # (tokens, seconds of a full prefill), increasing tokens
+    # (stored tokens, ratio, compute time of a fused pass at that ratio / a full prefill's of the same
+    # prompt), the same ratios from 0 to 1 at each length: a fused pass is not ratio x prefill, its check
+    # layers run every token and its query and per-layer work are fixed costs (on CPU, default model, a
+    # 5% pass took 22% of a full prefill's time over 600 stored tokens, 13% over 3072)
+    recompute_points: list[tuple[int, float, float]]
     bandwidth: dict[str, float] = field(default_factory=dict)  # tier name -> bytes/s into `device`
     measured_at: str = ""
+
+    def __post_init__(self) -> None:
+        """Each length's curve must span ratios 0 to 1 in order, the same ratios at every length (the
+        controller interpolates between lengths and inverts the curve), so a hand-edited or truncated
+        profile fails here, where it is read, and not as a nonsense ratio later."""
+        lengths = self._lengths()
+        per_length = [[r for n, r, _ in self.recompute_points if n == length] for length in lengths]
+        ratios = per_length[0] if per_length else []
+        if not ratios or ratios[0] != 0.0 or ratios[-1] != 1.0 or ratios != sorted(set(ratios)):
+            raise KVStoreError(f"the recompute curve needs increasing ratios from 0 to 1, got {ratios}")
+        if any(rs != ratios for rs in per_length) or lengths[0] < 1:
+            raise KVStoreError("the recompute curve needs the same ratios at every length, each length positive")
+        if any(not f > 0 for _, _, f in self.recompute_points):
+            raise KVStoreError("the recompute curve's time fractions must be positive")
+
+    def _lengths(self) -> list[int]:
+        return sorted({n for n, _, _ in self.recompute_points})
 
     def prefill_s(self, num_tokens: int) -> float:
         """Full-prefill time of ``num_tokens``: piecewise linear through (0, 0) and the measured
@@ -39,13 +62,42 @@ class DelayProfile:
         if not self.prefill_points:
             raise KVStoreError("the delay profile holds no prefill measurement")
         pts = [(0, 0.0), *sorted(self.prefill_points)]
-        xs = [p[0] for p in pts]
-        j = min(max(bisect.bisect_left(xs, num_tokens), 1), len(pts) - 1)
-        (x0, y0), (x1, y1) = pts[j - 1], pts[j]
-        return y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0)
+        return _interpolate([float(n) for n, _ in pts], [s for _, s in pts], float(num_tokens))
 
     def prefill_s_per_token(self, num_tokens: int) -> float:
         return self.prefill_s(num_tokens) / max(num_tokens, 1)
+
+    def _curve(self, num_tokens: int) -> tuple[list[float], list[float]]:
+        """The recompute curve for ``num_tokens`` stored tokens: linear between the two measured lengths
+        around it (the nearest one's outside them), made monotone by a running maximum: a pass that
+        recomputes more is never assumed faster, though one measured point may be (at 50% a scattered
+        pass can lose to 100%'s)."""
+        lengths = self._lengths()
+        curves = [[f for m, _, f in self.recompute_points if m == n] for n in lengths]
+        ratios = [r for m, r, _ in self.recompute_points if m == lengths[0]]
+        x = min(max(float(num_tokens), lengths[0]), lengths[-1])
+        raw = [_interpolate([float(n) for n in lengths], list(column), x) if len(lengths) > 1 else column[0]
+               for column in zip(*curves, strict=True)]
+        fractions: list[float] = []
+        for f in raw:
+            fractions.append(max(f, fractions[-1]) if fractions else f)
+        return ratios, fractions
+
+    def recompute_s(self, ratio: float, num_tokens: int) -> float:
+        """Compute time of a fused pass over ``num_tokens`` recomputing ``ratio`` of the stored tokens:
+        the curve's fraction at ``ratio`` (piecewise linear) of a full prefill's time of as many tokens."""
+        ratios, fractions = self._curve(num_tokens)
+        return _interpolate(ratios, fractions, min(max(ratio, 0.0), 1.0)) * self.prefill_s(num_tokens)
+
+    def ratio_for(self, seconds: float, num_tokens: int) -> float:
+        """The ratio whose fused pass takes ``seconds`` (0 below the curve's start, 1 past its end)."""
+        ratios, fractions = self._curve(num_tokens)
+        target = seconds / self.prefill_s(num_tokens)
+        if target <= fractions[0]:
+            return 0.0
+        if target >= fractions[-1]:
+            return 1.0
+        return _interpolate(fractions, ratios, target)
 
     def load_s(self, num_tokens: int, tier: str) -> float:
         if tier not in self.bandwidth:
@@ -63,9 +115,18 @@ class DelayProfile:
         try:
             d = json.loads(Path(path).read_text())
             d["prefill_points"] = [tuple(p) for p in d["prefill_points"]]
+            d["recompute_points"] = [tuple(p) for p in d["recompute_points"]]
             return cls(**d)
-        except (OSError, ValueError, TypeError, KeyError) as exc:
-            raise KVStoreError(f"cannot read delay profile {path}: {exc}") from exc
+        except (OSError, ValueError, TypeError, KeyError, KVStoreError) as exc:
+            why = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise KVStoreError(f"cannot read delay profile {path} ({why}): run `ragfuse profile` again") from exc
+
+
+def _interpolate(xs: list[float], ys: list[float], x: float) -> float:
+    """y at ``x`` on the polyline through (xs, ys), xs increasing (flat steps: the step's start)."""
+    j = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    (x0, y0), (x1, y1) = (xs[j - 1], ys[j - 1]), (xs[j], ys[j])
+    return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 def profile_path(cache_dir: str | Path, model: str, device: str, dtype: str) -> Path:
@@ -80,9 +141,10 @@ def _sync(device: torch.device) -> None:
 
 def measure_prefill(
     compute_kv: Callable[[list[list[int]]], object], lengths: Sequence[int], vocab_size: int,
-    device: torch.device, repeats: int = 2,
+    device: torch.device, repeats: int = 2, progress: Callable[[], object] | None = None,
 ) -> list[tuple[int, float]]:
-    """Median wall time of a full prefill (KV capture) of random tokens at each length."""
+    """Median wall time of a full prefill (KV capture) of random tokens at each length; ``progress``
+    is called once a length (seconds each on CPU)."""
     gen = torch.Generator().manual_seed(0)
     compute_kv([torch.randint(0, vocab_size, (min(lengths),), generator=gen).tolist()])  # warm-up
     points = []
@@ -96,6 +158,8 @@ def measure_prefill(
             _sync(device)
             times.append(time.perf_counter() - t0)
         points.append((n, statistics.median(times)))
+        if progress is not None:
+            progress()
     return points
 
 

@@ -24,10 +24,11 @@ from .args import choice_list, positive_int, ratio_list, unit_ratio
 from .partial import Report
 from .report import machine_info, markdown_table, speed_phrase
 from .shapes import SHAPES
+from .stored_prompt import StoredPrompt, random_prompt
 
 TIERS = ("cpu", "disk", "gpu")
 RATIOS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
-PARTS = ("modes", "controller", "ratio sweep")  # each model's, in the order they run
+PARTS = ("modes", "ratio sweep", "controller")  # each model's, in the order they run
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -89,15 +90,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def random_prompt(vocab: int, chunks: int, chunk_tokens: int, query_tokens: int) -> tuple[list[list[int]], list[int]]:
-    """The fusion benchmark's prompt: ``chunks`` random chunks and a random query (fixed seed, ids from
-    3 up so no special token lands in them). Random ids time the same as text for a random-weight
-    model, and the profile scripts use this too, so their passes match the bench's."""
-    gen = torch.Generator().manual_seed(0)
-    ids = [torch.randint(3, vocab, (chunk_tokens,), generator=gen).tolist() for _ in range(chunks)]
-    return ids, torch.randint(3, vocab, (query_tokens,), generator=gen).tolist()
-
-
 def _engine(args: argparse.Namespace, shape: str | None) -> Any:
     from ragfuse.engine import EngineConfig, LLMEngine, ModelConfig
 
@@ -121,17 +113,8 @@ def bench_shape(
     ratios and the ratio sweep: their rows go to ``report.rows``, the sweep's points to ``sweep``, the
     model's sizes and measured bandwidths to ``info``, each as soon as it is measured (a run stopped
     part way keeps them)."""
-    from ragfuse.engine.fusion import Segment, SelectionPolicy
-    from ragfuse.engine.kvstore import (
-        DelayProfile,
-        DiskTier,
-        LoadingController,
-        MemoryTier,
-        StoredKV,
-        TieredKVStore,
-        kv_key,
-        open_source,
-    )
+    from ragfuse.engine.fusion import SelectionPolicy
+    from ragfuse.engine.kvstore import DelayProfile, DiskTier, LoadingController, MemoryTier
 
     label = shape or args.model
     report.begin(f"{PARTS[0]} [{label}]")
@@ -141,42 +124,21 @@ def bench_shape(
     chunks, query = random_prompt(mc.vocab_size, args.chunks, args.chunk_tokens, args.query_tokens)
     n_ctx = args.chunks * args.chunk_tokens
     print(f"bench fusion [{name}]: computing {args.chunks} x {args.chunk_tokens}-token chunks' KV", flush=True)
-    kvs = eng.compute_kv(chunks)
-    keys = [kv_key(eng.fingerprint, eng.dtype, c) for c in chunks]
-    entries = [StoredKV.from_kv(k, kk, vv) for k, (kk, vv) in zip(keys, kvs, strict=True)]
-    del kvs
-    entry_bytes = sum(e.nbytes for e in entries)
+    prompt = StoredPrompt(eng, chunks, query)
     policy = SelectionPolicy.default()
     first = len(report.rows)
     rows = report.rows
     measured: dict[str, float] = {}
-    info.update(context_tokens=n_ctx, kv_bytes=entry_bytes, bandwidth_measured=measured)
+    info.update(context_tokens=n_ctx, kv_bytes=prompt.kv_bytes, bandwidth_measured=measured)
     with tempfile.TemporaryDirectory(prefix="ragfuse-bench-fusion-") as tmp:
-        stores: dict[str, Any] = {}
         for tier in tiers:
-            if tier == "disk":
-                t = DiskTier(Path(tmp) / "kv", entry_bytes * 2, reserve_bytes=0)
-            else:
-                t = MemoryTier(tier, eng.device if tier == "gpu" else "cpu", entry_bytes * 2,
-                               pin=tier == "cpu" and torch.cuda.is_available())
-            for e in entries:
-                t.put(e, keep_evicted=False)
-            stores[tier] = TieredKVStore([t])
+            cap = prompt.kv_bytes * 2
+            prompt.keep_in(DiskTier(Path(tmp) / "kv", cap, reserve_bytes=0) if tier == "disk" else
+                           MemoryTier(tier, eng.device if tier == "gpu" else "cpu", cap,
+                                      pin=tier == "cpu" and torch.cuda.is_available()))
 
         def fused(tier: str, mode: str, ratio: float) -> dict[str, float]:
-            store = stores[tier]
-            best: list[Any] = []
-            for _ in range(args.repeats):
-                if tier == "disk":
-                    for k in keys:
-                        store.tiers[0].drop_cache(k)
-                segs = [Segment(c, open_source(store, k) if mode != "full" else None) for c, k in zip(chunks, keys,
-                                                                                                        strict=True)]
-                segs.append(Segment(query))
-                with eng.borrowed_blocks([[t for s in segs for t in s.token_ids]]) as (table,):
-                    _logits, stats = eng.runner.fused_prefill(table, segs, mode, policy.with_ratio(ratio))
-                best.append(stats)
-            st = sorted(best, key=lambda s: s.total_s)[len(best) // 2]
+            st = prompt.median(tier, mode, policy.with_ratio(ratio), args.repeats)
             shorter = min(st.load_s, st.compute_s) if st.load_s > 0 else 0.0
             hidden = (st.load_s - st.load_wait_s) / shorter if shorter > 0 else 1.0
             return {"ttft_s": st.total_s, "load_s": st.load_s, "compute_s": st.compute_s,
@@ -189,7 +151,7 @@ def bench_shape(
             res = fused(tier, mode, args.ratio if mode == "fuse" else 0.0)
             rows.append({"model": name, "tier": tier, "mode": mode, **res})
             if mode == "reuse":
-                measured[tier] = entry_bytes / max(res["load_s"], 1e-9)
+                measured[tier] = prompt.kv_bytes / max(res["load_s"], 1e-9)
         mine = rows[first:]
         full = next(r for r in mine if r["mode"] == "full")
         for tier in tiers:
@@ -200,41 +162,48 @@ def bench_shape(
         for r in mine:
             if r["mode"] == "fuse":
                 r["speedup_vs_prefix"] = prefix[r["tier"]] / r["ttft_s"]
-        profile = DelayProfile(
-            model=name, device=str(eng.device), dtype=str(eng.dtype), kv_bytes_per_token=entry_bytes // n_ctx,
-            prefill_points=[(n_ctx + args.query_tokens, full["compute_s"])], bandwidth=measured,
-        )
-        controller = LoadingController(profile, r_star=args.ratio)
-        report.begin(f"{PARTS[1]} [{label}]")
-        for tier in tqdm(tiers, desc="controller"):
-            decision = controller.decide(n_ctx, tier)
-            res = fused(tier, "fuse", decision.recompute_ratio)
-            rows.append({"model": name, "tier": tier, "mode": "fuse@controller", **res,
-                         "speedup_vs_full": full["ttft_s"] / res["ttft_s"], "controller_reason": decision.reason})
-        report.begin(f"{PARTS[2]} [{label}]")  # its reference logits are part of it: the controller is done
+        report.begin(f"{PARTS[1]} [{label}]")  # its reference logits are part of it
         with torch.inference_mode():
             ref = _first_logits(eng, chunks, query) if shape is None else None
         for ratio in tqdm(args.sweep, desc="ratio sweep"):
             res = fused(tiers[0], "fuse" if ratio > 0 else "reuse", ratio)
             point = {"ratio": ratio, **res}
             if ref is not None:
-                point["kl_first"] = _kl_at(eng, chunks, keys, query, stores[tiers[0]], ratio, policy, ref)
+                point["kl_first"] = _kl_at(eng, prompt, ratio, policy, ref)
             sweep.append(point)
+        # the controller decides from this run's own measurements: the sweep is its recompute curve
+        curve = {0.0: next(r for r in mine if r["mode"] == "reuse")["compute_s"], 1.0: full["compute_s"],
+                 **{r: p["compute_s"] for r, p in zip(args.sweep, sweep, strict=True)}}
+        profile = DelayProfile(
+            model=name, device=str(eng.device), dtype=str(eng.dtype), kv_bytes_per_token=prompt.kv_bytes // n_ctx,
+            prefill_points=[(n_ctx + args.query_tokens, full["compute_s"])],
+            recompute_points=[(n_ctx, r, t / full["compute_s"]) for r, t in sorted(curve.items())],
+            bandwidth=measured,
+        )
+        controller = LoadingController(profile, r_star=args.ratio)
+        report.begin(f"{PARTS[2]} [{label}]")
+        for tier in tqdm(tiers, desc="controller"):
+            decision = controller.decide(n_ctx, tier)
+            res = fused(tier, "fuse", decision.recompute_ratio)
+            rows.append({"model": name, "tier": tier, "mode": "fuse@controller", **res,
+                         "speedup_vs_full": full["ttft_s"] / res["ttft_s"], "controller_reason": decision.reason,
+                         "ttft_estimate_s": decision.ttft_estimate_s})
 
 
 def _first_logits(eng: Any, chunks: list[list[int]], query: list[int]) -> torch.Tensor:
     return eng.score([t for c in chunks for t in c] + query, last_n=1)[0]
 
 
-def _kl_at(eng: Any, chunks: list[list[int]], keys: list[str], query: list[int], store: Any, ratio: float,
-           policy: Any, ref: torch.Tensor) -> float:
+def _kl_at(eng: Any, prompt: StoredPrompt, ratio: float, policy: Any, ref: torch.Tensor) -> float:
     """First-token KL of fusion at ``ratio`` from full prefill (meaningful with real weights only)."""
     from ragfuse.engine.fusion import Segment
     from ragfuse.engine.kvstore import open_source
     from ragfuse.quality import kl_rows
 
-    segs = [Segment(c, open_source(store, k)) for c, k in zip(chunks, keys, strict=True)] + [Segment(query)]
-    logits, _ = eng.score_fused(segs, [], "fuse" if ratio > 0 else "reuse", policy.with_ratio(ratio))
+    store = next(iter(prompt.stores.values()))
+    segs = [Segment(c, open_source(store, k)) for c, k in zip(prompt.chunks, prompt.keys, strict=True)]
+    logits, _ = eng.score_fused([*segs, Segment(prompt.query)], [], "fuse" if ratio > 0 else "reuse",
+                                policy.with_ratio(ratio))
     return float(kl_rows(ref[None], logits)[0])
 
 

@@ -1,24 +1,32 @@
 """``ragfuse profile``: measure the delay profile the loading controller decides from, and cache it.
 
-Prefill time is measured by running the engine's full prefill at a few context lengths; tier
-bandwidth by reading entries of the model's real KV shape from each tier into the compute device.
+Prefill time is measured by running the engine's full prefill at a few context lengths; the
+recompute curve by fused passes over a random prompt of ``--context`` tokens at several ratios;
+tier bandwidth by reading entries of the model's real KV shape from each tier into the compute
+device. The model is the store's: the profile is read by the pipelines serving that store.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from ragfuse.commands.generate import add_model_args, positive_int
 from ragfuse.commands.ingest import add_store_arg
 
+# ratios the recompute curve is measured at (the controller interpolates between them); 1 ends it
+RECOMPUTE_RATIOS = (0.0, 0.05, 0.15, 0.3, 0.5, 1.0)
+QUERY_TOKENS = 32  # the fused passes' computed query, as in `ragfuse bench fusion`
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("profile", help="measure prefill time and KV tier bandwidth for the loading controller")
+    p = sub.add_parser("profile", help="measure prefill time, fused-pass time and KV tier bandwidth for the "
+                                       "loading controller")
     add_model_args(p)
     add_store_arg(p)
     p.add_argument("--lengths", default="256,512,1024,2048", help="context lengths to time a full prefill at")
@@ -27,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--entries", type=positive_int, default=6, help="entries read per bandwidth measurement")
     p.add_argument("--redis", metavar="URL", help="also profile this Redis server")
     p.add_argument("--context", type=positive_int, default=3072,
-                   help="show the controller's decision for this many tokens")
+                   help="tokens of the stored chunks in the fused passes timed (in --entry-tokens chunks), and "
+                        "of the controller's decision shown")
     p.add_argument("--r-star", type=r_star, default=0.15, help="least recompute ratio that keeps quality")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
@@ -39,6 +48,29 @@ def r_star(value: str) -> float:
     if not 0.0 < r <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
     return r
+
+
+def measure_recompute_curve(engine, context: int, chunk_tokens: int) -> list[tuple[int, float, float]]:
+    """The controller's recompute curve at a quarter of ``context`` stored tokens and at ``context``
+    (a fused pass's fixed costs weigh more in a short prompt): fused passes over random chunks of
+    ``chunk_tokens`` (their KV resident on the compute device, so only compute is timed) and a query."""
+    from ragfuse.bench.stored_prompt import StoredPrompt, random_prompt
+    from ragfuse.engine.kvstore import MemoryTier
+
+    lengths = sorted({max(context // 4, 1), context})
+    points: list[tuple[int, float, float]] = []
+    with tqdm(total=len(lengths) * (len(RECOMPUTE_RATIOS) + 1), desc="fused passes") as bar:
+        for length in lengths:
+            whole, rest = divmod(length, chunk_tokens)
+            sizes = [chunk_tokens] * whole + ([rest] if rest else [])
+            chunks, query = random_prompt(engine.model_config.vocab_size, len(sizes), chunk_tokens, QUERY_TOKENS)
+            prompt = StoredPrompt(engine, [c[:n] for c, n in zip(chunks, sizes, strict=True)], query)
+            tier = MemoryTier("gpu" if engine.device.type == "cuda" else "cpu", engine.device, prompt.kv_bytes * 2)
+            prompt.keep_in(tier)
+            curve = prompt.recompute_curve(tier.name, list(RECOMPUTE_RATIOS), repeats=2, progress=bar)
+            points += [(length, r, f) for r, f in curve]
+            tier.close()
+    return points
 
 
 def build_tiers(device, entry_bytes: int, entries: int, disk_root: Path, redis_url: str | None) -> list:
@@ -59,6 +91,7 @@ def build_tiers(device, entry_bytes: int, entries: int, disk_root: Path, redis_u
 
 
 def run(args: argparse.Namespace) -> int:
+    from ragfuse.app import DEFAULT_MODEL
     from ragfuse.bench.report import prepare_out_dir
     from ragfuse.engine import EngineConfig, LLMEngine
     from ragfuse.engine.errors import RagfuseError
@@ -72,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from ragfuse.engine.kvstore.entry import dtype_name
     from ragfuse.engine.kvstore.profile import synthetic_entry
-    from ragfuse.store_dir import StoreError, resolve_store_dir
+    from ragfuse.store_dir import StoreError, ingested_store
 
     try:
         lengths = sorted({int(x) for x in args.lengths.split(",") if x.strip()})
@@ -82,19 +115,21 @@ def run(args: argparse.Namespace) -> int:
         raise RagfuseError("--lengths needs positive token counts")
     # the profile's folder is made and checked before the model loads and the measurement runs: a
     # store path that is a file, or a profiles/ that is one, would otherwise fail only at the save
-    root = resolve_store_dir(args.store)
-    named = args.store or os.environ.get("RAGFUSE_STORE")
-    if named and not root.exists():  # a mistyped store would get a new folder holding nothing but the profile
-        raise StoreError(f"no store at {root} (pass an existing --store, or run `ragfuse ingest` first)")
+    root, config = ingested_store(args.store)  # a profile is read only from a store's folder, for its model
+    if args.model not in (DEFAULT_MODEL, config.model):
+        raise StoreError(f"the store at {root} was ingested with model {config.model!r}, not {args.model!r}")
     prepare_out_dir(root / "profiles", "--store")
     check_redis(args.redis)  # before the model loads and the prefill is measured
-    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
+    engine = LLMEngine(EngineConfig(model=config.model, device=args.device, dtype=args.dtype))
     if lengths[-1] > engine.max_model_len:
         raise RagfuseError(f"--lengths goes past the model's context of {engine.max_model_len}")
-    if args.context > engine.max_model_len:  # a decision for prompts the model cannot take
-        raise RagfuseError(f"--context {args.context} goes past the model's context of {engine.max_model_len}")
+    if args.context + QUERY_TOKENS > engine.max_model_len:  # a decision for prompts the model cannot take
+        raise RagfuseError(f"--context {args.context} goes past the model's context of {engine.max_model_len} "
+                           f"(with a {QUERY_TOKENS}-token query)")
     mc = engine.model_config
-    points = measure_prefill(engine.compute_kv, lengths, mc.vocab_size, engine.device)
+    with tqdm(total=len(lengths), desc="full prefills") as bar:
+        points = measure_prefill(engine.compute_kv, lengths, mc.vocab_size, engine.device, progress=bar.update)
+    curve = measure_recompute_curve(engine, args.context, args.entry_tokens)
     entries = [synthetic_entry(f"profile-{i}", mc.num_layers, args.entry_tokens, mc.num_kv_heads, mc.head_dim,
                                engine.dtype) for i in range(args.entries)]
     bandwidth = {}
@@ -104,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
             tier.close()
     prof = DelayProfile(
         model=engine.fingerprint, device=str(engine.device), dtype=dtype_name(engine.dtype),
-        kv_bytes_per_token=mc.kv_bytes_per_token(engine.dtype), prefill_points=points, bandwidth=bandwidth,
+        kv_bytes_per_token=mc.kv_bytes_per_token(engine.dtype), prefill_points=points, recompute_points=curve,
+        bandwidth=bandwidth,
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )
     path = prof.save(profile_path(root / "profiles", prof.model, prof.device, prof.dtype))
@@ -114,6 +150,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for n, s in points:
         print(f"prefill {n:6d} tokens: {s * 1e3:9.1f} ms ({s / n * 1e6:.1f} us/token)")
+    for length in sorted({n for n, _, _ in curve}):
+        print(f"fused pass over {length:5d} stored tokens, share of a full prefill's time: "
+              + ", ".join(f"{r:.0%} recomputed {f:.2f}" for n, r, f in curve if n == length))
     # the tier in the compute device's own memory hands its tensors over where they lie: what it times
     # is a lookup, not a read (thousands of GB/s), so it is named for what it is
     resident = "gpu" if engine.device.type == "cuda" else "cpu"
@@ -122,5 +161,5 @@ def run(args: argparse.Namespace) -> int:
                                           else f"{bw / 1e9:8.2f} GB/s"))
     print(f"profile saved to {path}")
     print(f"for {args.context} tokens: store in {decision.tier}, recompute {decision.recompute_ratio:.1%} "
-          f"({decision.reason})")
+          f"({decision.reason}); TTFT about {decision.ttft_estimate_s * 1e3:.1f} ms")
     return 0
