@@ -95,6 +95,7 @@ def test_slow_tier_raises_ratio_to_balance_load():
 def test_tier_slower_than_prefill_recomputes_all():
     d = LoadingController(profile(disk=0.5)).decide(2000, "disk")
     assert d.recompute_ratio == 1.0 and "recompute all" in d.reason
+    assert d.ttft_estimate_s == pytest.approx(0.3) and d.t_load_s > 0.5  # nothing loaded but the exact prefix
 
 
 def test_choose_cheapest_tier_that_hides_behind_r_star():

@@ -45,7 +45,7 @@ class LoadingDecision:
     t_prefill_s: float  # full prefill of num_tokens
     t_recompute_s: float  # at recompute_ratio
     t_load_s: float
-    ttft_estimate_s: float  # loading and recompute pipelined: the slower of the two
+    ttft_estimate_s: float  # loading and recompute pipelined: the slower of the two (recompute all: no load)
     reason: str
     estimates: list[TierEstimate] = field(default_factory=list)
 
@@ -90,9 +90,12 @@ class LoadingController:
         else:
             why = f"loading from {tier} ({t_load * 1e3:.2f} ms) hides behind recomputing r* = {self.r_star:.0%}"
         t_rec = self.t_recompute(ratio, num_tokens)
+        # recomputing every token loads nothing but the exact prefix (a pass's first segment), whose
+        # load hides behind the rest: the delay is the recompute's alone, not the whole load's
+        ttft = t_rec if ratio >= 1.0 else max(t_rec, t_load)
         return LoadingDecision(
             num_tokens=num_tokens, tier=tier, recompute_ratio=ratio, r_star=self.r_star, r_balanced=r_bal,
-            t_prefill_s=prefill, t_recompute_s=t_rec, t_load_s=t_load, ttft_estimate_s=max(t_rec, t_load),
+            t_prefill_s=prefill, t_recompute_s=t_rec, t_load_s=t_load, ttft_estimate_s=ttft,
             reason=f"{_why}{why}", estimates=self.estimates(num_tokens, list(self.profile.bandwidth), hours),
         )
 
