@@ -25,7 +25,8 @@ from .shapes import SHAPES
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("engine", help="prefill and decode speed, ragfuse vs transformers")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="device both implementations run on (cuda: a 7B shape and longer lengths by default)")
     p.add_argument("--out", default=None, help="output folder (default bench-results/engine-DEVICE)")
     p.add_argument("--model", default="smollm2-135m-instruct", help="real weights (used when --shape is not given)")
     p.add_argument("--shape", default=None, choices=SHAPES,
@@ -34,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-batches", type=int_list, default=None, help="cpu: 1; cuda: 1,16,64")
     p.add_argument("--context", type=positive_int, default=None, help="decode context length (cpu: 2048; cuda: 1024)")
     p.add_argument("--decode-steps", type=positive_int, default=None, help="timed decode steps (cpu: 32; cuda: 64)")
-    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="timed prefills per prompt length and implementation, the median reported")
     p.set_defaults(func=run)
 
 

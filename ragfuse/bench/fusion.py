@@ -33,20 +33,22 @@ PARTS = ("modes", "ratio sweep", "controller")  # each model's, in the order the
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("fusion", help="TTFT per fusion mode and KV tier, load/compute overlap")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="device the engine runs on (without --shape: cuda a random-weight mistral-7b, cpu --model)")
     p.add_argument("--shape", action="append", default=None, choices=SHAPES,
                    help="random-weight shape(s) (cuda default: mistral-7b); cpu default: the default model")
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--chunks", type=positive_int, default=6)
-    p.add_argument("--chunk-tokens", type=positive_int, default=512)
-    p.add_argument("--query-tokens", type=positive_int, default=32)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="real weights (used when --shape is not given)")
+    p.add_argument("--chunks", type=positive_int, default=6, help="stored chunks in the RAG prompt")
+    p.add_argument("--chunk-tokens", type=positive_int, default=512, help="tokens per stored chunk")
+    p.add_argument("--query-tokens", type=positive_int, default=32,
+                   help="tokens of the query, computed after the chunks")
     p.add_argument("--ratio", type=unit_ratio, default=0.15, help="r* for the fuse rows")
     p.add_argument("--tiers", type=choice_list(TIERS), default=["cpu", "disk"], help="comma-separated: cpu, disk, gpu")
     p.add_argument("--sweep", type=ratio_list, default=list(RATIOS),
                    help="ratios for the TTFT-vs-ratio curve (CPU tier)")
     p.add_argument("--repeats", type=positive_int, default=None,
                    help="passes per mode and tier, the median reported (default 5 on CUDA, 3 on CPU)")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="output folder (default bench-results/fusion-DEVICE)")
     p.set_defaults(func=run)
 
 

@@ -44,7 +44,8 @@ MODES = ("none", "shared", "relay")
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("relay", help="relay attention vs per-request reads of a shared system prompt")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="device to time on (cpu: a smoke run on tiny shapes, torch references for the op)")
     p.add_argument("--out", default=None, help="output folder (default bench-results/relay-DEVICE)")
     p.add_argument("--shapes", type=choice_list(SHAPES), default=None,
                    help="comma-separated shapes (cuda default: llama-2-7b,mistral-7b; cpu: tiny-llama)")
@@ -54,15 +55,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--e2e-systems", type=int_list, default=[1024, 2048], help="end to end: system lengths")
     p.add_argument("--e2e-shapes", type=choice_list(SHAPES), default=None,
                    help="end to end: comma-separated shapes (default: --shapes)")
-    p.add_argument("--requests", type=positive_int, default=64)
-    p.add_argument("--concurrency", type=positive_int, default=64)
+    p.add_argument("--requests", type=positive_int, default=64, help="end to end: requests per round")
+    p.add_argument("--concurrency", type=positive_int, default=64, help="end to end: most sequences run at once")
     p.add_argument("--repeats", type=positive_int, default=3,
                    help="end to end: rounds of the modes, interleaved; rows give the median round")
-    p.add_argument("--max-prompt", type=positive_int, default=512)
-    p.add_argument("--max-output", type=positive_int, default=128)
-    p.add_argument("--data", default=SHAREGPT)
-    p.add_argument("--skip-e2e", action="store_true")
-    p.add_argument("--skip-op", action="store_true")
+    p.add_argument("--max-prompt", type=positive_int, default=512,
+                   help="end to end: cap on a request's own prompt tokens (after the system prompt)")
+    p.add_argument("--max-output", type=positive_int, default=128, help="end to end: cap on a request's output tokens")
+    p.add_argument("--data", default=SHAREGPT,
+                   help="end to end: ShareGPT JSONL giving request and answer lengths (default: the bundled dev set)")
+    p.add_argument("--skip-e2e", action="store_true", help="skip the end-to-end part (time the attention op only)")
+    p.add_argument("--skip-op", action="store_true", help="skip the attention-op part (run end to end only)")
     p.set_defaults(func=run)
 
 

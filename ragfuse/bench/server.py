@@ -33,13 +33,14 @@ TOPICS = ["rivers", "volcanoes", "bread", "bicycles", "owls", "glass", "tides", 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("server", help="load test of `ragfuse serve`: N streaming clients for T seconds")
-    p.add_argument("--clients", type=positive_int, default=32)
-    p.add_argument("--seconds", type=positive_float, default=60.0)
+    p.add_argument("--clients", type=positive_int, default=32, help="concurrent clients streaming chat completions")
+    p.add_argument("--seconds", type=positive_float, default=60.0, help="length of the load in seconds")
     p.add_argument("--max-tokens", type=positive_int, default=32, help="tokens per answer")
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model the server loads")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
+                   help="where the server runs the model (auto: CUDA when available, else CPU)")
     p.add_argument("--store", help="store to serve (default: an empty one in a temporary directory)")
-    p.add_argument("--out", default="bench-results/server")
+    p.add_argument("--out", default="bench-results/server", help="output folder (default bench-results/server)")
     p.set_defaults(func=run)
 
 

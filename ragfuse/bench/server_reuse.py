@@ -43,16 +43,18 @@ MUSIQUE = shared_data("musique_dev.json")
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("server-reuse", help="ragfuse serve: TTFT of session turns vs stateless, relay on vs off")
-    p.add_argument("--conversations", type=int, default=3)
+    p.add_argument("--conversations", type=int, default=3, help="sessions: ShareGPT conversations replayed")
     p.add_argument("--turns", type=int, default=4, help="turns replayed per conversation")
     p.add_argument("--message-chars", type=int, default=600, help="each user message cut to this many characters")
     p.add_argument("--questions", type=int, default=6, help="questions behind the system message (relay)")
     p.add_argument("--system-chars", type=int, default=4000, help="length of the system message (relay)")
     p.add_argument("--max-tokens", type=int, default=24, help="tokens per answer")
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model the server loads")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
+                   help="where the server runs the model (auto: CUDA when available, else CPU)")
     p.add_argument("--prefix-tree", action="store_true", help="keep the engine's prefix tree on (see above)")
-    p.add_argument("--out", default="bench-results/server-reuse")
+    p.add_argument("--out", default="bench-results/server-reuse",
+                   help="output folder (default bench-results/server-reuse)")
     p.set_defaults(func=run)
 
 

@@ -72,14 +72,17 @@ def replay_settings(text: str) -> list[tuple[str, float, float]]:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sessions", help="multi-turn session reuse: TTFT vs recompute, placement replay, truncation")
     p.add_argument("--parts", type=choice_list(PARTS), default=list(PARTS), help="comma-separated: " + ", ".join(PARTS))
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="device of the ttft and truncation parts (cpu: a small shape and short histories)")
     p.add_argument("--shape", default=None, choices=SHAPES,
                    help="random-weight shape for ttft (cuda default mistral-7b; cpu tiny-llama)")
     p.add_argument("--history", type=int_list, default=None, help="history lengths (cuda: 1K,4K,16K,28K)")
-    p.add_argument("--new-tokens", type=positive_int, default=256)
+    p.add_argument("--new-tokens", type=positive_int, default=256, help="ttft: new tokens of the timed turn")
     p.add_argument("--tiers", type=choice_list(TIERS), default=list(TIERS), help="comma-separated: " + ", ".join(TIERS))
-    p.add_argument("--repeats", type=positive_int, default=3)
-    p.add_argument("--data", default=SHAREGPT)
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="ttft: timed turns per history length and tier, the median reported")
+    p.add_argument("--data", default=SHAREGPT,
+                   help="replay and truncation: ShareGPT JSONL conversations (default: the bundled dev set)")
     p.add_argument("--conversations", type=positive_int, default=600, help="replay: conversations replayed")
     p.add_argument("--replay-shape", default="mistral-7b", choices=SHAPES, help="replay: model shape for KV sizes")
     p.add_argument("--settings", type=replay_settings,
@@ -94,7 +97,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="truncation: real weights")
     p.add_argument("--window", type=positive_int, default=1024, help="truncation: context window")
     p.add_argument("--samples", type=positive_int, default=8, help="truncation: texts scored")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="output folder (default bench-results/sessions-DEVICE)")
     p.set_defaults(func=run)
 
 

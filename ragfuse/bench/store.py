@@ -41,14 +41,15 @@ RAW_BLOCK = 128 << 10
 
 def register(bsub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("store", help="KV read bandwidth from each tier vs the raw bandwidth of that path")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--chunks", type=int, default=6)
-    p.add_argument("--tokens", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="device memory the KV is read into (cuda: the GPU; cpu: host memory)")
+    p.add_argument("--chunks", type=int, default=6, help="chunks of KV read per pass")
+    p.add_argument("--tokens", type=int, default=512, help="tokens per chunk (Mistral-7B shape: 128 KiB of KV a token)")
+    p.add_argument("--repeats", type=int, default=5, help="timed passes of each read, the median reported")
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis server for the remote tier "
                    "(skipped, and said so in the results, when it is not reachable)")
     p.add_argument("--dir", help="directory for the disk tier (default: a temporary one under --out)")
-    p.add_argument("--out", default="bench-results/store")
+    p.add_argument("--out", default="bench-results/store", help="output folder (default bench-results/store)")
     p.set_defaults(func=run)
 
 

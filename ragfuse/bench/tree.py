@@ -27,20 +27,23 @@ from .shapes import SHAPES, shape_config
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tree", help="two-phase attention over a shared prefix vs paged decode; tree on/off e2e")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="device to time on (cpu: a smoke run, torch references for the op)")
     p.add_argument("--out", default=None, help="output folder (default bench-results/tree-DEVICE)")
     p.add_argument("--shape", action="append", default=None, choices=SHAPES,
                    help="head layouts (default llama-2-7b, mistral-7b)")
     p.add_argument("--shared", type=int_list, default=None, help="shared prefix tokens (cuda: 1K,2K,4K,8K)")
     p.add_argument("--batches", type=int_list, default=None, help="sequences (cuda: 8,16,32,64)")
     p.add_argument("--private", type=positive_int, default=None, help="own tokens per sequence (cuda: 128)")
-    p.add_argument("--page", type=positive_int, default=16)
+    p.add_argument("--page", type=positive_int, default=16, help="op: tokens per KV cache block")
     p.add_argument("--e2e", action="store_true", help="also time the engine with the tree on and off")
     p.add_argument("--e2e-shape", default=None, choices=SHAPES, help="engine shape (cuda: mistral-7b, cpu: tiny-llama)")
-    p.add_argument("--e2e-requests", type=positive_int, default=None)
-    p.add_argument("--e2e-prefix", type=positive_int, default=None)
+    p.add_argument("--e2e-requests", type=positive_int, default=None,
+                   help="requests sharing the prefix (cuda: 32; cpu: 4)")
+    p.add_argument("--e2e-prefix", type=positive_int, default=None,
+                   help="tokens of the shared prompt prefix (cuda: 4096; cpu: 96)")
     p.add_argument("--e2e-tokens", type=positive_int, default=None, help="output tokens per request")
-    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--repeats", type=positive_int, default=3, help="op: timed runs per kernel, the median reported")
     p.set_defaults(func=run)
 
 

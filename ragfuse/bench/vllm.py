@@ -41,13 +41,13 @@ SESSION_USER = (
 
 def register(bsub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("vllm", help="TTFT of vLLM alone vs vLLM with ragfuse's KV connector (session, RAG)")
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model both vLLM engines load")
     p.add_argument("--data", default=str(DATA), help="MuSiQue-style JSON: ctxs[].text, question, answers")
     p.add_argument("--cases", type=positive_int, default=6, help="RAG questions (and session documents)")
     p.add_argument("--passages", type=positive_int, default=3, help="passages (chunks) per RAG prompt")
     p.add_argument("--max-tokens", type=positive_int, default=16, help="greedy answer length for the quality columns")
     p.add_argument("--store", help="KV store directory for the connector (default: a fresh temporary one)")
-    p.add_argument("--out", default="bench-results/vllm")
+    p.add_argument("--out", default="bench-results/vllm", help="output folder (default bench-results/vllm)")
     p.set_defaults(func=run)
 
 

@@ -17,11 +17,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("question")
     add_store_arg(p)
     add_model_args(p)
-    p.add_argument("--mode", default="fuse", choices=["fuse", "full", "prefix", "reuse"])
+    p.add_argument("--mode", default="fuse", choices=["fuse", "full", "prefix", "reuse"],
+                   help="fuse: stored chunk KV with selective recompute; reuse: stored KV as is; prefix: only "
+                        "the instruction prefix's KV reused (prefix caching); full: full prefill")
     p.add_argument("--recompute-ratio", type=unit_ratio, default=None,
                    help="share of stored tokens to recompute (default: the loading controller's choice)")
-    p.add_argument("--top-k", type=positive_int, default=5)
-    p.add_argument("--max-tokens", type=positive_int, default=64)
+    p.add_argument("--top-k", type=positive_int, default=5, help="chunks retrieved into the prompt")
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="most tokens in the answer")
     p.add_argument("--redis", metavar="URL", help="also read KV from this Redis tier")
     p.add_argument("--compare", action="store_true",
                    help="also answer with full prefill and print both TTFTs (with --json: under 'compare')")

@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_store_arg(p)
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--port", type=int, default=7860, help="port to listen on (1-65535)")
     p.add_argument("--docs", default=str(DEMO_DOCS) if DEMO_DOCS else None,
                    help="directory of documents offered for picking (default: ragfuse's demo documents)")
     p.add_argument("--no-gate", action="store_true",

@@ -23,7 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(the paper's one-check-layer V-deviation selection), full-bf16kv (full prefill's KV "
                         "rounded to bfloat16 and reused: the measures' noise floor), and LangChain's chains mapreduce, "
                         "maprerank (each passage alone, then combined / best-scored answer)")
-    q.add_argument("--recompute-ratio", type=unit_ratio, default=0.15)
+    q.add_argument("--recompute-ratio", type=unit_ratio, default=0.15,
+                   help="share of stored tokens the fuse modes recompute, 0 to 1 (default 0.15)")
     q.add_argument("--sweep", action="store_true", help="also sweep ratios 0-100%% for fuse and fuse-paper")
     q.add_argument("--sweep-modes", default=None,
                    help="selections swept (comma-separated; default fuse,fuse-paper; needs --sweep)")
@@ -37,17 +38,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_policy_args(q)
     q.add_argument("--out", default=None,
                    help="write results.json and results.md here (with --sweep also results.png, the sweep's plot)")
-    q.add_argument("--json", action="store_true")
+    q.add_argument("--json", action="store_true",
+                   help="print the report as one JSON object instead of tables (modes, settings, cases; "
+                        "sweep with --sweep)")
     q.set_defaults(func=run_qa)
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:
     """Knobs of ragfuse's own selection (``fuse``). Unset ones keep the shipped policy's values,
     filled in by ``policy_from_args``: reading them here would load the engine (torch) just to parse."""
-    p.add_argument("--metric", choices=["k", "v", "kv"])
+    p.add_argument("--metric", choices=["k", "v", "kv"],
+                   help="which deviation ranks tokens for recompute: K, V or both (default: the policy's)")
     p.add_argument("--check-layers", help="comma-separated layer indices")
-    p.add_argument("--first-factor", type=float)
-    p.add_argument("--sink-tokens", type=int)
+    p.add_argument("--first-factor", type=float,
+                   help="the first check layer keeps this times the ratio, narrowing to the ratio at the last "
+                        "(at least 1; default: the policy's)")
+    p.add_argument("--sink-tokens", type=int,
+                   help="first tokens of every stored segment always recomputed (default: the policy's)")
     p.add_argument("--attention-weight", type=float,
                    help="rank by deviation * (the question's attention to the token) ** this (0: deviation alone)")
     p.add_argument("--revert-dropped", action=argparse.BooleanOptionalAction,

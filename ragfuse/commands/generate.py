@@ -20,11 +20,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     p.add_argument("--system", help="system prompt (its KV computed once, served by relay attention)")
     p.add_argument("--no-relay", action="store_true", help="run the system prompt as part of the prompt instead")
-    p.add_argument("--max-tokens", type=positive_int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--max-tokens", type=positive_int, default=256, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 to 100 (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: keep the likeliest tokens up to this probability mass (1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens only (0: off)")
+    p.add_argument("--seed", type=int, help="sampling seed, 0 to 2**64 - 1, for repeatable samples")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="no chat template: PROMPT is the whole prompt")
     p.add_argument("--session", metavar="ID", help="continue conversation ID (its KV is kept between calls)")
@@ -57,7 +58,8 @@ def unit_ratio(value: str) -> float:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="alias, local path (HF dir or .gguf) or hub id")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the model runs (auto: CUDA when available, else CPU)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: fp32 on CPU, bf16 on CUDA)")
 
 

@@ -38,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tokens of the stored chunks in the fused passes timed (in --entry-tokens chunks), and "
                         "of the controller's decision shown")
     p.add_argument("--r-star", type=r_star, default=0.15, help="least recompute ratio that keeps quality")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object: {profile, path, decision}")
     p.set_defaults(func=run)
 
 
@@ -115,11 +115,11 @@ def run(args: argparse.Namespace) -> int:
         raise RagfuseError("--lengths needs positive token counts")
     # the profile's folder is made and checked before the model loads and the measurement runs: a
     # store path that is a file, or a profiles/ that is one, would otherwise fail only at the save
+    check_redis(args.redis)  # before the model loads and the prefill is measured
     root, config = ingested_store(args.store)  # a profile is read only from a store's folder, for its model
     if args.model not in (DEFAULT_MODEL, config.model):
         raise StoreError(f"the store at {root} was ingested with model {config.model!r}, not {args.model!r}")
     prepare_out_dir(root / "profiles", "--store")
-    check_redis(args.redis)  # before the model loads and the prefill is measured
     engine = LLMEngine(EngineConfig(model=config.model, device=args.device, dtype=args.dtype))
     if lengths[-1] > engine.max_model_len:
         raise RagfuseError(f"--lengths goes past the model's context of {engine.max_model_len}")

@@ -13,7 +13,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("search", help="retrieve the chunks nearest to QUERY")
     p.add_argument("query")
     add_store_arg(p)
-    p.add_argument("--top-k", type=positive_int, default=5)
+    p.add_argument("--top-k", type=positive_int, default=5, help="chunks to return, nearest first")
     p.add_argument("--json", action="store_true", help="one JSON object: {query, sources: [{id, text, source, score}]}")
     p.set_defaults(func=run)
 

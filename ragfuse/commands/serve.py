@@ -22,8 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     p.add_argument("--backend", choices=["ragfuse", "vllm"], default="ragfuse",
                    help="ragfuse's own engine, or vLLM with ragfuse's KV connector (needs vllm installed)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: loopback only; elsewhere set --api-key)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (1-65535)")
     p.add_argument("--api-key", default=os.environ.get("RAGFUSE_API_KEY"),
                    help="key every route but /health needs (default: $RAGFUSE_API_KEY; none: open)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
@@ -41,7 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="no automatic sharing of common prompt prefixes' KV blocks (for comparisons)")
     p.add_argument("--no-gate", action="store_true",
                    help="skip the accuracy gate's r* calibration (recompute ratio: the policy's default)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="the HTTP server's (uvicorn's) log level")
     p.set_defaults(func=run)
 
 

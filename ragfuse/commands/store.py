@@ -16,7 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     ssub = p.add_subparsers(dest="store_command", required=True, parser_class=type(p))
     s = ssub.add_parser("stats", help="files, chunks, tokens, index and KV tiers")
     add_store_arg(s)
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true",
+                   help="one JSON object: {store, files, chunks, tokens, index, index_vectors, config, kv}")
     s.set_defaults(func=stats)
     r = ssub.add_parser("rm", help="remove files (or everything under a directory) and their unused KV")
     r.add_argument("paths", nargs="*", metavar="PATH")
