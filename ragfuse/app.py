@@ -48,7 +48,7 @@ def open_pipeline(
         from ragfuse.gate import calibrated_r_star
 
         r_star = calibrated_r_star(engine, kv_context=config.chunk_kv_context)
-    controller = None
+    controller = unusable = None
     prof_file = profile_path(root / "profiles", engine.fingerprint, str(engine.device), dtype_name(engine.dtype))
     if prof_file.exists():
         # the controller's floor is the gate's r*: with its own default (15%) it raised every ratio the
@@ -56,13 +56,14 @@ def open_pipeline(
         try:
             profile = DelayProfile.load(prof_file)
         except KVStoreError as exc:  # damaged, or made by an older ragfuse: answers need no profile
-            log.warning("%s; recompute ratio r* without the controller", exc)
+            unusable = f"{exc}; recompute ratio r* without the loading controller"
+            log.warning(unusable)
         else:
             controller = LoadingController(profile) if r_star is None else LoadingController(profile, r_star=r_star)
     else:
         log.info("no delay profile at %s (run `ragfuse profile`): recompute ratio r* without the controller",
                  prof_file)
-    return RagPipeline(engine, rag, r_star=r_star, controller=controller)
+    return RagPipeline(engine, rag, r_star=r_star, controller=controller, controller_note=unusable)
 
 
 _SHARED: dict[tuple, object] = {}

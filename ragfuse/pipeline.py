@@ -127,9 +127,12 @@ class RagPipeline:
         r_star: float | None = None,
         controller: Any = None,
         relay: bool = True,
+        controller_note: str | None = None,
     ) -> None:
         """``relay``: serve the instruction prefix as a relay system prompt where the mode allows
-        it (see the module's docstring); a call may say otherwise."""
+        it (see the module's docstring); a call may say otherwise. ``controller_note``: why there is
+        no controller though one was meant to be (a delay profile that could not be read), said in
+        the notes of every answer whose ratio it would have chosen."""
         if engine.tokenizer is None:
             raise RagfuseError("the RAG pipeline needs a model with a tokenizer")
         self.engine = engine
@@ -139,6 +142,7 @@ class RagPipeline:
         self.policy = policy or SelectionPolicy.default()
         self.r_star = r_star if r_star is not None else self.policy.ratio
         self.controller = controller
+        self.controller_note = controller_note
         self.builder = RagPromptBuilder(engine.tokenizer)
         # chunks' KV keyed and (on a miss) computed as the store's ingest did: after the instruction or alone
         self.chunk_kv = (ChunkKV.for_context(engine, store.config.chunk_kv_context, self.builder)
@@ -272,6 +276,8 @@ class RagPipeline:
         segments.append(Segment(self.builder.tail(question), None, "question"))
         sources = [s.kv for s in segments if s.kv is not None]
         chosen, decision = self._ratio(mode, ratio, sources)
+        if self.controller_note and mode == FusionMode.FUSE.value and ratio is None:
+            notes.append(self.controller_note)
         return Prepared(segments, sources, hits, chosen, decision, notes)  # type: ignore[arg-type]
 
     def _key(self, token_ids: list[int]) -> str:

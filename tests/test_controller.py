@@ -71,7 +71,7 @@ def test_the_curve_follows_the_stored_length_between_measured_ones():
 @pytest.mark.parametrize("curve", [[], [(0.0, 0.1)], [(0.1, 0.2), (1.0, 1.0)], [(0.0, 0.1), (0.9, 0.8)],
                                    [(0.0, 0.1), (0.6, 0.7), (0.5, 0.6), (1.0, 1.0)], [(0.0, 0.0), (1.0, 1.0)]])
 def test_a_curve_that_does_not_span_0_to_1_in_order_is_refused(curve):
-    with pytest.raises(KVStoreError, match="recompute curve"):
+    with pytest.raises(KVStoreError, match="recompute (curve|point)"):
         profile(curve, cpu=10)
 
 
@@ -146,4 +146,20 @@ def test_a_profile_without_a_recompute_curve_is_refused_with_what_to_do(tmp_path
         DelayProfile.load(path)
     path.write_text(json.dumps({**d, "recompute_points": [[2000, 0.0, 0.2]]}))
     with pytest.raises(KVStoreError, match="recompute curve needs increasing ratios"):
+        DelayProfile.load(path)
+
+
+@pytest.mark.parametrize("edit", [
+    {"prefill_points": [[1000, 0.1], [2000, "fast"]]}, {"prefill_points": [[1000]]}, {"prefill_points": []},
+    {"prefill_points": [[1000, -0.1]]}, {"kv_bytes_per_token": "46080"}, {"kv_bytes_per_token": None},
+    {"bandwidth": {"cpu": "2e9"}}, {"bandwidth": {"cpu": 0}}, {"bandwidth": {"cpu": -2e9}}, {"bandwidth": [1, 2]},
+    {"recompute_points": [[2000, 0.0, 0.1], [2000, 1.0, float("inf")]]}, {"schema": 2}, {"model": ["m"]},
+])
+def test_a_damaged_profile_is_refused_where_it_is_read(tmp_path, edit):
+    """Each of these crashed a request later (a TypeError, a ZeroDivisionError) or steered it with a
+    negative time: loading refuses them all with one message saying what to do."""
+    path = tmp_path / "p.json"
+    d = json.loads(profile(cpu=20).save(path).read_text())
+    path.write_text(json.dumps({**d, **edit}))
+    with pytest.raises(KVStoreError, match=r"is unusable \(.+\): run `ragfuse profile` again"):
         DelayProfile.load(path)

@@ -32,17 +32,29 @@ def test_profiled_store_never_raises_the_ratio_above_the_gates_r_star(engine, tm
     gate_file.parent.mkdir(parents=True)
     gate_file.write_text(json.dumps({"r_star": 0.05}))  # as a calibration of this model would leave it
     dtype = dtype_name(engine.dtype)
-    DelayProfile(model=engine.fingerprint, device=str(engine.device), dtype=dtype,
-                 kv_bytes_per_token=engine.model_config.kv_bytes_per_token(engine.dtype),
-                 prefill_points=[(512, 1.0), (4096, 8.0)], recompute_points=[(512, 0.0, 0.1), (512, 1.0, 1.0)],
-                 bandwidth={"cpu": 1e12, "disk": 1e12},
-                 ).save(profile_path(store / "profiles", engine.fingerprint, str(engine.device), dtype))
+    prof_file = DelayProfile(
+        model=engine.fingerprint, device=str(engine.device), dtype=dtype,
+        kv_bytes_per_token=engine.model_config.kv_bytes_per_token(engine.dtype),
+        prefill_points=[(512, 1.0), (4096, 8.0)], recompute_points=[(512, 0.0, 0.1), (512, 1.0, 1.0)],
+        bandwidth={"cpu": 1e12, "disk": 1e12},
+    ).save(profile_path(store / "profiles", engine.fingerprint, str(engine.device), dtype))
 
     pipeline = open_pipeline(str(store), engine=engine)
     result = pipeline.ask(QUESTION, mode="fuse", top_k=2, params=SamplingParams(max_tokens=4))
     assert result.decision is not None  # the controller chose
     assert result.decision["r_star"] == 0.05
     assert 0.04 < result.recompute_ratio < 0.07, result.recompute_ratio
+
+    # README: a damaged profile "is set aside with a warning; answers go on at r*" (a string where a
+    # rate belongs crashed every fused answer with a TypeError); the answer's notes say so too
+    prof = json.loads(prof_file.read_text())
+    prof_file.write_text(json.dumps({**prof, "bandwidth": {"cpu": "1e12", "disk": 1e12}}))
+    pipeline = open_pipeline(str(store), engine=engine)
+    result = pipeline.ask(QUESTION, mode="fuse", top_k=2, params=SamplingParams(max_tokens=4))
+    assert result.decision is None and 0.04 < result.recompute_ratio < 0.07
+    assert any("is unusable" in n and "without the loading controller" in n for n in result.notes), result.notes
+    chosen = pipeline.ask(QUESTION, mode="fuse", ratio=0.5, top_k=2, params=SamplingParams(max_tokens=4))
+    assert not any("unusable" in n for n in chosen.notes)  # a ratio the caller chose needs no controller
 
 
 def test_generate_takes_the_sessions_dir_spelling_serve_uses(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -39,18 +40,34 @@ class DelayProfile:
     measured_at: str = ""
 
     def __post_init__(self) -> None:
-        """Each length's curve must span ratios 0 to 1 in order, the same ratios at every length (the
-        controller interpolates between lengths and inverts the curve), so a hand-edited or truncated
-        profile fails here, where it is read, and not as a nonsense ratio later."""
+        """Every field of its kind, every time and rate finite and positive, and each length's curve
+        spanning ratios 0 to 1 in order, the same ratios at every length (the controller interpolates
+        between lengths and inverts the curve): a hand-edited or damaged profile fails here, where it
+        is read, and not as a traceback or a nonsense ratio inside a request."""
+        for name in ("model", "device", "dtype", "measured_at"):
+            if not isinstance(getattr(self, name), str):
+                raise KVStoreError(f"{name} must be a string, not {getattr(self, name)!r}")
+        if not _count(self.kv_bytes_per_token):
+            raise KVStoreError(f"kv_bytes_per_token must be a positive whole number, not {self.kv_bytes_per_token!r}")
+        if not self.prefill_points:
+            raise KVStoreError("the delay profile holds no prefill measurement")
+        for point in self.prefill_points:
+            if len(point) != 2 or not _count(point[0]) or not _positive(point[1]):
+                raise KVStoreError(f"a prefill point must be (tokens, seconds), both positive, not {list(point)}")
+        if not isinstance(self.bandwidth, dict) or not all(
+                isinstance(k, str) and _positive(v) for k, v in self.bandwidth.items()):
+            raise KVStoreError(f"bandwidth must map tier names to positive bytes/s, not {self.bandwidth!r}")
+        for point in self.recompute_points:
+            if len(point) != 3 or not _count(point[0]) or not _number(point[1]) or not _positive(point[2]):
+                raise KVStoreError("a recompute point must be (stored tokens, ratio, positive time share), not "
+                                   f"{list(point)}")
         lengths = self._lengths()
         per_length = [[r for n, r, _ in self.recompute_points if n == length] for length in lengths]
         ratios = per_length[0] if per_length else []
         if not ratios or ratios[0] != 0.0 or ratios[-1] != 1.0 or ratios != sorted(set(ratios)):
             raise KVStoreError(f"the recompute curve needs increasing ratios from 0 to 1, got {ratios}")
-        if any(rs != ratios for rs in per_length) or lengths[0] < 1:
-            raise KVStoreError("the recompute curve needs the same ratios at every length, each length positive")
-        if any(not f > 0 for _, _, f in self.recompute_points):
-            raise KVStoreError("the recompute curve's time fractions must be positive")
+        if any(rs != ratios for rs in per_length):
+            raise KVStoreError("the recompute curve needs the same ratios at every length")
 
     def _lengths(self) -> list[int]:
         return sorted({n for n, _, _ in self.recompute_points})
@@ -59,8 +76,6 @@ class DelayProfile:
         """Full-prefill time of ``num_tokens``: piecewise linear through (0, 0) and the measured
         points, extended past the last point with the last segment's per-token slope (attention
         makes the curve slightly convex, so measure near the lengths you serve)."""
-        if not self.prefill_points:
-            raise KVStoreError("the delay profile holds no prefill measurement")
         pts = [(0, 0.0), *sorted(self.prefill_points)]
         return _interpolate([float(n) for n, _ in pts], [s for _, s in pts], float(num_tokens))
 
@@ -117,9 +132,27 @@ class DelayProfile:
             d["prefill_points"] = [tuple(p) for p in d["prefill_points"]]
             d["recompute_points"] = [tuple(p) for p in d["recompute_points"]]
             return cls(**d)
-        except (OSError, ValueError, TypeError, KeyError, KVStoreError) as exc:
-            why = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
-            raise KVStoreError(f"cannot read delay profile {path} ({why}): run `ragfuse profile` again") from exc
+        except KVStoreError as exc:
+            why = str(exc)
+        except KeyError as exc:
+            why = f"no {exc}"
+        except (OSError, ValueError) as exc:
+            why = f"not a profile's JSON: {exc}"
+        except TypeError:  # a list where an object belongs, a number where a list does, an unknown field
+            why = "its fields are not a delay profile's"
+        raise KVStoreError(f"delay profile {path} is unusable ({why}): run `ragfuse profile` again")
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _positive(x: object) -> bool:
+    return _number(x) and x > 0  # type: ignore[operator]
+
+
+def _count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
 
 
 def _interpolate(xs: list[float], ys: list[float], x: float) -> float:
@@ -143,8 +176,9 @@ def measure_prefill(
     compute_kv: Callable[[list[list[int]]], object], lengths: Sequence[int], vocab_size: int,
     device: torch.device, repeats: int = 2, progress: Callable[[], object] | None = None,
 ) -> list[tuple[int, float]]:
-    """Median wall time of a full prefill (KV capture) of random tokens at each length; ``progress``
-    is called once a length (seconds each on CPU)."""
+    """Wall time of a full prefill (KV capture) of random tokens at each length, the fastest of
+    ``repeats`` (other work on a shared machine only adds time); ``progress`` is called once a length
+    (seconds each on CPU)."""
     gen = torch.Generator().manual_seed(0)
     compute_kv([torch.randint(0, vocab_size, (min(lengths),), generator=gen).tolist()])  # warm-up
     points = []
@@ -157,7 +191,7 @@ def measure_prefill(
             compute_kv([toks])
             _sync(device)
             times.append(time.perf_counter() - t0)
-        points.append((n, statistics.median(times)))
+        points.append((n, min(times)))
         if progress is not None:
             progress()
     return points

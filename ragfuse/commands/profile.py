@@ -22,29 +22,46 @@ from ragfuse.commands.ingest import add_store_arg
 # ratios the recompute curve is measured at (the controller interpolates between them); 1 ends it
 RECOMPUTE_RATIOS = (0.0, 0.05, 0.15, 0.3, 0.5, 1.0)
 QUERY_TOKENS = 32  # the fused passes' computed query, as in `ragfuse bench fusion`
+# the fused passes' first segment: a stored prompt start, as `ask`'s instruction prefix is. A prompt's
+# first segment is an exact prefix, never recomputed, so without it the first chunk would not be either
+# and 100% would time a pass recomputing only the chunks after it
+PREFIX_TOKENS = 32
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("profile", help="measure prefill time, fused-pass time and KV tier bandwidth for the "
-                                       "loading controller")
+    p = sub.add_parser(
+        "profile", help="measure prefill time, fused-pass time and KV tier bandwidth for the loading controller",
+        description="Measure, for the store's model on this device and dtype, full prefill times, fused passes "
+                    "at recompute ratios 0-100% and each KV tier's read bandwidth, and cache them as the "
+                    "store's delay profile (replacing the one before), which the loading controller of "
+                    "`ragfuse ask` and `ragfuse serve` decides from. Needs an ingested store; about 90 s at "
+                    "the defaults on a 2-core CPU.")
     add_model_args(p)
     add_store_arg(p)
-    p.add_argument("--lengths", default="256,512,1024,2048", help="context lengths to time a full prefill at")
+    p.add_argument("--lengths", default="256,512,1024,2048",
+                   help="comma-separated prompt lengths to time a full prefill at (default 256,512,1024,2048)")
     p.add_argument("--entry-tokens", type=positive_int, default=512,
-                   help="tokens per synthetic KV entry read from tiers")
-    p.add_argument("--entries", type=positive_int, default=6, help="entries read per bandwidth measurement")
+                   help="tokens per chunk of the fused passes and per synthetic KV entry read from tiers "
+                        "(default 512)")
+    p.add_argument("--entries", type=positive_int, default=6,
+                   help="entries read per bandwidth measurement (default 6)")
     p.add_argument("--redis", metavar="URL", help="also profile this Redis server")
     p.add_argument("--context", type=positive_int, default=3072,
-                   help="tokens of the stored chunks in the fused passes timed (in --entry-tokens chunks), and "
-                        "of the controller's decision shown")
-    p.add_argument("--r-star", type=r_star, default=0.15, help="least recompute ratio that keeps quality")
+                   help="stored tokens of the fused passes timed (also a quarter of it) and of the controller's "
+                        "decision shown (default 3072)")
+    p.add_argument("--r-star", type=r_star, default=0.15,
+                   help="least recompute ratio, in (0, 1], for the decision shown here only (default 0.15; "
+                        "ask's controller never goes below the gate's r*)")
     p.add_argument("--json", action="store_true", help="one JSON object: {profile, path, decision}")
     p.set_defaults(func=run)
 
 
 def r_star(value: str) -> float:
     """``--r-star``: a recompute ratio in (0, 1], refused while parsing rather than after the measurement."""
-    r = float(value)
+    try:
+        r = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {value!r}") from None
     if not 0.0 < r <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
     return r
@@ -52,8 +69,9 @@ def r_star(value: str) -> float:
 
 def measure_recompute_curve(engine, context: int, chunk_tokens: int) -> list[tuple[int, float, float]]:
     """The controller's recompute curve at a quarter of ``context`` stored tokens and at ``context``
-    (a fused pass's fixed costs weigh more in a short prompt): fused passes over random chunks of
-    ``chunk_tokens`` (their KV resident on the compute device, so only compute is timed) and a query."""
+    (a fused pass's fixed costs weigh more in a short prompt): fused passes over a stored prompt start,
+    random chunks of ``chunk_tokens`` (their KV resident on the compute device, so only compute is
+    timed) and a query."""
     from ragfuse.bench.stored_prompt import StoredPrompt, random_prompt
     from ragfuse.engine.kvstore import MemoryTier
 
@@ -63,8 +81,9 @@ def measure_recompute_curve(engine, context: int, chunk_tokens: int) -> list[tup
         for length in lengths:
             whole, rest = divmod(length, chunk_tokens)
             sizes = [chunk_tokens] * whole + ([rest] if rest else [])
-            chunks, query = random_prompt(engine.model_config.vocab_size, len(sizes), chunk_tokens, QUERY_TOKENS)
-            prompt = StoredPrompt(engine, [c[:n] for c, n in zip(chunks, sizes, strict=True)], query)
+            chunks, query = random_prompt(engine.model_config.vocab_size, len(sizes) + 1, chunk_tokens, QUERY_TOKENS)
+            start = chunks[0][:PREFIX_TOKENS]
+            prompt = StoredPrompt(engine, [start, *(c[:n] for c, n in zip(chunks[1:], sizes, strict=True))], query)
             tier = MemoryTier("gpu" if engine.device.type == "cuda" else "cpu", engine.device, prompt.kv_bytes * 2)
             prompt.keep_in(tier)
             curve = prompt.recompute_curve(tier.name, list(RECOMPUTE_RATIOS), repeats=2, progress=bar)
@@ -110,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         lengths = sorted({int(x) for x in args.lengths.split(",") if x.strip()})
     except ValueError as exc:
-        raise RagfuseError(f"--lengths must be comma-separated integers: {exc}") from exc
+        raise RagfuseError(f"--lengths must be comma-separated whole numbers, got {args.lengths!r}") from exc
     if not lengths or lengths[0] < 1:
         raise RagfuseError("--lengths needs positive token counts")
     # the profile's folder is made and checked before the model loads and the measurement runs: a
@@ -123,9 +142,12 @@ def run(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineConfig(model=config.model, device=args.device, dtype=args.dtype))
     if lengths[-1] > engine.max_model_len:
         raise RagfuseError(f"--lengths goes past the model's context of {engine.max_model_len}")
-    if args.context + QUERY_TOKENS > engine.max_model_len:  # a decision for prompts the model cannot take
+    if PREFIX_TOKENS + args.context + QUERY_TOKENS > engine.max_model_len:  # passes the model cannot take
         raise RagfuseError(f"--context {args.context} goes past the model's context of {engine.max_model_len} "
-                           f"(with a {QUERY_TOKENS}-token query)")
+                           f"(with a {PREFIX_TOKENS}-token prompt start and a {QUERY_TOKENS}-token query)")
+    if args.entry_tokens > engine.max_model_len:  # an entry no prompt of this model could hold
+        raise RagfuseError(f"--entry-tokens {args.entry_tokens} goes past the model's context of "
+                           f"{engine.max_model_len}")
     mc = engine.model_config
     with tqdm(total=len(lengths), desc="full prefills") as bar:
         points = measure_prefill(engine.compute_kv, lengths, mc.vocab_size, engine.device, progress=bar.update)
@@ -151,15 +173,16 @@ def run(args: argparse.Namespace) -> int:
     for n, s in points:
         print(f"prefill {n:6d} tokens: {s * 1e3:9.1f} ms ({s / n * 1e6:.1f} us/token)")
     for length in sorted({n for n, _, _ in curve}):
-        print(f"fused pass over {length:5d} stored tokens, share of a full prefill's time: "
-              + ", ".join(f"{r:.0%} recomputed {f:.2f}" for n, r, f in curve if n == length))
+        print(f"fused pass over {length:5d} stored tokens, time as a share of a full prefill's: "
+              + ", ".join(f"{f:.2f} at {r:.0%}" for n, r, f in curve if n == length))
     # the tier in the compute device's own memory hands its tensors over where they lie: what it times
     # is a lookup, not a read (thousands of GB/s), so it is named for what it is
     resident = "gpu" if engine.device.type == "cuda" else "cpu"
     for name, bw in bandwidth.items():
         print(f"read from {name:6s}: " + ("resident, used in place (no copy)" if name == resident
                                           else f"{bw / 1e9:8.2f} GB/s"))
-    print(f"profile saved to {path}")
+    print(f"profile saved to {path} (read where this store's model, {config.model}, runs on {prof.device} in "
+          f"{prof.dtype})")
     print(f"for {args.context} tokens: store in {decision.tier}, recompute {decision.recompute_ratio:.1%} "
           f"({decision.reason}); TTFT about {decision.ttft_estimate_s * 1e3:.1f} ms")
     return 0
