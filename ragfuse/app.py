@@ -60,6 +60,12 @@ def open_pipeline(
             log.warning(unusable)
         else:
             controller = LoadingController(profile) if r_star is None else LoadingController(profile, r_star=r_star)
+    elif any(prof_file.parent.glob("profile-*.json")):  # profiled, but for another device or dtype
+        unusable = (f"the store's delay profiles were measured for another model build, device or dtype, not "
+                    f"{config.model} on {engine.device} in {dtype_name(engine.dtype)} (run `ragfuse profile "
+                    f"--device {engine.device.type} --dtype {dtype_name(engine.dtype)}`); recompute ratio r* "
+                    "without the loading controller")
+        log.warning(unusable)
     else:
         log.info("no delay profile at %s (run `ragfuse profile`): recompute ratio r* without the controller",
                  prof_file)

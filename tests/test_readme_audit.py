@@ -56,6 +56,15 @@ def test_profiled_store_never_raises_the_ratio_above_the_gates_r_star(engine, tm
     chosen = pipeline.ask(QUESTION, mode="fuse", ratio=0.5, top_k=2, params=SamplingParams(max_tokens=4))
     assert not any("unusable" in n for n in chosen.notes)  # a ratio the caller chose needs no controller
 
+    # a store profiled only for another device or dtype (its profile's name says which) was used
+    # without a word: the answer says why no controller chose
+    prof_file.write_text(json.dumps(prof))
+    prof_file.rename(prof_file.with_name("profile-0000000000000000.json"))
+    pipeline = open_pipeline(str(store), engine=engine)
+    result = pipeline.ask(QUESTION, mode="fuse", top_k=2, params=SamplingParams(max_tokens=4))
+    assert result.decision is None
+    assert any(f"not smollm2-135m-instruct on cpu in {dtype}" in n for n in result.notes), result.notes
+
 
 def test_generate_takes_the_sessions_dir_spelling_serve_uses(tmp_path):
     """`ragfuse serve --sessions-dir` and `ragfuse generate --session-dir` named one thing two ways, and
