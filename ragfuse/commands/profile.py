@@ -67,29 +67,60 @@ def r_star(value: str) -> float:
     return r
 
 
+def profile_prompt(engine, length: int, chunk_tokens: int):
+    """The fused passes' prompt: a stored prompt start, ``length`` random stored tokens in chunks of
+    ``chunk_tokens``, and a computed query (a ``StoredPrompt``, its KV in no tier yet)."""
+    from ragfuse.bench.stored_prompt import StoredPrompt, random_prompt
+
+    whole, rest = divmod(length, chunk_tokens)
+    sizes = [chunk_tokens] * whole + ([rest] if rest else [])
+    chunks, query = random_prompt(engine.model_config.vocab_size, len(sizes) + 1, chunk_tokens, QUERY_TOKENS)
+    return StoredPrompt(engine, [chunks[0][:PREFIX_TOKENS], *(c[:n] for c, n in zip(chunks[1:], sizes, strict=True))],
+                        query)
+
+
 def measure_recompute_curve(engine, context: int, chunk_tokens: int) -> list[tuple[int, float, float]]:
     """The controller's recompute curve at a quarter of ``context`` stored tokens and at ``context``
-    (a fused pass's fixed costs weigh more in a short prompt): fused passes over a stored prompt start,
-    random chunks of ``chunk_tokens`` (their KV resident on the compute device, so only compute is
-    timed) and a query."""
-    from ragfuse.bench.stored_prompt import StoredPrompt, random_prompt
+    (a fused pass's fixed costs weigh more in a short prompt): fused passes over ``profile_prompt``,
+    its KV resident on the compute device, so only compute is timed."""
     from ragfuse.engine.kvstore import MemoryTier
 
     lengths = sorted({max(context // 4, 1), context})
     points: list[tuple[int, float, float]] = []
     with tqdm(total=len(lengths) * (len(RECOMPUTE_RATIOS) + 1), desc="fused passes") as bar:
         for length in lengths:
-            whole, rest = divmod(length, chunk_tokens)
-            sizes = [chunk_tokens] * whole + ([rest] if rest else [])
-            chunks, query = random_prompt(engine.model_config.vocab_size, len(sizes) + 1, chunk_tokens, QUERY_TOKENS)
-            start = chunks[0][:PREFIX_TOKENS]
-            prompt = StoredPrompt(engine, [start, *(c[:n] for c, n in zip(chunks[1:], sizes, strict=True))], query)
+            prompt = profile_prompt(engine, length, chunk_tokens)
             tier = MemoryTier("gpu" if engine.device.type == "cuda" else "cpu", engine.device, prompt.kv_bytes * 2)
             prompt.keep_in(tier)
             curve = prompt.recompute_curve(tier.name, list(RECOMPUTE_RATIOS), repeats=2, progress=bar)
             points += [(length, r, f) for r, f in curve]
             tier.close()
     return points
+
+
+def measure_profile(engine, lengths: list[int], context: int, entry_tokens: int, entries: int, disk_root: Path,
+                    redis_url: str | None = None):
+    """The delay profile of ``engine`` on its device: full prefills at ``lengths``, the recompute curve
+    over ``context`` stored tokens, and each tier's bandwidth (the disk tier under ``disk_root``)."""
+    from ragfuse.engine.kvstore import DelayProfile, measure_prefill, measure_read_bandwidth
+    from ragfuse.engine.kvstore.entry import dtype_name
+    from ragfuse.engine.kvstore.profile import synthetic_entry
+
+    mc = engine.model_config
+    with tqdm(total=len(lengths), desc="full prefills") as bar:
+        points = measure_prefill(engine.compute_kv, lengths, mc.vocab_size, engine.device, progress=bar.update)
+    curve = measure_recompute_curve(engine, context, entry_tokens)
+    kv = [synthetic_entry(f"profile-{i}", mc.num_layers, entry_tokens, mc.num_kv_heads, mc.head_dim, engine.dtype)
+          for i in range(entries)]
+    bandwidth = {}
+    for tier in build_tiers(engine.device, kv[0].nbytes, len(kv), disk_root, redis_url):
+        bandwidth[tier.name] = measure_read_bandwidth(tier, kv, engine.device)
+        tier.close()
+    return DelayProfile(
+        model=engine.fingerprint, device=str(engine.device), dtype=dtype_name(engine.dtype),
+        kv_bytes_per_token=mc.kv_bytes_per_token(engine.dtype), prefill_points=points, recompute_points=curve,
+        bandwidth=bandwidth, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+    )
 
 
 def build_tiers(device, entry_bytes: int, entries: int, disk_root: Path, redis_url: str | None) -> list:
@@ -114,16 +145,7 @@ def run(args: argparse.Namespace) -> int:
     from ragfuse.bench.report import prepare_out_dir
     from ragfuse.engine import EngineConfig, LLMEngine
     from ragfuse.engine.errors import RagfuseError
-    from ragfuse.engine.kvstore import (
-        DelayProfile,
-        LoadingController,
-        check_redis,
-        measure_prefill,
-        measure_read_bandwidth,
-        profile_path,
-    )
-    from ragfuse.engine.kvstore.entry import dtype_name
-    from ragfuse.engine.kvstore.profile import synthetic_entry
+    from ragfuse.engine.kvstore import LoadingController, check_redis, profile_path
     from ragfuse.store_dir import StoreError, ingested_store
 
     try:
@@ -148,23 +170,9 @@ def run(args: argparse.Namespace) -> int:
     if args.entry_tokens > engine.max_model_len:  # an entry no prompt of this model could hold
         raise RagfuseError(f"--entry-tokens {args.entry_tokens} goes past the model's context of "
                            f"{engine.max_model_len}")
-    mc = engine.model_config
-    with tqdm(total=len(lengths), desc="full prefills") as bar:
-        points = measure_prefill(engine.compute_kv, lengths, mc.vocab_size, engine.device, progress=bar.update)
-    curve = measure_recompute_curve(engine, args.context, args.entry_tokens)
-    entries = [synthetic_entry(f"profile-{i}", mc.num_layers, args.entry_tokens, mc.num_kv_heads, mc.head_dim,
-                               engine.dtype) for i in range(args.entries)]
-    bandwidth = {}
     with tempfile.TemporaryDirectory(dir=root, prefix=".profile-") as tmp:
-        for tier in build_tiers(engine.device, entries[0].nbytes, len(entries), Path(tmp), args.redis):
-            bandwidth[tier.name] = measure_read_bandwidth(tier, entries, engine.device)
-            tier.close()
-    prof = DelayProfile(
-        model=engine.fingerprint, device=str(engine.device), dtype=dtype_name(engine.dtype),
-        kv_bytes_per_token=mc.kv_bytes_per_token(engine.dtype), prefill_points=points, recompute_points=curve,
-        bandwidth=bandwidth,
-        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
-    )
+        prof = measure_profile(engine, lengths, args.context, args.entry_tokens, args.entries, Path(tmp), args.redis)
+    points, curve, bandwidth = prof.prefill_points, prof.recompute_points, prof.bandwidth
     path = prof.save(profile_path(root / "profiles", prof.model, prof.device, prof.dtype))
     decision = LoadingController(prof, r_star=args.r_star).choose_tier(args.context)
     if args.json:

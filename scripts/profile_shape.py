@@ -1,0 +1,54 @@
+"""The delay profile of a random-weight shape on a GPU, and the controller's estimates checked.
+
+``ragfuse profile`` needs real weights and an ingested store; a GPU machine without the default
+model's GGUF reader has neither. This measures the same profile (``measure_profile``) for a shape,
+then for each tier runs the fused pass the controller chooses and sets its TTFT beside the estimate.
+
+Usage: python3 scripts/profile_shape.py OUT.json [--shape mistral-7b] [--context 3072]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ragfuse.bench.fusion import _engine
+from ragfuse.commands.profile import QUERY_TOKENS, build_tiers, measure_profile, profile_prompt
+from ragfuse.engine.fusion import SelectionPolicy
+from ragfuse.engine.kvstore import LoadingController
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--shape", default="mistral-7b")
+    p.add_argument("--context", type=int, default=3072)
+    p.add_argument("--chunk-tokens", type=int, default=512)
+    a = p.parse_args()
+    eng = _engine(argparse.Namespace(chunks=a.context // a.chunk_tokens + 1, chunk_tokens=a.chunk_tokens,
+                                     query_tokens=QUERY_TOKENS, device="cuda", model=None), a.shape)
+    with tempfile.TemporaryDirectory() as tmp:
+        prof = measure_profile(eng, [512, 1024, 2048, 4096], a.context, a.chunk_tokens, 6, Path(tmp) / "bw")
+        controller = LoadingController(prof)
+        prompt = profile_prompt(eng, a.context, a.chunk_tokens)
+        checks = []
+        for tier in build_tiers(eng.device, prompt.kv_bytes, 1, Path(tmp) / "kv", None):
+            prompt.keep_in(tier)
+            decision = controller.decide(a.context, tier.name)
+            policy = SelectionPolicy.default().with_ratio(decision.recompute_ratio)
+            prompt.run(tier.name, "fuse", policy)  # warm-up: graphs for this ratio's sizes
+            st = prompt.median(tier.name, "fuse", policy, 5)
+            checks.append({"tier": tier.name, "ratio": decision.recompute_ratio, "reason": decision.reason,
+                           "ttft_estimate_s": decision.ttft_estimate_s, "ttft_s": st.total_s, "load_s": st.load_s,
+                           "compute_s": st.compute_s, "t_load_estimate_s": decision.t_load_s})
+            print(checks[-1], flush=True)
+    Path(a.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "shape": a.shape,
+                                       "profile": prof.__dict__, "checks": checks}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
