@@ -60,7 +60,7 @@ def open_pipeline(
             log.warning(unusable)
         else:
             controller = LoadingController(profile) if r_star is None else LoadingController(profile, r_star=r_star)
-    elif any(prof_file.parent.glob("profile-*.json")):  # profiled, but for another device or dtype
+    elif any(prof_file.parent.glob("profile-*.json")):  # profiled for another build, device or dtype
         unusable = (f"the store's delay profiles were measured for another model build, device or dtype, not "
                     f"{config.model} on {engine.device} in {dtype_name(engine.dtype)} (run `ragfuse profile "
                     f"--device {engine.device.type} --dtype {dtype_name(engine.dtype)}`); recompute ratio r* "

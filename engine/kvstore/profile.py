@@ -207,8 +207,8 @@ def measure_read_bandwidth(tier: Tier, entries: Sequence[StoredKV], device: torc
     """Bytes/s of reading ``entries`` from ``tier`` into ``device`` memory a layer at a time, as the
     fusor's loader reads them (page cache dropped before every read, so a disk is really read), the
     fastest of ``repeats``. Whole-entry reads overstated the controller's load rate: on a 2-core box a
-    disk gave 2.3 GB/s to them and ~0.7 GB/s to a fused answer's layer reads. The entries are stored
-    first and deleted after."""
+    disk gave 2.3 GB/s to them, 1.5 GB/s to layer reads, ~0.7 GB/s to a fused answer's (beside its
+    compute). The entries are stored first and deleted after."""
     from .source import open_source
     from .store import TieredKVStore
 

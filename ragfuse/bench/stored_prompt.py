@@ -44,10 +44,6 @@ class StoredPrompt:
             tier.put(e, keep_evicted=False)
         self.stores[tier.name] = TieredKVStore([tier])
 
-    @property
-    def context_tokens(self) -> int:
-        return sum(map(len, self.chunks))
-
     def run(self, tier: str, mode: str, policy: Any) -> Any:
         """One fused prefill from ``tier`` (its page cache dropped first, so a disk is really read);
         returns its ``FusionStats``."""

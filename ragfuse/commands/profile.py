@@ -1,9 +1,10 @@
 """``ragfuse profile``: measure the delay profile the loading controller decides from, and cache it.
 
 Prefill time is measured by running the engine's full prefill at a few context lengths; the
-recompute curve by fused passes over a random prompt of ``--context`` tokens at several ratios;
-tier bandwidth by reading entries of the model's real KV shape from each tier into the compute
-device. The model is the store's: the profile is read by the pipelines serving that store.
+recompute curve by fused passes at several ratios over random prompts of ``--context`` stored tokens
+and a quarter of it; tier bandwidth by reading entries of the model's real KV shape from each tier
+into the compute device a layer at a time, as the fusor's loader does. The model is the store's: the
+profile is read by the pipelines serving that store.
 """
 
 from __future__ import annotations
