@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -99,6 +100,11 @@ def test_cli_profile_caches_a_profile(tmp_path, capsys, engine):
     assert set(prof["bandwidth"]) == {"cpu", "disk"} and prof["kv_bytes_per_token"] == 30 * 3 * 64 * 2 * 4
     assert out["decision"]["num_tokens"] == 160 and 0.15 <= out["decision"]["recompute_ratio"] <= 1
     assert len(list((store / "profiles").glob("profile-*.json"))) == 1
+    saved = Path(out["path"])
+    saved.unlink()
+    saved.mkdir()  # a folder where the profile belongs failed the save only after the whole measurement
+    assert main(["profile", *args]) == 2
+    assert f"{saved} is a folder where this model's profile belongs" in capsys.readouterr().err
 
 
 def test_profile_passes_recompute_every_stored_token_at_100_percent(engine):

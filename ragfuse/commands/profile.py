@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
     from ragfuse.engine import EngineConfig, LLMEngine
     from ragfuse.engine.errors import RagfuseError
     from ragfuse.engine.kvstore import LoadingController, check_redis, profile_path
+    from ragfuse.engine.kvstore.entry import dtype_name
     from ragfuse.store_dir import StoreError, ingested_store
 
     try:
@@ -171,10 +172,13 @@ def run(args: argparse.Namespace) -> int:
     if args.entry_tokens > engine.max_model_len:  # an entry no prompt of this model could hold
         raise RagfuseError(f"--entry-tokens {args.entry_tokens} goes past the model's context of "
                            f"{engine.max_model_len}")
+    target = profile_path(root / "profiles", engine.fingerprint, str(engine.device), dtype_name(engine.dtype))
+    if target.is_dir():  # the save would fail only after the whole measurement
+        raise StoreError(f"{target} is a folder where this model's profile belongs: remove it first")
     with tempfile.TemporaryDirectory(dir=root, prefix=".profile-") as tmp:
         prof = measure_profile(engine, lengths, args.context, args.entry_tokens, args.entries, Path(tmp), args.redis)
     points, curve, bandwidth = prof.prefill_points, prof.recompute_points, prof.bandwidth
-    path = prof.save(profile_path(root / "profiles", prof.model, prof.device, prof.dtype))
+    path = prof.save(target)
     decision = LoadingController(prof, r_star=args.r_star).choose_tier(args.context)
     if args.json:
         print(json.dumps({"profile": prof.__dict__, "path": str(path), "decision": decision.as_dict()}))
