@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 
 import torch
 
@@ -19,6 +20,12 @@ from ragfuse.store_dir import ingested_store, resolve_store_dir
 
 log = logging.getLogger("ragfuse.app")
 DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def store_profile_path(root: Path, engine: LLMEngine) -> Path:
+    """Where a store keeps the delay profile of ``engine`` (its model build, device and dtype): one
+    place for ``ragfuse profile``, which writes it, and the pipelines, which read it."""
+    return profile_path(root / "profiles", engine.fingerprint, str(engine.device), dtype_name(engine.dtype))
 
 
 def open_pipeline(
@@ -49,7 +56,7 @@ def open_pipeline(
 
         r_star = calibrated_r_star(engine, kv_context=config.chunk_kv_context)
     controller = unusable = None
-    prof_file = profile_path(root / "profiles", engine.fingerprint, str(engine.device), dtype_name(engine.dtype))
+    prof_file = store_profile_path(root, engine)
     if prof_file.exists():
         # the controller's floor is the gate's r*: with its own default (15%) it raised every ratio the
         # gate had measured safe below that, so profiling a store made its answers slower

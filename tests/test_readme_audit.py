@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from ragfuse.engine.kvstore import DelayProfile, profile_path
+from ragfuse.engine.kvstore import DelayProfile
 from ragfuse.engine.kvstore.entry import dtype_name
 from tests.store_helpers import ingest_demo
 
@@ -20,7 +20,7 @@ def test_profiled_store_never_raises_the_ratio_above_the_gates_r_star(engine, tm
     with a profile every fused answer recomputed 15% where the gate had measured 5% safe (and the
     decision reported r* = 15%): profiling made answers slower. With loading far faster than
     recompute the controller has no reason to go above r*."""
-    from ragfuse.app import open_pipeline
+    from ragfuse.app import open_pipeline, store_profile_path
     from ragfuse.engine import SamplingParams
     from ragfuse.engine.fusion import SelectionPolicy
     from ragfuse.gate import DEFAULT_TARGET, calibration_prompts, gate_cache_path
@@ -37,7 +37,7 @@ def test_profiled_store_never_raises_the_ratio_above_the_gates_r_star(engine, tm
         kv_bytes_per_token=engine.model_config.kv_bytes_per_token(engine.dtype),
         prefill_points=[(512, 1.0), (4096, 8.0)], recompute_points=[(512, 0.0, 0.1), (512, 1.0, 1.0)],
         bandwidth={"cpu": 1e12, "disk": 1e12},
-    ).save(profile_path(store / "profiles", engine.fingerprint, str(engine.device), dtype))
+    ).save(store_profile_path(store, engine))
 
     pipeline = open_pipeline(str(store), engine=engine)
     result = pipeline.ask(QUESTION, mode="fuse", top_k=2, params=SamplingParams(max_tokens=4))

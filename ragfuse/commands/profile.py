@@ -142,12 +142,11 @@ def build_tiers(device, entry_bytes: int, entries: int, disk_root: Path, redis_u
 
 
 def run(args: argparse.Namespace) -> int:
-    from ragfuse.app import DEFAULT_MODEL
+    from ragfuse.app import DEFAULT_MODEL, store_profile_path
     from ragfuse.bench.report import prepare_out_dir
     from ragfuse.engine import EngineConfig, LLMEngine
     from ragfuse.engine.errors import RagfuseError
-    from ragfuse.engine.kvstore import LoadingController, check_redis, profile_path
-    from ragfuse.engine.kvstore.entry import dtype_name
+    from ragfuse.engine.kvstore import LoadingController, check_redis
     from ragfuse.store_dir import StoreError, ingested_store
 
     try:
@@ -172,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     if args.entry_tokens > engine.max_model_len:  # an entry no prompt of this model could hold
         raise RagfuseError(f"--entry-tokens {args.entry_tokens} goes past the model's context of "
                            f"{engine.max_model_len}")
-    target = profile_path(root / "profiles", engine.fingerprint, str(engine.device), dtype_name(engine.dtype))
+    target = store_profile_path(root, engine)
     if target.is_dir():  # the save would fail only after the whole measurement
         raise StoreError(f"{target} is a folder where this model's profile belongs: remove it first")
     with tempfile.TemporaryDirectory(dir=root, prefix=".profile-") as tmp:
