@@ -13,6 +13,10 @@ request loads, rotates or holds a copy of it. ``prefix`` mode keeps it as its st
 keeps it inside the session's history, where it already is a reused prefix. Without relay (the
 model has a sliding window, ``relay=False``) it is a stored segment reused as an exact prefix.
 
+In a session, the first question is the whole prompt; each later one is a follow-up message after
+the history (the template's next user header, the passages, the question), and a retrieved chunk
+that the history the model will still see already holds is not repeated (``_as_follow_up``).
+
 Chunks' KV is keyed and, on a miss, computed as the store's ingest did it (``chunk_kv.py``): by
 default after that same instruction prefix, so a chunk's stored KV has seen what precedes it.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
@@ -41,6 +46,7 @@ from ragfuse.engine.kvstore import (
     kv_key,
     open_source,
 )
+from ragfuse.engine.sessions import surely_fed
 from ragfuse.engine.step_router import StepRouter
 from ragfuse.passage import Passage
 from ragfuse.passage_finder import PassageFinder
@@ -93,6 +99,7 @@ class Prepared:
     decision: dict[str, Any] | None
     notes: list[str]
     relay_tokens: int = 0  # set when the instruction prefix ran as a relay system prompt
+    question: str = ""  # the RAG question (none for a prompt the caller laid out)
 
     def kv_tiers(self) -> list[str]:
         """Where each stored piece's KV came from, in prompt order; "relay" for an instruction
@@ -278,7 +285,7 @@ class RagPipeline:
         chosen, decision = self._ratio(mode, ratio, sources)
         if self.controller_note and mode == FusionMode.FUSE.value and ratio is None:
             notes.append(self.controller_note)
-        return Prepared(segments, sources, hits, chosen, decision, notes)  # type: ignore[arg-type]
+        return Prepared(segments, sources, hits, chosen, decision, notes, question=question)  # type: ignore[arg-type]
 
     def _key(self, token_ids: list[int]) -> str:
         return kv_key(self.engine.fingerprint, self.engine.dtype, token_ids)
@@ -450,20 +457,50 @@ class RagPipeline:
         fused prompt, which is saved with the answer as history for the turn after."""
         if self.engine.sessions is None:
             raise RagfuseError("sessions are not enabled on this engine")
-        prompt = [t for seg in prep.segments for t in seg.token_ids]
         # the previous turn, finished but not yet through its closing step, is saved first: its history
         # read without it would be matched against the saved turn, and the prompt fed twice
         self.engine.settle_session(session_id)
-        turn = self.engine.begin_session_turn(
-            session_id, self.engine.sessions.conversation(session_id) + prompt, params.max_tokens,
-            new_tokens=len(prompt), keep_first=len(self.builder.prefix),
-        )
+        history, stored = self.engine.sessions.history(session_id)
+        prefix = self.builder.prefix
+        if prep.segments[0].label == "instruction" and history[: len(prefix)] == prefix:
+            self._as_follow_up(prep, mode, history, stored, params.max_tokens)
+        prompt = [t for seg in prep.segments for t in seg.token_ids]
+        turn = self.engine.begin_session_turn(session_id, history + prompt, params.max_tokens,
+                                              new_tokens=len(prompt), keep_first=len(prefix))
         if mode == FusionMode.FULL.value and turn.reused:
             mode = FusionMode.PREFIX.value  # the history is a cached prefix; the RAG prompt fully computed
         rid = self.engine.start_session_turn(turn, params, tail=prep.segments, mode=mode, policy=policy)
         prep.notes.extend(turn.notes)
         assert turn.fusion is not None
         return rid, turn.fusion
+
+    def _as_follow_up(
+        self, prep: Prepared, mode: str, history: list[int], stored: list[tuple[int, int]], reserve: int
+    ) -> None:
+        """Make the whole RAG prompt ``prep`` a follow-up message after a session's ``history`` (which
+        opens with the same instruction, kept on any cut): the template's next user header, the
+        retrieved chunks that the history the model is sure to see does not hold already, the
+        question. Repeating a held chunk would only spend context and recompute on it."""
+        seen = surely_fed(history, stored, [t for seg in prep.segments for t in seg.token_ids],
+                          self.engine.max_model_len, reserve, len(self.builder.prefix))
+        haystacks = [array("q", history[s:e]).tobytes() for s, e in seen]
+        passages = prep.segments[1:-1:2]  # between the instruction and the question, separators between
+        kept = [seg for seg in passages if not any(_holds(h, seg.token_ids) for h in haystacks)]
+        segments = [Segment(self.builder.turn_head(history), None, "follow-up")]
+        for i, seg in enumerate(kept):
+            if i:
+                segments.append(Segment(self.builder.separator, None, "separator"))
+            segments.append(seg)
+        segments.append(Segment(self.builder.tail(prep.question, after_passages=bool(kept)), None, "question"))
+        for seg in prep.segments:
+            if seg.kv is not None and all(seg is not k for k in kept):
+                seg.kv.finish()
+        prep.notes += [f"{seg.label} is in this session's history already: not repeated"
+                       for seg in passages if all(seg is not k for k in kept)]
+        prep.segments = segments
+        prep.sources = [seg.kv for seg in segments if seg.kv is not None]  # type: ignore[misc]
+        if prep.decision is not None:  # the controller's: decided again for what is loaded now
+            prep.ratio, prep.decision = self._ratio(mode, None, prep.sources)
 
     def _recompute_entry(self, prep: Prepared, key: str, exc: KVStoreError) -> None:
         """Swap the source of entry ``key`` for its recomputed KV: a corrupt entry is dropped from
@@ -575,6 +612,16 @@ def _is_stored_passage(segment: Segment) -> bool:
     """A retrieved or named chunk of the store, or a given passage found stored: what the recompute
     figures count (the instruction prefix, given text not stored and the question are not)."""
     return segment.label.startswith("chunk ") or segment.label == "stored passage"
+
+
+def _holds(haystack: bytes, tokens: list[int]) -> bool:
+    """Whether ``tokens`` occur as a run in ``haystack`` (token ids as 8-byte integers): a byte
+    search, with matches not on a token boundary skipped."""
+    needle = array("q", tokens).tobytes()
+    at = haystack.find(needle)
+    while at > 0 and at % 8:
+        at = haystack.find(needle, at + 1)
+    return at >= 0
 
 
 def final(items: Iterator[RequestOutput | AskResult]) -> AskResult:

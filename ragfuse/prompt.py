@@ -24,6 +24,7 @@ DEFAULT_INSTRUCTION = (
 )
 _PASSAGES = "\x00ragfuse-passages\x00"
 _QUESTION = "\x00ragfuse-question\x00"
+_ANSWER = "\x00ragfuse-answer\x00"
 
 
 @dataclass(frozen=True)
@@ -38,13 +39,17 @@ class RagPromptBuilder:
         self.tokenizer = tokenizer
         self.instruction = instruction
         user = f"{_PASSAGES}Question: {_QUESTION}"
+        first = [{"role": "system", "content": instruction}, {"role": "user", "content": user}]
         if getattr(tokenizer, "chat_template", None):
-            text = render_chat(
-                tokenizer, [{"role": "system", "content": instruction}, {"role": "user", "content": user}],
-                tokenize=False,
-            )
+            text = render_chat(tokenizer, first, tokenize=False)
+            # the same chat one answer later: what opens a follow-up question (the template's end of
+            # the assistant's turn and its next user header)
+            later = render_chat(tokenizer, [*first[:1], {"role": "user", "content": "?"},
+                                            {"role": "assistant", "content": _ANSWER}, first[1]], tokenize=False)
+            self._turn_head = later.split(_ANSWER)[1].split(_PASSAGES)[0]
         else:  # a base model: plain text
             text = f"{instruction}\n\n{user}\nAnswer:"
+            self._turn_head = "\n\n"
         self._head, rest = text.split(_PASSAGES)
         self._before_q, self._after_q = rest.split(_QUESTION)
         self.prefix = self._encode(self._head)
@@ -53,9 +58,19 @@ class RagPromptBuilder:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def tail(self, question: str) -> list[int]:
+    def tail(self, question: str, after_passages: bool = True) -> list[int]:
+        """The question and the template's assistant header (after the passages, or opening a
+        follow-up question that brings none)."""
         q = " ".join(question.split())
-        return self._encode(f"\n{self._before_q}{q}{self._after_q}")
+        lead = "\n" if after_passages else ""
+        return self._encode(f"{lead}{self._before_q}{q}{self._after_q}")
+
+    def turn_head(self, history: list[int]) -> list[int]:
+        """What opens a follow-up question after ``history`` (a session's turns so far): the
+        template's next user header, after the end of the assistant's turn unless the answer
+        already ended with that token (the model stops on it)."""
+        head = self._encode(self._turn_head)
+        return head[1:] if head and history and history[-1] == head[0] else head
 
     def passage_tokens(self, text: str) -> list[int]:
         """How a passage is tokenized for storage: alone, as it will appear in the prompt."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from ragfuse.engine.errors import RequestError
 from ragfuse.engine.sessions import FIFOPolicy, LRUPolicy, SchedulerAwarePolicy, SessionInfo, SessionPlacement
-from ragfuse.engine.sessions.history import common_prefix, plan_turn
+from ragfuse.engine.sessions.history import common_prefix, plan_turn, surely_fed
 from ragfuse.engine.sessions.source import read_buffer_layers
 
 
@@ -87,6 +89,41 @@ def test_plan_cuts_the_oldest_history_on_overflow_keeping_first_and_new_tokens()
     assert plan.token_ids == conv[:4] + conv[27:]
     with pytest.raises(RequestError, match="does not fit"):
         plan_turn(conv, None, None, max_len=20, reserve=8, new_tokens=30, keep_first=4)
+
+
+def test_surely_fed_is_the_history_both_plans_feed() -> None:
+    history = list(range(100, 150))  # 50 logical tokens; rows stored for [0, 4) and [20, 50): 16 cut before
+    stored = [(0, 4), (20, 50)]
+    assert surely_fed(history, stored, [1] * 6, 200, 8, 4) == [(0, 4), (20, 50)]  # no overflow
+    # overflow: over the rows, 34 fed + 6 + 8 - 40 = 8 to cut, max(8, 15) = 15 after the first 4 -> [35, 50);
+    # recomputed whole, 50 fed: 24 to cut, max(24, 23) = 24 -> [28, 50); both: [35, 50)
+    assert surely_fed(history, stored, [1] * 6, 40, 8, 4) == [(0, 4), (35, 50)]
+    assert surely_fed(history, stored, [1] * 40, 40, 8, 4) == []  # the prompt does not fit at all
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_shorter_prompt_feeds_all_that_surely_fed_promised(seed: int) -> None:
+    """What lets a follow-up question leave out chunks the history holds: planned for the whole
+    prompt, the promise holds for any shorter prompt, over the stored rows or recomputed."""
+    rng = random.Random(seed)
+    for _ in range(200):
+        n = rng.randrange(5, 80)
+        history = [rng.randrange(1000) for _ in range(n)]
+        a = rng.randrange(0, n)
+        b = rng.randrange(a, n)
+        stored = [r for r in [(0, a), (b, n)] if r[1] > r[0]] or [(0, n)]
+        prompt = [rng.randrange(1000) for _ in range(rng.randrange(1, 40))]
+        max_len, reserve, keep = rng.randrange(20, 120), rng.randrange(1, 16), rng.randrange(0, 6)
+        promised = surely_fed(history, stored, prompt, max_len, reserve, keep)
+        shorter = prompt[: rng.randrange(1, len(prompt) + 1)]
+        for rows in ((history, stored), (None, None)):
+            try:
+                plan = plan_turn(history + shorter, *rows, max_len, reserve, len(shorter), keep)
+            except RequestError:
+                assert promised == []
+                continue
+            fed = {i for s, e in plan.ranges for i in range(s, e)}
+            assert all(i in fed for s, e in promised for i in range(s, e))
 
 
 def _stalls(layers: int, load_s: float, prefill_s: float, k: int) -> bool:

@@ -57,3 +57,53 @@ def test_a_rag_turn_started_before_the_last_ones_closing_step_follows_it_whole(p
     finally:
         engine.sessions.close()
         engine.sessions = None
+
+
+def test_a_follow_up_question_is_one_message_after_the_history_repeating_no_chunk_it_holds(
+    pipeline, engine, tmp_path,  # noqa: F811
+):
+    """Turn 2 retrieves the chunk turn 1 brought: it is the template's next user header and the
+    question, not a second instruction and a second copy of the chunk."""
+    engine.enable_sessions(SessionStore(tmp_path, engine.fingerprint, engine.dtype))
+    try:
+        first = pipeline.ask(QUESTION, mode="fuse", top_k=1, params=SP, session_id="follow")
+        history = engine.sessions.conversation("follow")
+        second = pipeline.ask("How tall is the Hollowpoint lighthouse?", mode="fuse", top_k=1, params=SP,
+                              session_id="follow")
+        assert second.sources[0]["id"] == first.sources[0]["id"]
+        assert f"chunk {first.sources[0]['id']} is in this session's history already: not repeated" in second.notes
+        head = pipeline.builder.turn_head(history)
+        question = pipeline.builder.tail("How tall is the Hollowpoint lighthouse?", after_passages=False)
+        assert second.session_tokens_reused == len(history)
+        assert second.session["prefilled_tokens"] == len(head) + len(question)
+        both = engine.sessions.conversation("follow")
+        assert both[: len(history)] == history and both[len(history) :][: len(head + question)] == head + question
+        prefix = pipeline.builder.prefix
+        assert sum(both[i : i + len(prefix)] == prefix for i in range(len(both))) == 1
+        text = engine.tokenizer.decode(both)
+        assert text.count("<|im_start|>system") == 1 and text.count("<|im_start|>user") == 2
+        assert "<|im_end|>\n<|im_start|>user" in text  # the first answer's turn closed, cut by max_tokens or not
+    finally:
+        engine.sessions.close()
+        engine.sessions = None
+
+
+def test_a_follow_up_repeats_a_chunk_the_model_no_longer_sees(pipeline):  # noqa: F811
+    """A chunk held only where an earlier cut took the history (its rows no longer fed) comes again."""
+    prep, _ = pipeline.prepare(QUESTION, 1, "fuse", None)
+    try:
+        prefix, chunk = prep.segments[0].token_ids, prep.segments[1].token_ids
+        history = prefix + chunk + _words(pipeline, 40)
+        cut = [(0, len(prefix)), (len(prefix) + len(chunk), len(history))]
+        pipeline._as_follow_up(prep, "fuse", history, cut, 8)
+        assert [s.label for s in prep.segments] == ["follow-up", f"chunk {prep.hits[0]['id']}", "question"]
+        assert prep.sources == [prep.segments[1].kv]
+    finally:
+        pipeline._finish_sources(prep)
+    prep, _ = pipeline.prepare(QUESTION, 1, "fuse", None)
+    pipeline._as_follow_up(prep, "fuse", history, [(0, len(history))], 8)
+    assert [s.label for s in prep.segments] == ["follow-up", "question"] and prep.sources == []
+
+
+def _words(pipeline, n: int) -> list[int]:  # noqa: F811
+    return pipeline.engine.tokenizer.encode(" word" * n, add_special_tokens=False)

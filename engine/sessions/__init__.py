@@ -2,7 +2,7 @@
 on disk, saved in the background, loaded layer by layer while the new turn is prefilled, truncated
 directly on the position-free stored KV, and placed with the scheduler's look-ahead."""
 
-from .history import TurnPlan, plan_turn
+from .history import TurnPlan, plan_turn, surely_fed
 from .placement import (
     POLICIES,
     EvictionPolicy,
@@ -24,5 +24,5 @@ __all__ = [
     "POLICIES", "SESSION_ID_PATTERN", "EvictionPolicy", "FIFOPolicy", "LRUPolicy", "Move", "PlacementStats",
     "SchedulerAwarePolicy", "SessionCorruptError", "SessionInfo", "SessionPlacement", "SessionRecord",
     "SessionSource", "SessionStore", "SessionSummary", "SessionTurn", "Snapshot", "TurnPlan", "TurnTicket",
-    "begin_turn", "check_session_id", "make_policy", "plan_turn", "take_snapshot",
+    "begin_turn", "check_session_id", "make_policy", "plan_turn", "surely_fed", "take_snapshot",
 ]

@@ -138,6 +138,27 @@ def plan_turn(
     return TurnPlan(conversation, _merge(ranges), reused, rows, len(conversation) - total(ranges))
 
 
+def surely_fed(
+    history: list[int], stored_ranges: Ranges, prompt: list[int], max_len: int, reserve: int, keep_first: int,
+) -> Ranges:
+    """The ranges of ``history`` that a turn bringing ``prompt`` (or any shorter prompt) is sure to
+    feed, however the history turns out to be fitted to the context: over its stored rows, or
+    recomputed whole (rows that fail their checksum), two plans that may cut differently. Empty
+    when the prompt does not fit at all.
+
+    A shorter prompt never cuts more: the history's cuttable body is the same, and less overflow
+    cuts at most as much of it, oldest first. So a caller may leave out of its prompt text that
+    these ranges already hold."""
+    conversation = history + prompt
+    try:
+        plans = [plan_turn(conversation, history, stored_ranges, max_len, reserve, len(prompt), keep_first),
+                 plan_turn(conversation, None, None, max_len, reserve, len(prompt), keep_first)]
+    except RequestError:
+        return []
+    fed = [clip(p.ranges, len(history)) for p in plans]
+    return [(max(s, t), min(e, u)) for s, e in fed[0] for t, u in fed[1] if max(s, t) < min(e, u)]
+
+
 def _merge(ranges: Ranges) -> Ranges:
     out: Ranges = []
     for s, e in ranges:

@@ -521,6 +521,12 @@ class SessionStore:
     def conversation(self, session_id: str) -> list[int]:
         """The session's logical tokens so far (empty for a new or lost session), for a caller that
         appends its next turn to them."""
+        return self.history(session_id)[0]
+
+    def history(self, session_id: str) -> tuple[list[int], Ranges]:
+        """The session's logical tokens so far and the ranges of them its stored rows hold (both
+        empty for a new or lost session): what the next turn's plan starts from, for a caller that
+        needs to know which of those tokens the model will still see (``plan_turn``)."""
         check_session_id(session_id)
         with self._lock:
             saving = self._saving.get(session_id)
@@ -528,7 +534,7 @@ class SessionStore:
             saving.result()
         with self._lock:
             rec = self._records.get(session_id)
-            return list(rec.tokens) if rec is not None else []
+            return (list(rec.tokens), list(rec.ranges)) if rec is not None else ([], [])
 
     def hint(self, queue: Sequence[str]) -> None:
         """The engine's waiting sessions (head first): prefetch the look-ahead window."""

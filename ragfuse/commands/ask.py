@@ -28,7 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compare", action="store_true",
                    help="also answer with full prefill and print both TTFTs (with --json: under 'compare')")
     p.add_argument("--session", metavar="ID",
-                   help="continue conversation ID: its history's KV is reused, and this turn joins it")
+                   help="continue conversation ID: its history's KV is reused, this question follows it as the next "
+                        "user message (chunks the history holds are not repeated), and the turn joins it")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
