@@ -29,7 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     p.set_defaults(model=None)
     p.add_argument("--chunk-tokens", type=positive_int, help="chunk size in the model's tokens [512]")
-    p.add_argument("--chunk-overlap", type=int, help="tokens shared by consecutive chunks [0]")
+    p.add_argument("--chunk-overlap", type=int, metavar="N",
+                   help="at most N tokens shared by consecutive chunks: whole paragraphs, lines or words of up "
+                        "to N tokens carried into the next [0]")
     p.add_argument("--index", choices=["flat", "ivf", "hnsw"],
                    help="faiss index: exact [flat] or approximate for large corpora")
     p.add_argument("--embedding-model", help="packaged default [all-MiniLM-L6-v2] or a local directory")
