@@ -37,3 +37,9 @@ def test_a_bad_session_id_is_refused(tmp_path, capsys):
     assert "must be 1-128 letters" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # one place at a time
         main(["session", "ls", "--session-dir", str(tmp_path), "--store", str(tmp_path)])
+
+
+def test_ask_refuses_to_compare_a_session_turn_with_the_question_alone(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["ask", "Who built it?", "--store", str(tmp_path), "--session", "s", "--compare"])
+    assert exc.value.code == 2 and "would not be the same prompt" in capsys.readouterr().err

@@ -38,6 +38,9 @@ def run(args: argparse.Namespace) -> int:
     # the user's mistakes are told before the engine (seconds of imports and loading) starts
     if not args.question.strip():
         raise _usage("QUESTION is empty")
+    if args.compare and args.session is not None:  # the baseline is the question alone, which the turn is not
+        raise _usage("--compare answers the question alone with full prefill, while a --session turn follows "
+                     "its history: the two would not be the same prompt (use one or the other)")
     if args.redis is not None:  # (imports torch: only when asked for)
         from ragfuse.engine.kvstore import check_redis
 
