@@ -555,6 +555,12 @@ class LLMEngine:
         self._session_turns[rid] = turn
         return rid
 
+    def session_turn(self, request_id: str) -> SessionTurn:
+        """The turn that ``start_session_turn`` started as ``request_id``, with its notes and fusion
+        stats: not the one it was given where the stored history failed its checksum (the retry
+        over the recomputed history)."""
+        return self._session_turns[request_id]
+
     def _add_after_history(
         self, turn: SessionTurn, params: SamplingParams, request_id: str | None, preloaded: int
     ) -> tuple[str, FusionStats]:

@@ -462,7 +462,11 @@ class RagPipeline:
         self.engine.settle_session(session_id)
         history, stored = self.engine.sessions.history(session_id)
         prefix = self.builder.prefix
-        if prep.segments[0].label == "instruction" and history[: len(prefix)] == prefix:
+        if history and history[: len(prefix)] != prefix:  # a chat's, whose turn this prompt cannot close
+            raise RequestError(f"session {session_id} holds a chat that did not open with the RAG instruction "
+                               "(one of `generate --session` or the server's chat): a RAG question cannot follow "
+                               "it; use another session id")
+        if history and prep.segments[0].label == "instruction":
             self._as_follow_up(prep, mode, history, stored, params.max_tokens)
         prompt = [t for seg in prep.segments for t in seg.token_ids]
         turn = self.engine.begin_session_turn(session_id, history + prompt, params.max_tokens,
@@ -470,9 +474,10 @@ class RagPipeline:
         if mode == FusionMode.FULL.value and turn.reused:
             mode = FusionMode.PREFIX.value  # the history is a cached prefix; the RAG prompt fully computed
         rid = self.engine.start_session_turn(turn, params, tail=prep.segments, mode=mode, policy=policy)
-        prep.notes.extend(turn.notes)
-        assert turn.fusion is not None
-        return rid, turn.fusion
+        ran = self.engine.session_turn(rid)
+        prep.notes.extend(ran.notes)
+        assert ran.fusion is not None
+        return rid, ran.fusion
 
     def _as_follow_up(
         self, prep: Prepared, mode: str, history: list[int], stored: list[tuple[int, int]], reserve: int
@@ -481,17 +486,17 @@ class RagPipeline:
         opens with the same instruction, kept on any cut): the template's next user header, the
         retrieved chunks that the history the model is sure to see does not hold already, the
         question. Repeating a held chunk would only spend context and recompute on it."""
-        seen = surely_fed(history, stored, [t for seg in prep.segments for t in seg.token_ids],
-                          self.engine.max_model_len, reserve, len(self.builder.prefix))
-        haystacks = [array("q", history[s:e]).tobytes() for s, e in seen]
         passages = prep.segments[1:-1:2]  # between the instruction and the question, separators between
-        kept = [seg for seg in passages if not any(_holds(h, seg.token_ids) for h in haystacks)]
-        segments = [Segment(self.builder.turn_head(history), None, "follow-up")]
-        for i, seg in enumerate(kept):
-            if i:
-                segments.append(Segment(self.builder.separator, None, "separator"))
-            segments.append(seg)
-        segments.append(Segment(self.builder.tail(prep.question, after_passages=bool(kept)), None, "question"))
+        kept = passages
+        while True:  # a shorter prompt cuts less history, which may hold more of the chunks: until none
+            segments = self._follow_up(history, kept, prep.question)
+            seen = surely_fed(history, stored, [t for seg in segments for t in seg.token_ids],
+                              self.engine.max_model_len, reserve, len(self.builder.prefix))
+            haystacks = [array("q", history[s:e]).tobytes() for s, e in seen]
+            fewer = [seg for seg in kept if not any(_holds(h, seg.token_ids) for h in haystacks)]
+            if len(fewer) == len(kept):
+                break
+            kept = fewer
         for seg in prep.segments:
             if seg.kv is not None and all(seg is not k for k in kept):
                 seg.kv.finish()
@@ -501,6 +506,16 @@ class RagPipeline:
         prep.sources = [seg.kv for seg in segments if seg.kv is not None]  # type: ignore[misc]
         if prep.decision is not None:  # the controller's: decided again for what is loaded now
             prep.ratio, prep.decision = self._ratio(mode, None, prep.sources)
+
+    def _follow_up(self, history: list[int], passages: list[Segment], question: str) -> list[Segment]:
+        """A follow-up message after ``history``: the template's next user header, ``passages``
+        between separators, the question."""
+        segments = [Segment(self.builder.turn_head(history, self.engine.eos_token_ids), None, "follow-up")]
+        for i, seg in enumerate(passages):
+            if i:
+                segments.append(Segment(self.builder.separator, None, "separator"))
+            segments.append(seg)
+        return [*segments, Segment(self.builder.tail(question, after_passages=bool(passages)), None, "question")]
 
     def _recompute_entry(self, prep: Prepared, key: str, exc: KVStoreError) -> None:
         """Swap the source of entry ``key`` for its recomputed KV: a corrupt entry is dropped from

@@ -13,6 +13,7 @@ it and relay attention over it rely on.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,12 +66,15 @@ class RagPromptBuilder:
         lead = "\n" if after_passages else ""
         return self._encode(f"{lead}{self._before_q}{q}{self._after_q}")
 
-    def turn_head(self, history: list[int]) -> list[int]:
+    def turn_head(self, history: list[int], ends: Collection[int] = ()) -> list[int]:
         """What opens a follow-up question after ``history`` (a session's turns so far): the
         template's next user header, after the end of the assistant's turn unless the answer
-        already ended with that token (the model stops on it)."""
+        already ended with that token, or with another of the model's end tokens ``ends`` where the
+        turn's is one too (a model with several, like Llama 3's, may stop on any)."""
         head = self._encode(self._turn_head)
-        return head[1:] if head and history and history[-1] == head[0] else head
+        if head and history and (history[-1] == head[0] or (history[-1] in ends and head[0] in ends)):
+            return head[1:]
+        return head
 
     def passage_tokens(self, text: str) -> list[int]:
         """How a passage is tokenized for storage: alone, as it will appear in the prompt."""

@@ -43,3 +43,21 @@ def test_ask_refuses_to_compare_a_session_turn_with_the_question_alone(tmp_path,
     with pytest.raises(SystemExit) as exc:
         main(["ask", "Who built it?", "--store", str(tmp_path), "--session", "s", "--compare"])
     assert exc.value.code == 2 and "would not be the same prompt" in capsys.readouterr().err
+
+
+def test_generate_refuses_a_session_it_did_not_make(tmp_path, capsys, engine):
+    """A RAG or server session keeps no transcript: `generate` would have replaced its conversation."""
+    from ragfuse.engine import LLM, SamplingParams
+    from ragfuse.engine.sessions import SessionStore
+
+    engine.enable_sessions(SessionStore(tmp_path / "sessions", engine.fingerprint, engine.dtype))
+    try:
+        LLM.from_engine(engine).chat([{"role": "user", "content": "Hi."}], SamplingParams(max_tokens=3),
+                                     session_id="theirs")
+    finally:
+        engine.sessions.close()
+        engine.sessions = None
+    assert main(["generate", "Hello?", "--session", "theirs", "--max-tokens", "3", "--device", "cpu",
+                 "--session-dir", str(tmp_path / "sessions")]) != 0
+    assert "that `generate` did not make" in capsys.readouterr().err
+    assert not (tmp_path / "sessions" / "chats" / "theirs.json").exists()

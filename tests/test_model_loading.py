@@ -334,3 +334,16 @@ def test_a_text_prompt_begins_with_the_tokenizers_bos_as_in_transformers(tmp_pat
     rid = llm.engine.add_request(" lighthouse", params, system=sid)
     assert llm.engine._seqs[rid].prompt_token_ids[0] != fast.bos_token_id
 
+
+
+def test_a_follow_up_question_closes_the_answers_turn_once(no_system_llm):
+    """The template's next user header after an answer: its end-of-turn token only where the answer
+    did not end with it (or, for a model with several end tokens, with another of them)."""
+    tok = no_system_llm.tokenizer
+    builder = RagPromptBuilder(tok)
+    answer = tok.encode("It was 1952.", add_special_tokens=False)
+    assert tok.decode(builder.turn_head(answer)) == "</s>[INST] "  # an answer cut short: its turn closed
+    assert tok.decode(builder.turn_head([*answer, tok.eos_token_id])) == "[INST] "
+    other = tok.convert_tokens_to_ids("<unk>")
+    assert tok.decode(builder.turn_head([*answer, other], ends={other, tok.eos_token_id})) == "[INST] "
+    assert tok.decode(builder.tail("And then?", after_passages=False)) == "Question: And then? [/INST]"

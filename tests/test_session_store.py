@@ -208,6 +208,26 @@ def test_a_damaged_record_is_dropped_never_served(tmp_path, caplog, damage: str)
     assert [r for r in caplog.records if "x" in r.getMessage() and r.levelno >= logging.INFO]
     store.flush()
     assert not path.exists() and store.sessions() == []
+    # a caller whose history was the record (a RAG session keeps no transcript) is told it is lost
+    (note,) = begin_turn(store, "x", [20], 100, 4, 1, 0).notes
+    assert note.startswith("session x ") and note.endswith(": its history is lost, the conversation starts afresh")
+    store.close()
+
+
+def test_a_record_whose_kv_file_is_gone_keeps_its_history_for_a_recompute(tmp_path) -> None:
+    """The record's tokens are the whole history a RAG session has: a lost KV file costs a recompute
+    of it (said in the turn's notes), not the conversation."""
+    store = SessionStore(tmp_path, "fp", torch.float32)
+    store.save("x", list(range(11)), [(0, 10)], snapshot(10, 0))
+    store.flush()
+    path = store.disk.path_of(store._records["x"].key)
+    store.close()
+    path.unlink()
+    store = SessionStore(tmp_path, "fp", torch.float32)
+    assert store.conversation("x") == list(range(11))
+    turn = begin_turn(store, "x", [*range(11), 20], 100, 4, 1, 0)
+    assert turn.source is None and turn.plan.ranges == [(0, 12)]
+    assert [n for n in turn.notes if n.startswith("session x ") and n.endswith("history recomputed")], turn.notes
     store.close()
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ragfuse.engine import SamplingParams
+from ragfuse.engine.errors import RequestError
 from ragfuse.engine.sessions import SessionStore
 from tests.test_pipeline import QUESTION, pipeline, store  # noqa: F401 - fixtures
 
@@ -107,3 +110,65 @@ def test_a_follow_up_repeats_a_chunk_the_model_no_longer_sees(pipeline):  # noqa
 
 def _words(pipeline, n: int) -> list[int]:  # noqa: F811
     return pipeline.engine.tokenizer.encode(" word" * n, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("damage", ["flipped", "cut", "gone"])
+def test_a_rag_turn_over_a_damaged_session_file_recomputes_the_history_and_keeps_it(
+    pipeline, engine, tmp_path, damage: str,  # noqa: F811
+):
+    """A layer found damaged as the turn loads it used to fail the turn on an assertion (the retry's
+    stats were on another turn object) and lose the session."""
+    engine.enable_sessions(SessionStore(tmp_path, engine.fingerprint, engine.dtype, cpu_bytes=0))
+    try:
+        pipeline.ask(QUESTION, mode="fuse", top_k=1, params=SP, session_id="hurt")
+        history = engine.sessions.conversation("hurt")
+        engine.sessions.flush()
+        path = engine.sessions.disk.path_of(engine.sessions._records["hurt"].key)
+        engine.sessions.close()
+        data = bytearray(path.read_bytes())
+        if damage == "gone":
+            path.unlink()
+        elif damage == "flipped":  # fails its checksum as the turn loads that layer
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+        else:  # opens, then a later layer is not there
+            path.write_bytes(bytes(data[: len(data) // 2]))
+        engine.enable_sessions(SessionStore(tmp_path, engine.fingerprint, engine.dtype, cpu_bytes=0))
+        again = pipeline.ask("How tall is the Hollowpoint lighthouse?", mode="fuse", top_k=1, params=SP,
+                             session_id="hurt")
+        assert again.session_tokens_reused == 0
+        assert any(n.startswith("session hurt") and n.endswith("history recomputed") for n in again.notes), again.notes
+        assert engine.sessions.conversation("hurt")[: len(history)] == history
+    finally:
+        engine.sessions.close()
+        engine.sessions = None
+
+
+def test_a_rag_question_cannot_follow_a_chat_session(pipeline, engine, tmp_path):  # noqa: F811
+    from ragfuse.engine import LLM
+
+    engine.enable_sessions(SessionStore(tmp_path, engine.fingerprint, engine.dtype))
+    try:
+        LLM.from_engine(engine).chat([{"role": "user", "content": "Hi, I am Ana."}], SP, session_id="chat")
+        with pytest.raises(RequestError, match="did not open with the RAG instruction"):
+            pipeline.ask(QUESTION, mode="fuse", top_k=1, params=SP, session_id="chat")
+    finally:
+        engine.sessions.close()
+        engine.sessions = None
+
+
+def test_a_follow_up_leaves_out_a_chunk_its_own_shorter_prompt_keeps_in_view(pipeline, monkeypatch):  # noqa: F811
+    """Near the context's end the whole prompt would cut the older of two held chunks from the
+    history; once the newer one is left out, the prompt is short enough that it is not cut: both go."""
+    prep, _ = pipeline.prepare(QUESTION, 2, "fuse", None)
+    prefix, older, newer = prep.segments[0].token_ids, prep.segments[1].token_ids, prep.segments[3].token_ids
+    pad = _words(pipeline, 10)
+    rest = older + pad + newer + pad
+    history = prefix + _words(pipeline, len(rest)) + rest  # half the body before the chunks: a cut's least
+    head = pipeline.builder.turn_head(history)
+    whole = len(head + older + pipeline.builder.separator + newer + pipeline.builder.tail(QUESTION))
+    # the whole prompt needs 5 tokens more than half the body cut: 5 of the older chunk's go
+    monkeypatch.setattr(pipeline.engine, "max_model_len", len(history) + whole + 8 - (len(rest) + 5))
+    pipeline._as_follow_up(prep, "fuse", history, [(0, len(history))], 8)
+    assert [s.label for s in prep.segments] == ["follow-up", "question"] and prep.sources == []
+    assert sum("not repeated" in n for n in prep.notes) == 2

@@ -230,9 +230,8 @@ class SessionStore:
                 if _SESSION_ID.fullmatch(path.stem):
                     self._note_gone(path.stem, "had a damaged record on disk")
                 continue
-            if not self.disk.contains(rec.key):
-                path.unlink(missing_ok=True)
-                continue
+            # a record whose KV file is gone stays: its tokens are the history (all a RAG session has of
+            # it), which the session's next turn recomputes, saying why, when the file does not open
             self._records[rec.session_id] = rec
             self.placement.sessions[rec.session_id] = SessionInfo(
                 rec.session_id, rec.nbytes, rec.created, path.stat().st_mtime, on_disk=True

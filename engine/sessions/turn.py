@@ -68,7 +68,9 @@ def begin_turn(
     look = store.lookup(session_id) if use_stored else None
     rec = look.record if look is not None else None
     if look is not None and look.reason:
-        notes.append(f"{look.reason}: history recomputed")
+        # a caller that keeps no transcript (a RAG session) read its history from the record, now gone
+        notes.append(f"{look.reason}: " + ("history recomputed" if len(conversation) > new_tokens
+                                           else "its history is lost, the conversation starts afresh"))
     elif look is not None and rec is None and len(conversation) > new_tokens + keep_first:
         # a history the store never had, or no longer has without a trace (sessions kept in memory
         # only, then a restart): said, so a turn that costs a full prefill does not look like a hit

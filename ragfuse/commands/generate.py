@@ -193,6 +193,11 @@ def _session_turn(llm: Any, args: argparse.Namespace, params: Any, transcript: P
     the session's KV; the engine reuses the KV of everything already said."""
     messages = [*history, {"role": "user", "content": args.prompt}]
     llm.enable_sessions(str(transcript.parent.parent))  # the sessions' directory: KV, and chats/
+    if not history and llm.engine.sessions.conversation(args.session):
+        # kept by `ask --session` or the server, which keep no transcript: this chat would replace it
+        raise RequestError(f"session {args.session} holds a conversation that `generate` did not make (a RAG "
+                           "session of `ask --session` or one of the server's): continue it there, or remove it "
+                           f"with `ragfuse session rm {args.session}`")
     out = llm.chat(messages, params, args.system, session_id=args.session)
     llm.engine.sessions.close()  # the KV reaches disk before the process ends
     if not args.json:
