@@ -11,10 +11,12 @@ from ragfuse.engine.fusion import Segment, SelectionPolicy, TensorKV
 from ragfuse.engine.fusion.graphs import CHECK_MAX_ROWS, PROMPT_STEP, STORED_STEP, CheckShape, capacity, check_rows
 
 
-def test_capacity_pads_active_to_prefill_buckets_and_stored_to_steps():
+def test_capacity_pads_active_to_buckets_and_stored_to_steps():
     assert capacity(32, 3072) == (64, 3072)
     assert capacity(416, 3073) == (416, 3072 + STORED_STEP)
     assert capacity(417, 1) == (448, STORED_STEP)
+    assert capacity(646, 3072) == (704, 3072) and capacity(1024, 3072) == (1024, 3072)  # every 64 past 512
+    assert capacity(1025, 3072) is None
 
 
 def test_check_layers_pad_rows_to_32_up_to_their_cap_and_prompts_to_steps():
