@@ -146,8 +146,10 @@ def bench_shape(
             return {"ttft_s": st.total_s, "load_s": st.load_s, "compute_s": st.compute_s,
                     "load_wait_s": st.load_wait_s, "hidden": min(1.0, max(0.0, hidden)), "ratio": st.recompute_ratio}
 
-        for mode in tqdm(("full", "prefix", "reuse", "fuse"), desc=f"warm-up [{name}]"):  # kernels, graphs, allocator
-            fused(tiers[0], mode, args.ratio if mode == "fuse" else 0.0)
+        # one pass a mode compiles its kernels, captures its graphs and fills the allocator's pools (a CPU's
+        # full prefill of the default model takes seconds: --repeats of them each was minutes of warm-up)
+        for mode in tqdm(("full", "prefix", "reuse", "fuse"), desc=f"warm-up [{name}]"):
+            prompt.run(tiers[0], mode, policy.with_ratio(args.ratio if mode == "fuse" else 0.0))
         jobs = [(t, m) for t in tiers for m in ("full", "prefix", "reuse", "fuse")]
         for tier, mode in tqdm(jobs, desc=f"bench fusion [{name}]"):
             res = fused(tier, mode, args.ratio if mode == "fuse" else 0.0)
