@@ -16,10 +16,23 @@ from ragfuse.engine.kvstore.entry import dtype_name
 from ragfuse.pipeline import RagPipeline
 from ragfuse.rag_store import RagStore
 from ragfuse.retrieval import Retriever
-from ragfuse.store_dir import ingested_store, resolve_store_dir
+from ragfuse.store_dir import StoreConfig, ingested_store, resolve_store_dir
 
 log = logging.getLogger("ragfuse.app")
 DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def serving_model(store: str | Path | None, model: str | None) -> str:
+    """The model a pipeline over ``store`` serves, known before any model loads: the one the store
+    was ingested with (``model``, where given, must be that one: another model's KV would miss every
+    chunk and be written beside it), else ``model``, else the default (no store yet, or none)."""
+    config = StoreConfig.load(resolve_store_dir(store)) if store is not None else None
+    if config is None:
+        return model or DEFAULT_MODEL
+    if model is not None and model != config.model:
+        raise RagfuseError(f"the store at {resolve_store_dir(store)} was ingested with model {config.model!r}, "
+                           f"not {model!r} (leave the model out to serve the store's)")
+    return config.model
 
 
 def store_profile_path(root: Path, engine: LLMEngine) -> Path:
@@ -42,8 +55,7 @@ def open_pipeline(
     """A pipeline over the store at ``store`` (or the default store), serving ``model`` (default:
     the model the store was ingested with). KV tiers: GPU pool (with CUDA), CPU pool, disk, Redis."""
     root, config = ingested_store(store)
-    if model not in (None, DEFAULT_MODEL, config.model):
-        raise RagfuseError(f"the store at {root} was ingested with model {config.model!r}, not {model!r}")
+    serving_model(root, model)
     engine = engine or LLMEngine(EngineConfig(model=config.model, device=device, dtype=dtype))
     tiers = []
     if engine.device.type == "cuda":
@@ -92,10 +104,8 @@ def shared_pipeline(store: str | None, model: str | None = None, device: str = "
     and one pipeline per store."""
     with _SHARED_LOCK:
         if store is not None:
-            root, config = ingested_store(store)
-            store = str(root)
-            model = model or config.model
-        model = model or DEFAULT_MODEL
+            store = str(ingested_store(store)[0])
+        model = serving_model(store, model)
         # keyed by the device "auto" resolves to: frameworks asking for "auto" and "cpu" on a CPU box
         # share one engine rather than load the model twice
         device = str(EngineConfig(model=model, device=device).resolve_device())

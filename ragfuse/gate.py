@@ -22,6 +22,8 @@ import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from ragfuse.engine import LLMEngine
 from ragfuse.engine.atomic_file import write_atomic
 from ragfuse.engine.checkpoint import cache_root
@@ -80,17 +82,25 @@ def calibrate(
     builder = RagPromptBuilder(engine.tokenizer)
     name, chosen = prompts or calibration_prompts()
     chosen = [_fitted(engine, builder, p, answer_tokens) for p in chosen]
-    cases = [build_case(engine, builder, p["passages"], p["question"], answer_tokens, kv_context)  # type: ignore[arg-type]
-             for p in chosen]
-    reuse = sum(mode_kl(engine, c, "reuse", policy)[1] for c in cases)
-    gaps: dict[str, float] = {}
-    r_star = 1.0
-    for r in RATIOS:
-        kl = sum(mode_kl(engine, c, "fuse", policy.with_ratio(r))[1] for c in cases)
-        gaps[f"{r:g}"] = 1.0 - kl / reuse if reuse > NOISE_KL * len(cases) else 1.0
-        if gaps[f"{r:g}"] >= target:
-            r_star = r
-            break
+    # minutes on a CPU, and met inside an app's first call (a framework's logging may show nothing):
+    # a progress bar on stderr says what the wait is; at most every ratio is tried
+    with tqdm(total=len(chosen) * (2 + len(RATIOS)), desc=f"calibrating r* for {engine.model_name}",
+              unit="pass") as bar:
+        cases = []
+        for p in chosen:
+            cases.append(build_case(engine, builder, p["passages"], p["question"], answer_tokens,  # type: ignore[arg-type]
+                                    kv_context))
+            bar.update()
+        reuse = _kl_sum(engine, cases, "reuse", policy, bar)
+        gaps: dict[str, float] = {}
+        r_star = 1.0
+        for r in RATIOS:
+            kl = _kl_sum(engine, cases, "fuse", policy.with_ratio(r), bar)
+            gaps[f"{r:g}"] = 1.0 - kl / reuse if reuse > NOISE_KL * len(cases) else 1.0
+            if gaps[f"{r:g}"] >= target:
+                r_star = r
+                break
+        bar.update(bar.total - bar.n)
     fallback = r_star >= 1.0
     if fallback:
         log.warning("fusion does not reach gap_closed %.2f below ratio 1 on %s: falling back to full recompute",
@@ -126,6 +136,15 @@ def gate_cache_path(engine: LLMEngine, policy: SelectionPolicy, target: float, p
     if kv_context != "none":  # stores before the setting held alone chunk KV: their r* keeps its cache file
         tag += f"-after-{kv_context}"
     return cache_root() / "gate" / f"{tag}.json"
+
+
+def _kl_sum(engine: LLMEngine, cases: list, mode: str, policy: SelectionPolicy, bar: tqdm) -> float:
+    """The cases' teacher-forced KL in ``mode``, one step of ``bar`` a case."""
+    total = 0.0
+    for case in cases:
+        total += mode_kl(engine, case, mode, policy)[1]
+        bar.update()
+    return total
 
 
 def calibrated_r_star(

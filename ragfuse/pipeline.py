@@ -264,9 +264,10 @@ class RagPipeline:
 
     def _check(self, mode: str, ratio: float | None) -> None:
         if mode not in MODES:
-            raise RequestError(f"unknown mode {mode!r} ({', '.join(MODES)})")
-        if ratio is not None and not 0.0 <= ratio <= 1.0:
-            raise RequestError(f"recompute ratio must be in [0, 1], got {ratio}")
+            raise RequestError(_unknown_mode(mode))
+        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, int | float)
+                                  or not 0.0 <= ratio <= 1.0):
+            raise RequestError(f"recompute ratio must be a number in [0, 1], got {ratio!r}")
 
     def _assemble(
         self, passages: list[Segment], hits: list[dict[str, Any]], question: str, mode: str,
@@ -588,7 +589,7 @@ class RagPipeline:
             total_s=time.perf_counter() - t0,
             retrieve_s=retrieve_s,
             prompt_tokens=stats.prompt_tokens,
-            reused_tokens=stats.reused_tokens,
+            reused_tokens=stats.reused_tokens - _fresh_kv_tokens(prep, stats),
             recomputed_tokens=recomputed,
             load_s=stats.load_s,
             load_hidden=stats.load_hidden,
@@ -616,6 +617,25 @@ def _with_system(stats: FusionStats, system_tokens: int, computed: bool) -> Fusi
                    tiers=sorted({*stats.tiers, "relay"}))
 
 
+def _fresh_kv_tokens(prep: Prepared, stats: FusionStats) -> int:
+    """Tokens whose KV this very call computed (a chunk missing from the store, or found damaged:
+    tier "computed") that the fused pass kept rather than recomputed. The pass counts them reused,
+    but nothing stored was: a cold store would report every chunk a cache hit (LangChain's
+    ``cache_read``). ``recomputed_positions`` are positions in the fused prompt: after a session's
+    history, and without the relay system prompt before it."""
+    segments = prep.segments[1:] if prep.relay_tokens else prep.segments
+    at = 0 if prep.relay_tokens else stats.prompt_tokens - sum(len(s.token_ids) for s in segments)
+    spans = []
+    for seg in segments:
+        if seg.kv is not None and seg.kv.tier == "computed":
+            spans.append((at, at + len(seg.token_ids)))
+        at += len(seg.token_ids)
+    if not spans:
+        return 0
+    redone = stats.recomputed_positions.cpu() if stats.recomputed_positions is not None else None
+    return sum(e - s - (int(((redone >= s) & (redone < e)).sum()) if redone is not None else 0) for s, e in spans)
+
+
 def _computes_passages(mode: str, ratio: float) -> bool:
     """Whether the prefill computes every stored chunk rather than use its stored KV: ``full`` and
     ``prefix`` by definition, and ``fuse`` at ratio 1, which loads none of it (it would recompute it
@@ -627,6 +647,18 @@ def _is_stored_passage(segment: Segment) -> bool:
     """A retrieved or named chunk of the store, or a given passage found stored: what the recompute
     figures count (the instruction prefix, given text not stored and the question are not)."""
     return segment.label.startswith("chunk ") or segment.label == "stored passage"
+
+
+def known_mode(mode: str) -> str:
+    """``mode`` if it is one of ``MODES``: a framework object's field checks it when made (pydantic
+    reports the ValueError as the field's validation error)."""
+    if mode not in MODES:
+        raise ValueError(_unknown_mode(mode))
+    return mode
+
+
+def _unknown_mode(mode: str) -> str:
+    return f"unknown mode {mode!r} ({', '.join(MODES)})"
 
 
 def _holds(haystack: bytes, tokens: list[int]) -> bool:

@@ -88,7 +88,9 @@ def test_query_engine_over_store_fuses_retrieved_chunks(store):
 
 def test_vector_store_index_nodes_fuse_by_content(store, embed_model):
     texts = [n.node.get_content() for n in RagfuseRetriever(store, 10).retrieve("anything")]
-    index = VectorStoreIndex([TextNode(text=t) for t in texts], embed_model=embed_model)
+    # with the metadata a reader gives each node, which LlamaIndex writes before the node's text
+    index = VectorStoreIndex([TextNode(text=t, metadata={"file_path": f"docs/{i}.md"}) for i, t in enumerate(texts)],
+                             embed_model=embed_model)
     llm = RagfuseLLM(store=store, **PARAMS)
     response = ragfuse_query_engine(retriever=index.as_retriever(similarity_top_k=2), llm=llm).query(QUESTION)
     assert "1952" in str(response)

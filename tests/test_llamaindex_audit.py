@@ -79,3 +79,17 @@ async def test_query_engine_answer_is_an_llm_event_with_its_token_counts(store):
         prompt = start.payload["formatted_prompt"]
         assert QUESTION in prompt and "Hollowpoint lighthouse was first lit in 1871" in prompt
         assert end.payload["completion"].text == streamed
+
+
+def test_a_query_engine_over_another_retriever_fuses_from_the_default_store(store, monkeypatch):
+    """With a retriever of the caller's and no ``llm``, the LLM had no store at all: nothing fused."""
+    from llama_index.core.retrievers import BaseRetriever
+
+    class Nothing(BaseRetriever):
+        def _retrieve(self, query_bundle):
+            return []
+
+    monkeypatch.setenv("RAGFUSE_STORE", store)
+    assert ragfuse_query_engine(retriever=Nothing())._response_synthesizer._llm.store == store
+    monkeypatch.setenv("RAGFUSE_STORE", store + "-not-ingested")
+    assert ragfuse_query_engine(retriever=Nothing())._response_synthesizer._llm.store is None

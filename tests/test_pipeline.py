@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from ragfuse.engine import SamplingParams
 from ragfuse.engine.kvstore import DiskTier
 from tests.store_helpers import ingest_demo
 
@@ -374,3 +375,18 @@ def test_cli_ask_refuses_bad_input(store, tmp_path):
         r = subprocess.run([sys.executable, "-m", "ragfuse.cli", *args], capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and needle in r.stderr, (args, r.stderr)
         assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("mode", ["reuse", "fuse"])
+def test_kv_computed_for_the_question_is_not_counted_reused(pipeline, mode):
+    """A chunk missing from the store is computed (and stored) for the question that needs it; the pass
+    then loads that KV like stored KV, and counted it reused: a cold store reported every chunk a hit."""
+    two = SamplingParams(max_tokens=2)
+    warm = pipeline.ask(QUESTION, mode=mode, ratio=0.2, top_k=1, params=two)
+    chunk = next(s for s in pipeline.prepare(QUESTION, 1, mode, 0.2)[0].segments if s.label.startswith("chunk"))
+    chunk.kv.finish()
+    assert pipeline.store.kv.delete(pipeline.chunk_kv.key(chunk.token_ids))
+    cold = pipeline.ask(QUESTION, mode=mode, ratio=0.2, top_k=1, params=two)
+    assert any("computed and stored now" in n for n in cold.notes) and "computed" in cold.tiers
+    # all that is reused now is the instruction prefix, served by relay (registered by the warm question)
+    assert cold.reused_tokens == cold.relay_system_tokens > 0 and warm.reused_tokens > cold.reused_tokens

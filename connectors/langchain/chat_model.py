@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import aclosing
-from typing import Any
+from typing import Annotated, Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.documents import Document
@@ -25,12 +25,12 @@ from langchain_core.language_models.chat_models import BaseChatModel, agenerate_
 from langchain_core.messages import AIMessageChunk, BaseMessage, ChatMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
-from ragfuse.app import DEFAULT_MODEL, shared_pipeline
+from ragfuse.app import serving_model, shared_pipeline
 from ragfuse.chat_prompt import chat_parts
 from ragfuse.engine import SamplingParams
-from ragfuse.pipeline import MODES, AskResult, Passage, RagPipeline
+from ragfuse.pipeline import MODES, AskResult, Passage, RagPipeline, known_mode
 
 from ..async_iter import iterate_in_thread
 from .documents import document_passage
@@ -43,7 +43,7 @@ _CALL_OPTIONS = ("temperature", "max_tokens", "top_p", "seed", "mode", "recomput
 class ChatRagfuse(BaseChatModel):
     """A chat model over the ragfuse engine; with ``store``, stored chunks in its prompts are fused."""
 
-    model: str = DEFAULT_MODEL
+    model: str | None = None  # None: the store's model (the default model without a store)
     store: str | None = None  # a store directory; None: no stored KV, every prompt is prefilled
     device: str = "auto"
     temperature: float = Field(default=0.0, ge=0.0)
@@ -51,7 +51,7 @@ class ChatRagfuse(BaseChatModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
     stop: list[str] | None = None
-    mode: str = "fuse"  # fuse | reuse | prefix | full: how stored KV is used (full: not at all)
+    mode: Annotated[str, AfterValidator(known_mode)] = "fuse"  # fuse | reuse | prefix | full: how stored KV is used
     recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)  # None: the gate's r* for the model
     find_stored_chunks: bool = True  # look for stored chunks in flattened message text
     streaming: bool = False
@@ -73,6 +73,7 @@ class ChatRagfuse(BaseChatModel):
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> Any:
         params = super()._get_ls_params(stop=stop or self.stop, **kwargs)
         params["ls_provider"] = "ragfuse"
+        params["ls_model_name"] = kwargs.get("model") or serving_model(self.store, self.model)  # a call's own first
         return params
 
     # ---- counting tokens ----------------------------------------------------------------------
@@ -105,9 +106,9 @@ class ChatRagfuse(BaseChatModel):
     def _request(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
     ) -> tuple[RagPipeline, list[str | Passage], SamplingParams, str, float | None]:
-        model = kwargs.pop("model", self.model)
-        if model != self.model:
-            raise ValueError(f"this ChatRagfuse serves {self.model!r}; make another for {model!r}")
+        model, served = kwargs.pop("model", None), serving_model(self.store, self.model)
+        if model is not None and model != served:
+            raise ValueError(f"this ChatRagfuse serves {served!r}; make another for {model!r}")
         documents: Sequence[Document | str | Passage] = kwargs.pop("documents", None) or ()
         kwargs.pop("stream", None)  # LangChain's switch between _stream and _generate, acted on already
         unknown = set(kwargs) - set(_CALL_OPTIONS)
@@ -171,7 +172,7 @@ class ChatRagfuse(BaseChatModel):
                               input_token_details={"cache_read": result.reused_tokens})
         message = AIMessageChunk(
             content="", usage_metadata=usage, chunk_position="last",
-            response_metadata={"model_name": self.model, "model_provider": "ragfuse",
+            response_metadata={"model_name": serving_model(self.store, self.model), "model_provider": "ragfuse",
                                "finish_reason": result.finish_reason, "ragfuse": result.stats()},
         )
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": result.finish_reason})
@@ -194,6 +195,8 @@ def _message_parts(message: BaseMessage) -> list[str | Passage]:
         if isinstance(block, str):
             parts.append(block)
         elif block.get("type") == "text":
+            if not isinstance(block.get("text"), str):
+                raise ValueError("a text content block needs its text (a string under 'text')")
             parts.append(block["text"])
         elif block.get("type") == "text-plain":
             extras = block.get("extras") or {}

@@ -19,6 +19,8 @@ def document_passage(doc: Document | str | Passage) -> Passage:
         return doc
     if isinstance(doc, str):
         return Passage(doc)
+    if not isinstance(doc, Document):
+        raise ValueError(f"documents are LangChain Documents, strings or ragfuse Passages, not {type(doc).__name__}")
     cid = doc.metadata.get(CHUNK_ID)
     return Passage(doc.page_content, int(cid) if isinstance(cid, int | str) and str(cid).isdigit() else None,
                    str(doc.metadata.get("source", "")), Passage.score_of(doc.metadata.get("score")))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -26,13 +26,13 @@ from llama_index.core.base.llms.types import (
 )
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
-from ragfuse.app import DEFAULT_MODEL, shared_pipeline
+from ragfuse.app import serving_model, shared_pipeline
 from ragfuse.chat_prompt import chat_parts
 from ragfuse.engine import RequestOutput, SamplingParams
 from ragfuse.passage import Passage
-from ragfuse.pipeline import MODES, AskResult, RagPipeline
+from ragfuse.pipeline import MODES, AskResult, RagPipeline, known_mode
 
 from ..async_iter import iterate_in_thread
 
@@ -42,14 +42,15 @@ _CALL_OPTIONS = ("max_tokens", "temperature", "top_p", "seed", "stop")  # what a
 class RagfuseLLM(CustomLLM):
     """An LLM over the ragfuse engine; with ``store``, stored chunks in its prompts are fused."""
 
-    model: str = Field(default=DEFAULT_MODEL, description="model alias or path")
+    model: str | None = Field(default=None, description="model alias or path; None: the store's (the default "
+                                                       "model without a store)")
     store: str | None = Field(default=None, description="ragfuse store directory; None: no stored KV")
     device: str = "auto"
     max_tokens: int = Field(default=256, ge=1)
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
-    mode: str = "fuse"  # fuse | reuse | prefix | full: how stored KV is used (full: not at all)
+    mode: Annotated[str, AfterValidator(known_mode)] = "fuse"  # fuse | reuse | prefix | full: how stored KV is used
     recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)  # None: the gate's r* for the model
     find_stored_chunks: bool = True  # look for stored chunks in prompt text
 
@@ -65,7 +66,7 @@ class RagfuseLLM(CustomLLM):
     @property
     def metadata(self) -> LLMMetadata:
         return LLMMetadata(context_window=self.pipeline().engine.max_model_len, num_output=self.max_tokens,
-                           is_chat_model=True, model_name=self.model)
+                           is_chat_model=True, model_name=serving_model(self.store, self.model))
 
     # ---- one request --------------------------------------------------------------------------
 

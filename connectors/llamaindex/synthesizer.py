@@ -21,10 +21,10 @@ from llama_index.core.base.llms.types import CompletionResponse
 from llama_index.core.base.response.schema import AsyncStreamingResponse, StreamingResponse
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.response_synthesizers import BaseSynthesizer
-from llama_index.core.schema import NodeWithScore
+from llama_index.core.schema import MetadataMode, NodeWithScore
 
 from ragfuse.passage import CHUNK_ID, Passage
-from ragfuse.store_dir import resolve_store_dir
+from ragfuse.store_dir import StoreConfig, resolve_store_dir
 
 from .llm import RagfuseLLM
 from .retriever import RagfuseRetriever
@@ -130,7 +130,7 @@ class RagfuseSynthesizer(BaseSynthesizer):
     def _passages(self, text_chunks: Sequence[str], kwargs: dict[str, Any]) -> list[Passage]:
         nodes: list[NodeWithScore] | None = kwargs.pop("ragfuse_nodes", None)
         if nodes is not None and len(nodes) == len(text_chunks):
-            return [_node_passage(t, n) for t, n in zip(text_chunks, nodes)]
+            return [_node_passage(n) for n in nodes]
         return [Passage(t) for t in text_chunks]  # get_response called directly, with text only
 
     def get_response(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any) -> Any:
@@ -165,9 +165,11 @@ class RagfuseSynthesizer(BaseSynthesizer):
         return response
 
 
-def _node_passage(text: str, node: NodeWithScore) -> Passage:
-    """The node's text as the LLM sees it, naming the stored chunk it is (``RagfuseRetriever``'s
-    nodes carry the chunk id) and its source document."""
+def _node_passage(node: NodeWithScore) -> Passage:
+    """The node's own text (LlamaIndex's text chunks open with a metadata header, "file_path: ...",
+    which made a stored chunk retrieved by any other index a passage no stored KV matched), naming the
+    stored chunk it is (``RagfuseRetriever``'s nodes carry the chunk id) and its source document."""
+    text = node.node.get_content(metadata_mode=MetadataMode.NONE)
     meta = node.node.metadata or {}
     cid = meta.get(CHUNK_ID)
     chunk_id = int(cid) if isinstance(cid, int | str) and str(cid).isdigit() else None
@@ -216,11 +218,13 @@ def ragfuse_query_engine(
     similarity_top_k: int = 4, streaming: bool = False,
 ) -> RetrieverQueryEngine:
     """A ``RetrieverQueryEngine`` that fuses: over ``store`` (ragfuse's retriever) or any ``retriever``
-    (e.g. ``index.as_retriever()``); ``llm`` defaults to one over the same store. Without ``retriever``,
-    ``store=None`` is the default store (``$RAGFUSE_STORE`` or the per-user one) for both: an LLM left
-    with ``store=None`` would have no store at all, and prefill the retrieved chunks instead of fusing."""
+    (e.g. ``index.as_retriever()``); ``llm`` defaults to one over the same store. ``store=None`` is the
+    default store (``$RAGFUSE_STORE`` or the per-user one) for both, with any ``retriever`` too where one
+    was ingested there: an LLM left with no store at all prefills the retrieved chunks, fusing nothing."""
+    root = resolve_store_dir(store)
     if retriever is None:
-        store = str(resolve_store_dir(store))
-        retriever = RagfuseRetriever(store, similarity_top_k)
-    llm = llm or RagfuseLLM(store=store)
+        retriever = RagfuseRetriever(str(root), similarity_top_k)
+    elif store is None and StoreConfig.load(root) is None:  # no default store: nothing stored to fuse
+        root = None
+    llm = llm or RagfuseLLM(store=str(root) if root is not None else None)
     return RetrieverQueryEngine(retriever, RagfuseSynthesizer(llm, streaming=streaming))

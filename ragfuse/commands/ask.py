@@ -16,7 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ask", help="answer QUESTION from an ingested store, reusing its chunks' KV")
     p.add_argument("question")
     add_store_arg(p)
-    add_model_args(p)
+    add_model_args(p, store=True)
     p.add_argument("--mode", default="fuse", choices=["fuse", "full", "prefix", "reuse"],
                    help="fuse: stored chunk KV with selective recompute; reuse: stored KV as is; prefix: only "
                         "the instruction prefix's KV reused (prefix caching); full: full prefill")

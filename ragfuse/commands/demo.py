@@ -23,7 +23,7 @@ DEMO_DOCS = next((d for d in (PACKAGED_DOCS, REPO_DOCS) if d.is_dir()), None)
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="serve the Gradio demo over a store (created empty if missing)")
     add_store_arg(p)
-    add_model_args(p)
+    add_model_args(p, store=True)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=7860, help="port to listen on (1-65535)")
     p.add_argument("--docs", default=str(DEMO_DOCS) if DEMO_DOCS else None,
@@ -84,7 +84,10 @@ def run(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         raise RagfuseError(f"the demo needs `pip install 'ragfuse[demo]'` ({exc.name} is missing)") from exc
 
-    backend = DemoBackend(args.store, args.model, args.device, args.dtype, docs_dir=args.docs, gate=not args.no_gate)
+    from ragfuse.app import serving_model
+
+    backend = DemoBackend(args.store, serving_model(args.store, args.model), args.device, args.dtype,
+                          docs_dir=args.docs, gate=not args.no_gate)
     app = build_app(backend)
     print(f"ragfuse demo on http://{args.host}:{args.port} (store {backend.pipe.store.root})", flush=True)
     launch(app, args.host, args.port, auth)

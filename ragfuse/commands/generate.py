@@ -56,8 +56,12 @@ def unit_ratio(value: str) -> float:
     return r
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct", help="alias, local path (HF dir or .gguf) or hub id")
+def add_model_args(p: argparse.ArgumentParser, store: bool = False) -> None:
+    """``--model``, ``--device``, ``--dtype``; with ``store`` the model defaults to the store's (one
+    given must be it), so a store ingested with another model is not served by the default one."""
+    default = "(default: the store's; for a new one smollm2-135m-instruct)" if store else "[smollm2-135m-instruct]"
+    p.add_argument("--model", default=None if store else "smollm2-135m-instruct",
+                   help=f"alias, local path (HF dir or .gguf) or hub id {default}")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the model runs (auto: CUDA when available, else CPU)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: fp32 on CPU, bf16 on CUDA)")

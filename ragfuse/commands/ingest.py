@@ -26,8 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_store_arg(p)
     # the store's settings: each one not given is the store's (a new store's default in brackets), so
     # adding files to a store needs none of them again; one given otherwise than the store has is refused
-    add_model_args(p)
-    p.set_defaults(model=None)
+    add_model_args(p, store=True)
     p.add_argument("--chunk-tokens", type=positive_int, help="chunk size in the model's tokens [512]")
     p.add_argument("--chunk-overlap", type=int, metavar="N",
                    help="at most N tokens shared by consecutive chunks: whole paragraphs, lines or words of up "

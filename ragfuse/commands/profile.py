@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "store's delay profile (replacing the one before), which the loading controller of "
                     "`ragfuse ask` and `ragfuse serve` decides from. Needs an ingested store; about 90 s at "
                     "the defaults on a 2-core CPU.")
-    add_model_args(p)
+    add_model_args(p, store=True)
     add_store_arg(p)
     p.add_argument("--lengths", default="256,512,1024,2048",
                    help="comma-separated prompt lengths to time a full prefill at (default 256,512,1024,2048)")
@@ -142,7 +142,7 @@ def build_tiers(device, entry_bytes: int, entries: int, disk_root: Path, redis_u
 
 
 def run(args: argparse.Namespace) -> int:
-    from ragfuse.app import DEFAULT_MODEL, store_profile_path
+    from ragfuse.app import serving_model, store_profile_path
     from ragfuse.bench.report import prepare_out_dir
     from ragfuse.engine import EngineConfig, LLMEngine
     from ragfuse.engine.errors import RagfuseError
@@ -159,8 +159,7 @@ def run(args: argparse.Namespace) -> int:
     # store path that is a file, or a profiles/ that is one, would otherwise fail only at the save
     check_redis(args.redis)  # before the model loads and the prefill is measured
     root, config = ingested_store(args.store)  # a profile is read only from a store's folder, for its model
-    if args.model not in (DEFAULT_MODEL, config.model):
-        raise StoreError(f"the store at {root} was ingested with model {config.model!r}, not {args.model!r}")
+    serving_model(root, args.model)
     prepare_out_dir(root / "profiles", "--store")
     engine = LLMEngine(EngineConfig(model=config.model, device=args.device, dtype=args.dtype))
     if lengths[-1] > engine.max_model_len:

@@ -19,7 +19,7 @@ LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible API with RAG over a store's fused KV")
     add_store_arg(p)
-    add_model_args(p)
+    add_model_args(p, store=True)
     p.add_argument("--backend", choices=["ragfuse", "vllm"], default="ragfuse",
                    help="ragfuse's own engine, or vLLM with ragfuse's KV connector (needs vllm installed)")
     p.add_argument("--host", default="127.0.0.1",
@@ -98,20 +98,23 @@ def _server_class(end_requests: Callable[[], None]) -> type:
 
 
 def build_backend(args: argparse.Namespace):  # noqa: ANN201 (a Backend; its module imports the server stack)
+    from ragfuse.app import serving_model
+
+    model = serving_model(args.store, args.model)  # the store's, known before a model loads
     if args.backend == "vllm":
         from ragfuse.connectors.server.vllm_backend import VLLMServeBackend
 
-        return VLLMServeBackend.open(args.store, args.model)
+        return VLLMServeBackend.open(args.store, model)
     from ragfuse.connectors.server.engine_backend import EngineBackend, open_store_pipeline
 
     engine = None
     if args.no_prefix_tree:
         from ragfuse.engine import EngineConfig, LLMEngine
 
-        engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, prefix_tree=False))
-    pipeline = open_store_pipeline(args.store, args.model, args.device, args.dtype, engine=engine,
+        engine = LLMEngine(EngineConfig(model=model, device=args.device, dtype=args.dtype, prefix_tree=False))
+    pipeline = open_store_pipeline(args.store, model, args.device, args.dtype, engine=engine,
                                    gate=not args.no_gate)
-    return EngineBackend(pipeline, args.model, args.sessions_dir, int(args.session_memory_gb * 2**30),
+    return EngineBackend(pipeline, model, args.sessions_dir, int(args.session_memory_gb * 2**30),
                          int(args.session_disk_gb * 2**30))
 
 
