@@ -555,6 +555,10 @@ class LLMEngine:
         self._session_turns[rid] = turn
         return rid
 
+    def turn_running(self, session_id: str) -> bool:
+        """Whether a turn of ``session_id`` is running (admitted, its answer not finished)."""
+        return any(t.session_id == session_id for t in self._session_turns.values())
+
     def session_turn(self, request_id: str) -> SessionTurn:
         """The turn that ``start_session_turn`` started as ``request_id``, with its notes and fusion
         stats: not the one it was given where the stored history failed its checksum (the retry

@@ -458,6 +458,11 @@ class RagPipeline:
         fused prompt, which is saved with the answer as history for the turn after."""
         if self.engine.sessions is None:
             raise RagfuseError("sessions are not enabled on this engine")
+        # the history is the session's (its callers send only the question): a second turn beside a
+        # running one would start from the same history, and one of the two be lost when both are saved
+        if self.engine.turn_running(session_id):
+            raise RequestError(f"session {session_id} has a turn in progress: ask its next question once that "
+                               "answer has finished")
         # the previous turn, finished but not yet through its closing step, is saved first: its history
         # read without it would be matched against the saved turn, and the prompt fed twice
         self.engine.settle_session(session_id)

@@ -172,3 +172,26 @@ def test_a_follow_up_leaves_out_a_chunk_its_own_shorter_prompt_keeps_in_view(pip
     pipeline._as_follow_up(prep, "fuse", history, [(0, len(history))], 8)
     assert [s.label for s in prep.segments] == ["follow-up", "question"] and prep.sources == []
     assert sum("not repeated" in n for n in prep.notes) == 2
+
+
+def test_a_session_runs_one_rag_turn_at_a_time(pipeline, engine, tmp_path):  # noqa: F811
+    """Two turns side by side (a server's clients) both started from the same history, and the one saved
+    first was lost without a word when the other was saved; the second is refused while the first runs."""
+    engine.enable_sessions(SessionStore(tmp_path, engine.fingerprint, engine.dtype))
+
+    try:
+        first = pipeline.start(QUESTION, "fuse", None, 1, SP, "busy")
+        with pytest.raises(RequestError, match="session busy has a turn in progress"):
+            pipeline.start("How tall is it?", "fuse", None, 1, SP, "busy")
+        engine.abort(first.request_id)  # an aborted turn runs no more
+        second = pipeline.start("How tall is it?", "fuse", None, 1, SP, "busy")
+        while engine.has_unfinished():
+            engine.step()
+        engine.close_turns()
+        third = pipeline.start("Who keeps it?", "fuse", None, 1, SP, "busy")  # after the second finished
+        assert third.request_id != second.request_id
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        engine.sessions.close()
+        engine.sessions = None
