@@ -47,9 +47,6 @@ class BlockManager:
         """New blocks a table needs to hold ``num_tokens`` tokens."""
         return max(0, -(-num_tokens // self.block_size) - len(block_table))
 
-    def can_grow(self, block_table: list[int], num_tokens: int) -> bool:
-        return self.blocks_needed(block_table, num_tokens) <= self.num_free
-
     def grow(self, block_table: list[int], num_tokens: int) -> None:
         """Append blocks to ``block_table`` (in place) until it holds ``num_tokens`` tokens."""
         need = self.blocks_needed(block_table, num_tokens)

@@ -78,7 +78,6 @@ class ModelConfig:
     # each layer's attention window (None: the whole context), as transformers gives it: Mistral's window on
     # every layer, Qwen2's on the layers its ``layer_types`` (or ``max_window_layers``) mark, Llama's on none
     layer_windows: tuple[int | None, ...]
-    bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     # the weights store an lm_head.weight although the config ties the head to the embedding: unless it
     # equals the embedding the model holds it as its own head (``LlamaForCausalLM._settle_tied_head``),
@@ -173,7 +172,6 @@ class ModelConfig:
             o_proj_bias=llama and qkv_bias,
             mlp_bias=llama and bool(cfg.get("mlp_bias", False)),
             layer_windows=_layer_windows(cfg, arch, layers, source),
-            bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             raw=cfg,
         )

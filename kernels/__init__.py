@@ -1,2 +1,3 @@
-"""Compute kernels behind the engine: a plain-torch reference for each op (the CPU path, and the
-yardstick in tests) and, for CUDA, Triton versions beside them."""
+"""Compute kernels behind the engine: a plain-torch reference for each op (the CPU path where the
+engine has one, and always the yardstick the tests check the Triton version against) and, for
+CUDA, Triton versions beside them."""

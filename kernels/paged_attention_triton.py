@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 _MAX_SPLITS = 16
 # a turn's attention gained from 8 splits of 16K+ keys and lost with 16 at every length (H100, NOTES.md)
 _PREFILL_MAX_SPLITS = 8

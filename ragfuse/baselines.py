@@ -60,7 +60,6 @@ class BaselineResult:
     total_s: float
     llm_calls: int  # batches sent to the model (each passage of a batch is one prompt in it)
     prompt_tokens: int  # over every prompt of every call
-    generated_tokens: int
     calls: list[_Call] = field(default_factory=list, repr=False)
 
 
@@ -183,7 +182,6 @@ class BaselineChains:
         outs = [o for c in calls for o in c.outputs]
         return BaselineResult(
             answer=str(out["output_text"]).strip(), ttft_s=ttft, total_s=end - t0, llm_calls=len(calls),
-            prompt_tokens=sum(o.prompt_tokens for o in outs), generated_tokens=sum(len(o.token_ids) for o in outs),
-            calls=calls,
+            prompt_tokens=sum(o.prompt_tokens for o in outs), calls=calls,
         )
 

@@ -14,7 +14,6 @@ it and relay attention over it rely on.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
 from typing import Any
 
 from ragfuse.engine.chat_template import render_chat
@@ -26,13 +25,6 @@ DEFAULT_INSTRUCTION = (
 _PASSAGES = "\x00ragfuse-passages\x00"
 _QUESTION = "\x00ragfuse-question\x00"
 _ANSWER = "\x00ragfuse-answer\x00"
-
-
-@dataclass(frozen=True)
-class PromptParts:
-    prefix: list[int]  # chat header and instruction: the same for every question, stored once
-    separator: list[int]  # between passages
-    tail: list[int]  # question and the template's assistant header: computed per request
 
 
 class RagPromptBuilder:

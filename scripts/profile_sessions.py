@@ -179,7 +179,7 @@ VARIANTS: list[tuple[tuple[int, int, int, int], int | None]] = [
 def sweep_context(pat: Any, ctx: int, t: int, rows: int) -> None:
     import triton.testing
 
-    from ragfuse.kernels.timing_triton import D, turn_inputs
+    from ragfuse.bench.kernel_timing import D, turn_inputs
 
     k_cache, v_cache, tables, q, lens, cu, flops = turn_inputs(t, ctx, rows)
     default = pat._prefill_tiles

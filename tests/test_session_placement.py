@@ -55,11 +55,11 @@ def test_prefetch_window_fetches_queued_disk_sessions_and_counts_hits_by_tier() 
     p.admit("c", 10, 5.0)  # memory holds b, c; a is on disk only
     assert p.tier_of("a") == "disk"
     assert p.prefetch_window() == 2  # 20 bytes of memory / 10 bytes a session
-    moves = p.prefetch(["a", "c"], 6.0)
+    moves = p.prefetch(["a", "c"])
     assert [(m.action, m.session_id) for m in moves] == [("uncache", "b"), ("fetch", "a")]
     assert p.access("a", 7.0) == "cpu" and p.access("zz", 7.0) is None
     assert (p.stats.hits_cpu, p.stats.misses) == (1, 1)
-    assert LRUPolicy().prefetches is False and placement(LRUPolicy()).prefetch(["a"], 6.0) == []
+    assert LRUPolicy().prefetches is False and placement(LRUPolicy()).prefetch(["a"]) == []
 
 
 def test_disk_eviction_forgets_whole_sessions_and_ttl_expires_idle_ones() -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from connectors.server.schemas import ChatCompletionRequest, RagQueryRequest
+from ragfuse.connectors.server.schemas import ChatCompletionRequest, RagQueryRequest
 from ragfuse.engine.errors import RequestError
 from ragfuse.engine.sessions import SessionStore, Snapshot, begin_turn, check_session_id
 from ragfuse.engine.sessions.store import ORPHAN_GRACE_S, session_key

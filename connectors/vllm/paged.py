@@ -73,7 +73,7 @@ class PagedLayout:
             raise UnsupportedLayoutError("K and V share offsets in the probed layout")
         return cls(maps[0], maps[1])
 
-    def _address(self, cache: torch.Tensor, slots: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _address(self, slots: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
         blocks = torch.div(slots, self.block_size, rounding_mode="floor")
         offsets = slots % self.block_size
         return blocks.unsqueeze(1), index[offsets].reshape(len(slots), -1)
@@ -87,16 +87,16 @@ class PagedLayout:
         """K and V of the tokens at ``slots``, each ``[len(slots), kv_heads, head_dim]`` (new tensors)."""
         flat = self._flat(cache)
         n = len(slots)
-        k = flat[self._address(cache, slots, self.k_index)].view(n, self.num_kv_heads, self.head_dim)
-        v = flat[self._address(cache, slots, self.v_index)].view(n, self.num_kv_heads, self.head_dim)
+        k = flat[self._address(slots, self.k_index)].view(n, self.num_kv_heads, self.head_dim)
+        v = flat[self._address(slots, self.v_index)].view(n, self.num_kv_heads, self.head_dim)
         return k, v
 
     def scatter(self, cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k`` and ``v`` (``[len(slots), kv_heads, head_dim]``) into the cache at ``slots``."""
         flat = self._flat(cache)
         n = len(slots)
-        flat[self._address(cache, slots, self.k_index)] = k.reshape(n, -1).to(cache.dtype)
-        flat[self._address(cache, slots, self.v_index)] = v.reshape(n, -1).to(cache.dtype)
+        flat[self._address(slots, self.k_index)] = k.reshape(n, -1).to(cache.dtype)
+        flat[self._address(slots, self.v_index)] = v.reshape(n, -1).to(cache.dtype)
 
 
 def slots_for(block_ids: list[int], block_size: int, start: int, end: int) -> torch.Tensor:

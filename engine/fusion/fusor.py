@@ -335,6 +335,7 @@ def fuse_prefill(
         if cap is not None:  # the rest from graphs: the checks (and the layers before them), then the steady layers
             assert graphs is not None
             if graph_from > 0:  # the active tokens' state from the last eager layer
+                assert residual is not None  # every eager layer leaves one
                 graphs.stage(cap, hidden, residual, pos_at, act_slots, rows, active_segment, bounds_all[size_i],
                              lay.num_segments)
             else:  # sent with the pass's inputs; the hidden state from the embedding

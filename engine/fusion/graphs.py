@@ -305,19 +305,15 @@ class FusionGraphs:
         self.hidden[: hidden.shape[0]].copy_(hidden)
         self.residual[: hidden.shape[0]].zero_()
 
-    def stage(self, cap: _Capacity, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+    def stage(self, cap: _Capacity, hidden: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
               slots: torch.Tensor, rows: torch.Tensor, segment: torch.Tensor, bounds: torch.Tensor,
               num_segments: int) -> None:
-        """Copy the active tokens' state from an eager layer into the static inputs, padding made inert.
-        No residual yet (the pass starts here): a zero residual, as ``x + 0`` normed is ``x`` normed.
-        ``segment``: the fusor's segment per active row, whose spare (``num_segments - 1``) becomes
-        the capacity's."""
+        """Copy the active tokens' state (hidden state and residual) from the last eager layer into the
+        static inputs, padding made inert. ``segment``: the fusor's segment per active row, whose
+        spare (``num_segments - 1``) becomes the capacity's."""
         a = hidden.shape[0]
         self.hidden[:a].copy_(hidden)
-        if residual is None:
-            self.residual[:a].zero_()
-        else:
-            self.residual[:a].copy_(residual)
+        self.residual[:a].copy_(residual)
         spare = cap.inputs.spare
         self.positions[:a].copy_(positions)
         self.positions[a:].zero_()  # any valid RoPE row; these queries attend to nothing

@@ -31,7 +31,6 @@ DEFAULT_MAX_IDLE_BYTES = 512 << 20  # room for the KV of 6 chunks x 512 tokens o
 
 @dataclass
 class PoolStats:
-    allocated: int = 0  # buffers made fresh (their pages faulted on first fill)
     reused: int = 0  # handouts of a buffer that was already touched
     dropped: int = 0  # buffers given back to the OS because the idle limit was reached
 
@@ -56,7 +55,6 @@ class HostBufferPool:
     def take(self, nbytes: int) -> torch.Tensor:
         """A 1-D uint8 CPU tensor of ``nbytes`` bytes, contents undefined, yours until you drop it."""
         if self.max_idle_bytes == 0:
-            self.stats.allocated += 1
             return torch.empty(nbytes, dtype=torch.uint8)
         with self._lock:
             free = self._idle[nbytes]
@@ -66,7 +64,6 @@ class HostBufferPool:
                 self.stats.reused += 1
             else:
                 base = np.empty(nbytes, dtype=np.uint8)
-                self.stats.allocated += 1
         handout = base[:]  # a new array object over the same memory: its death means the tensor's death
         weakref.finalize(handout, self._give_back, base).atexit = False
         return torch.from_numpy(handout)

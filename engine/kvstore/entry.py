@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -217,10 +217,6 @@ class StoredKV:
         """Layer ``i``'s K (before RoPE) and V, each ``[tokens, kv_heads, head_dim]``."""
         t = self.layers[i]
         return t[0], t[1]
-
-    def iter_layers(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for i in range(start, self.meta.num_layers if stop is None else stop):
-            yield self.layer(i)
 
     def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All layers as ``compute_kv`` shapes them: K and V ``[layers, tokens, kv_heads, head_dim]``."""

@@ -78,9 +78,6 @@ class DelayProfile:
         pts = [(0, 0.0), *sorted(self.prefill_points)]
         return _interpolate([float(n) for n, _ in pts], [s for _, s in pts], float(num_tokens))
 
-    def prefill_s_per_token(self, num_tokens: int) -> float:
-        return self.prefill_s(num_tokens) / max(num_tokens, 1)
-
     def _curve(self, num_tokens: int) -> tuple[list[float], list[float]]:
         """The recompute curve for ``num_tokens`` stored tokens: linear between the two measured lengths
         around it (the nearest one's outside them), made monotone by a running maximum: a pass that

@@ -183,7 +183,7 @@ class SessionPlacement:
             moves.append(Move("forget", session_id))
         return moves
 
-    def prefetch(self, queue: Sequence[str], now: float) -> list[Move]:
+    def prefetch(self, queue: Sequence[str]) -> list[Move]:
         """Fetch the sessions of the jobs in the prefetch window from disk into memory."""
         window = self.prefetch_window()
         moves: list[Move] = []

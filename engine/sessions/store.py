@@ -538,7 +538,7 @@ class SessionStore:
     def hint(self, queue: Sequence[str]) -> None:
         """The engine's waiting sessions (head first): prefetch the look-ahead window."""
         with self._lock:
-            self._apply(self.placement.prefetch([s for s in queue if s in self._records], self.clock()))
+            self._apply(self.placement.prefetch([s for s in queue if s in self._records]))
 
     def sessions(self) -> list[SessionSummary]:
         """Every stored session, most recently used first (saves still in flight are waited for,

@@ -450,7 +450,7 @@ def simulate(
             if turn_of[ci] < len(convs[ci]):
                 heapq.heappush(events, (now + rng.expovariate(1 / think_s), seq, "arrive", ci))
                 seq += 1
-        for move in place.prefetch([f"c{q}" for q in queue], now):
+        for move in place.prefetch([f"c{q}" for q in queue]):
             if move.action == "fetch":
                 nbytes = place.sessions[move.session_id].nbytes
                 io_free = max(io_free, now) + nbytes / bw.get("disk", 2e9)

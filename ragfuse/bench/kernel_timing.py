@@ -1,6 +1,6 @@
 """Times the Triton kernels on the GPU against torch's own kernels and against the two floors.
 
-Run on the GPU machine: ``python -m ragfuse.kernels.timing_triton [out.json] [--turn | --pack | --scattered]``
+Run on the GPU machine: ``python -m ragfuse.bench.kernel_timing [out.json] [--turn | --pack | --scattered]``
 (``--turn``: only the session-turn cases; ``--pack``: grouped-query packing against one head per
 tile; ``--scattered``: tilings of cache fusion's attention). Shapes are Mistral-7B's attention
 (32 query heads, 8 KV heads, head_dim 128) in bf16. It first measures the two ceilings
@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from . import paged_attention_triton as pat
-from .norm import fused_add_rms_norm_ref
-from .norm_triton import fused_add_rms_norm_triton
-from .rope import apply_rope_ref, cos_sin_table, inv_frequencies
-from .rope_triton import apply_rope_qk_triton
+from ragfuse.kernels import paged_attention_triton as pat
+from ragfuse.kernels.norm import fused_add_rms_norm_ref
+from ragfuse.kernels.norm_triton import fused_add_rms_norm_triton
+from ragfuse.kernels.rope import apply_rope_ref, cos_sin_table, inv_frequencies
+from ragfuse.kernels.rope_triton import apply_rope_qk_triton
 
 H, KVH, D, PAGE = 32, 8, 128, 16
 DT = torch.bfloat16
@@ -226,7 +226,7 @@ def decode(batch: int, ctx: int, bw: float) -> None:
                nbytes=nbytes)
 
 
-def elementwise(bw: float) -> None:
+def elementwise() -> None:
     t, hidden = 4096, 4096
     x = torch.randn(t, hidden, device="cuda", dtype=DT)
     r = torch.randn_like(x)
@@ -303,7 +303,7 @@ def main() -> None:
     prefill(512, 3584, bw, rate)
     for batch, ctx in ((1, 1024), (64, 1024), (1, 8192), (64, 4096)):
         decode(batch, ctx, bw)
-    elementwise(bw)
+    elementwise()
     try:
         engine_decode()
     except Exception as e:
