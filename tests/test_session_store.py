@@ -216,7 +216,7 @@ def test_a_damaged_record_is_dropped_never_served(tmp_path, caplog, damage: str)
 
 def test_a_record_whose_kv_file_is_gone_keeps_its_history_for_a_recompute(tmp_path) -> None:
     """The record's tokens are the whole history a RAG session has: a lost KV file costs a recompute
-    of it (said in the turn's notes), not the conversation."""
+    of it (said in the turn's notes), not the conversation; a listing shows no stored KV for it."""
     store = SessionStore(tmp_path, "fp", torch.float32)
     store.save("x", list(range(11)), [(0, 10)], snapshot(10, 0))
     store.flush()
@@ -225,6 +225,9 @@ def test_a_record_whose_kv_file_is_gone_keeps_its_history_for_a_recompute(tmp_pa
     path.unlink()
     store = SessionStore(tmp_path, "fp", torch.float32)
     assert store.conversation("x") == list(range(11))
+    # the listing says so before the next turn finds out: tokens kept, nothing stored, not held
+    (listed,) = store.sessions()
+    assert (listed.tokens, listed.stored_rows, listed.nbytes, listed.tier) == (11, 0, 0, None)
     turn = begin_turn(store, "x", [*range(11), 20], 100, 4, 1, 0)
     assert turn.source is None and turn.plan.ranges == [(0, 12)]
     assert [n for n in turn.notes if n.startswith("session x ") and n.endswith("history recomputed")], turn.notes

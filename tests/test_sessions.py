@@ -100,6 +100,33 @@ def test_truncation_on_stored_kv_matches_reprefilling_the_truncated_history(llm,
     assert first_equal >= len(convs) - 1 and agree >= 1
 
 
+def test_a_job_queue_fetches_the_sessions_queued_next_into_memory(llm, sessions) -> None:
+    """``LLM.chat_sessions`` serves turns in order and hints the store with the turns behind the
+    running one: a session evicted to disk is back in memory when its turn comes (the scheduler-aware
+    look-ahead), and every answer equals a prefill of the whole history."""
+    convs = conversations(llm.tokenizer, n=2, words=24)
+    probe = sessions()  # measures one session's bytes at these lengths
+    llm.chat([{"role": "user", "content": convs[0][0]}], SP, session_id="probe")
+    probe.flush()
+    (one,) = probe.sessions()
+    probe.delete("probe")
+    probe.close()
+    store = sessions(cpu_bytes=int(1.6 * one.nbytes))  # host memory holds one session, not two
+    chats = {f"q{c}": [{"role": "user", "content": users[0]}] for c, users in enumerate(convs)}
+    outs = llm.chat_sessions(list(chats.items()), SP)  # q0, then q1: q0 leaves memory for disk
+    store.flush()
+    assert {s.session_id: s.tier for s in store.sessions()} == {"q0": "disk", "q1": "cpu"}
+    for messages, out, users in zip(chats.values(), outs, convs, strict=True):
+        messages += [{"role": "assistant", "content": out.text}, {"role": "user", "content": users[1]}]
+    order = ["q1", "q0"]  # while q1 runs, q0 (queued behind it) comes back from disk
+    outs = llm.chat_sessions([(sid, chats[sid]) for sid in order], SP)
+    for sid, out in zip(order, outs, strict=True):
+        assert out.token_ids == llm.chat(chats[sid], SP).token_ids, sid
+        assert out.metrics["session_tokens_reused"] > 0, sid
+    assert outs[1].metrics["session_tier"] == "cpu"
+    assert store.placement.stats.prefetches >= 1
+
+
 def test_evicted_session_is_recomputed_and_says_so(llm, sessions) -> None:
     store = sessions(cpu_bytes=0, disk_bytes=1)  # nothing fits anywhere: every session is evicted
     messages = [{"role": "user", "content": "Name a colour."}]

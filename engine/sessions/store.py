@@ -553,9 +553,19 @@ class SessionStore:
                 info = self.placement.sessions.get(sid)
                 if info is None:
                     continue
-                out.append(SessionSummary(sid, len(rec.tokens), rec.num_rows, rec.nbytes,
-                                          self.placement.tier_of(sid), rec.created, info.last_access))
+                tier = self.placement.tier_of(sid)
+                if tier == "disk" and not self._kv_file_present(rec):  # its tokens only: the next turn recomputes
+                    out.append(SessionSummary(sid, len(rec.tokens), 0, 0, None, rec.created, info.last_access))
+                    continue
+                out.append(SessionSummary(sid, len(rec.tokens), rec.num_rows, rec.nbytes, tier, rec.created,
+                                          info.last_access))
         return sorted(out, key=lambda s: s.last_access, reverse=True)
+
+    def _kv_file_present(self, rec: SessionRecord) -> bool:
+        """Whether the disk tier still has the record's KV file (removed by hand, or lost with its
+        disk, the record alone remains until the session's next turn finds out)."""
+        path = self.disk.path_of(rec.key) if self.disk is not None else None
+        return path is not None and path.exists()
 
     def delete(self, session_id: str) -> bool:
         """Drop a session's KV from every tier (its files too); False if there was none and no turn
