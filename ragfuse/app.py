@@ -16,7 +16,7 @@ from ragfuse.engine.kvstore.entry import dtype_name
 from ragfuse.pipeline import RagPipeline
 from ragfuse.rag_store import RagStore
 from ragfuse.retrieval import Retriever
-from ragfuse.store_dir import StoreConfig, ingested_store, resolve_store_dir
+from ragfuse.store_dir import StoreConfig, ingested_store, model_reference, resolve_store_dir
 
 log = logging.getLogger("ragfuse.app")
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -29,7 +29,7 @@ def serving_model(store: str | Path | None, model: str | None) -> str:
     config = StoreConfig.load(resolve_store_dir(store)) if store is not None else None
     if config is None:
         return model or DEFAULT_MODEL
-    if model is not None and model != config.model:
+    if model is not None and model_reference(model) != config.model:
         raise RagfuseError(f"the store at {resolve_store_dir(store)} was ingested with model {config.model!r}, "
                            f"not {model!r} (leave the model out to serve the store's)")
     return config.model

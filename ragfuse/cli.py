@@ -7,6 +7,7 @@ Every user error (unknown model, missing file, bad argument) is one line on stde
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import signal
 import sys
@@ -101,6 +102,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except FileNotFoundError as exc:
         sys.stderr.write(f"ragfuse: error: no such file: {exc.filename or exc}\n")
+        return 2
+    except OSError as exc:  # a read-only store, no permission, a full disk: said in a line, not a traceback
+        where = f": {exc.filename}" if exc.filename else ""
+        why = exc.strerror or str(exc)
+        hint = (" (ragfuse writes its locks, KV entries and session records into the store and sessions folders)"
+                if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else "")
+        sys.stderr.write(f"ragfuse: error: {why}{where}{hint}\n")
         return 2
     except KeyboardInterrupt:
         sys.stderr.write("ragfuse: interrupted\n")

@@ -69,6 +69,9 @@ class IngestReport:
     kv_computed: int = 0
     kv_reused: int = 0
     kv_removed: int = 0
+    # stored KV the disk tier evicted to stay within its capacity (``--kv-capacity-gb``), any chunk's
+    # or ``ask``'s: the store's other files then recompute theirs when asked
+    kv_evicted: int = 0
     tokens: int = 0  # of the new and changed files' chunks
     seconds: float = 0.0
     kv_seconds: float = 0.0
@@ -123,6 +126,7 @@ class Ingestor:
         out of reach: ``store rm`` does that. A path that does not exist changes nothing stored."""
         t0 = time.perf_counter()
         report = IngestReport()
+        evictions = self.store.kv.tier("disk").stats().evictions
         paths = [Path(p) for p in paths]
         found = find_files(paths)
         report.skipped = found.missing
@@ -153,7 +157,13 @@ class Ingestor:
                 self._precompute(chunk_kv, [ids for p in pending for ids in p.token_ids]
                                  + [ids for f in fills for ids in f.chunks.values()], report)
                 report.kv_seconds = time.perf_counter() - t1
-            self.on_engine(lambda: self._commit(pending, fills, vectors, report, roots))
+            old_refs = self.on_engine(lambda: self._commit(pending, fills, vectors, report, roots))
+        # only now, with every file's new chunks in, can "no chunk uses it" be told: a key one file
+        # dropped may be a chunk that moved to another file of this ingest. Replaced chunks lose
+        # their stored KV and also what `ask` stored for them (as `store rm` does); after this
+        # ingest's hold on the store, since the forgetting waits for no other ingest to run
+        report.kv_removed = self.on_engine(lambda: self.store.forget_chunk_kv(old_refs))
+        report.kv_evicted = self.store.kv.tier("disk").stats().evictions - evictions
         report.seconds = time.perf_counter() - t0
         return report
 
@@ -174,9 +184,10 @@ class Ingestor:
         return list(dict.fromkeys(deleted + sorted(unreached)))
 
     def _commit(self, pending: list[_Pending], fills: list[_KVFill], vectors: Any, report: IngestReport,
-                roots: dict[str, list[str]]) -> None:
+                roots: dict[str, list[str]]) -> list[tuple[str | None, tuple[int, ...]]]:
         """Swap each changed file's chunks in, key the KV-filled files' chunks in place, record what
-        each root reached, update the index once, then forget KV no chunk uses."""
+        each root reached, update the index once; return the replaced chunks' KV references, whose
+        KV goes where no chunk uses it any more."""
         chunk_kv = self.chunk_kv
         offset = 0
         all_removed: list[int] = []
@@ -209,10 +220,7 @@ class Ingestor:
         if pending or all_removed:  # one index update (and save) for the whole ingest; until then the saved
             # index is behind the docstore's generation and a crash would make the next open rebuild it
             self.store.apply_changes(all_removed, all_added, vectors)
-        # only now, with every file's new chunks in, can "no chunk uses it" be told: a key one file
-        # dropped may be a chunk that moved to another file of this ingest. Replaced chunks lose
-        # their stored KV and also what `ask` stored for them (as `store rm` does)
-        report.kv_removed = self.store.forget_chunk_kv(old_refs)
+        return old_refs
 
     def _kv_fill(self, loaded: LoadedFile) -> _KVFill | None:
         """None where ``loaded`` is new or its text changed (it is chunked again); else its stored
@@ -244,7 +252,7 @@ class Ingestor:
         longer chunk alone): each batch is one call on the engine, which a server's running streams
         wait for, so a batch never grows past the bound to take one more chunk."""
         keyed = {chunk_kv.key(ids): ids for ids in token_lists}
-        stored = self.on_engine(lambda: {k for k in keyed if self.store.kv.locate(k) is not None})
+        stored = self.on_engine(lambda: {k for k in keyed if self.store.kv.persist(k)})
         report.kv_reused += len(stored)
         todo = {k: ids for k, ids in keyed.items() if k not in stored}
         prefix = self.prefix

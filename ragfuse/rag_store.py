@@ -30,6 +30,7 @@ from filelock import FileLock
 from tqdm.auto import tqdm
 
 from ragfuse.docstore import DocStore
+from ragfuse.engine.folder_lock import FolderLock
 from ragfuse.engine.kvstore import DiskTier, KVStoreError, RedisTier, TieredKVStore, kv_key
 from ragfuse.engine.kvstore.disk import untouched_for
 from ragfuse.store_dir import StoreConfig, StoreError, ingested_store
@@ -113,11 +114,17 @@ class RagStore:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StoreError(f"cannot create store directory {root}: {exc.strerror}") from exc
-        existing = StoreConfig.load(root)
-        if existing is not None:
-            existing.check_compatible(config)
-        self._index_lock = FileLock(str(root / "index.lock"))
-        self.docs = DocStore(root / "docstore.sqlite")
+        # shared with every process that has the store open; ``clear`` needs it alone (waits for one)
+        self._open = FolderLock(root / "open.lock", exclusive=False, busy="", wait=True)
+        try:
+            existing = StoreConfig.load(root)
+            if existing is not None:
+                existing.check_compatible(config)
+            self._index_lock = FileLock(str(root / "index.lock"))
+            self.docs = DocStore(root / "docstore.sqlite")
+        except BaseException:
+            self._open.release()
+            raise
         try:
             tiers: list = [*(memory_tiers or []), DiskTier(root / "kv", int(kv_capacity_gb * 2**30), sweep=sweep_kv)]
             if redis_url:
@@ -125,6 +132,7 @@ class RagStore:
             self.kv = TieredKVStore(tiers)
         except BaseException:
             self.docs.close()
+            self._open.release()
             raise
         try:
             self.index = self._load_index()
@@ -230,12 +238,22 @@ class RagStore:
         A chunk's KV is under its stored key, and under the key ``ask`` computes for it
         (``chunk_kv.py``), where KV goes when ingest stored none (``--no-kv``) or ``ask`` ran in
         another dtype. Those keys are derived here; a remaining chunk of the same tokens has the same
-        ones, so they stay."""
-        tokens = {t for _, t in refs}
-        derived = {t: [chunk_kv.key(t) for chunk_kv in self._chunk_kvs] for t in tokens}
-        in_use = {k for t in self.docs.token_ids_in_use(tokens) for k in derived[t]}
-        keys = {k for k, _ in refs if k} | {k for ks in derived.values() for k in ks}
-        return self.forget_kv(keys - in_use)
+        ones, so they stay.
+
+        While an ingest runs (another process's, or a server's upload) nothing is deleted: it may
+        have counted this KV as stored for chunks it has not committed yet; ``gc`` removes it later."""
+        if not refs:
+            return 0
+        try:
+            with _flock(self.root / "ingest.lock", fcntl.LOCK_EX | fcntl.LOCK_NB, busy="an ingest is running"):
+                tokens = {t for _, t in refs}
+                derived = {t: [chunk_kv.key(t) for chunk_kv in self._chunk_kvs] for t in tokens}
+                in_use = {k for t in self.docs.token_ids_in_use(tokens) for k in derived[t]}
+                keys = {k for k, _ in refs if k} | {k for ks in derived.values() for k in ks}
+                return self.forget_kv(keys - in_use)
+        except StoreError as exc:
+            log.info("KV of %d removed chunks kept for `ragfuse store gc`: %s", len(refs), exc)
+            return 0
 
     @functools.cache  # noqa: B019 - one per store, which lives as long as its process uses it
     def _keying(self) -> tuple[str, RagPromptBuilder | None]:
@@ -282,11 +300,17 @@ class RagStore:
         """Remove every file with its chunks, every entry of the store's disk KV tier (also those of
         the instruction prefix and of passages ``ask`` stored), and the settings, which the next ingest
         sets (``store rm --all``). Return (files, chunks, KV entries) removed."""
-        files = [p for p, _ in self.docs.files()]
-        chunks, kv = self.remove(files)
-        disk = self.kv.tier("disk")
-        kv += sum(disk.delete(k) for k in disk.entry_keys())
-        _forget_settings(self.root)
+        self._open.exclusive(
+            f"the store at {self.root} is open in another process (a server, an ingest, an ask or the demo): "
+            "`store rm --all` resets its settings, which that process keeps using; stop it first")
+        try:
+            files = [p for p, _ in self.docs.files()]
+            chunks, kv = self.remove(files)
+            disk = self.kv.tier("disk")
+            kv += sum(disk.delete(k) for k in disk.entry_keys())
+            _forget_settings(self.root)
+        finally:
+            self._open.shared()
         return len(files), chunks, kv
 
     @classmethod
@@ -413,6 +437,7 @@ class RagStore:
     def close(self) -> None:
         self.docs.close()
         self.kv.close()
+        self._open.release()
 
 
 @contextlib.contextmanager

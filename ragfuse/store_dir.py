@@ -52,6 +52,14 @@ def resolve_store_dir(path: str | Path | None = None) -> Path:
     return Path(platformdirs.user_data_dir("ragfuse")) / "store"
 
 
+def model_reference(model: str) -> str:
+    """How a store records a model: a local path as an absolute one (``--model ./tiny`` recorded as
+    typed failed from every other folder, and the absolute path was refused as another model), an
+    alias or a hub id as given."""
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.exists() else model
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     model: str  # serving model alias: its tokenizer chunks, its engine precomputes KV
@@ -71,6 +79,8 @@ class StoreConfig:
             value = getattr(self, name)
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise StoreError(f"{name} must be {kind.__name__}, not {value!r}")
+        for name in ("model", "embedding_model"):
+            object.__setattr__(self, name, model_reference(getattr(self, name)))
         if self.embedding_dim < 1:
             raise StoreError(f"embedding_dim must be at least 1, not {self.embedding_dim}")
         check_chunking(self.chunk_tokens, self.chunk_overlap)

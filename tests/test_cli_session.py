@@ -61,3 +61,30 @@ def test_generate_refuses_a_session_it_did_not_make(tmp_path, capsys, engine):
                  "--session-dir", str(tmp_path / "sessions")]) != 0
     assert "that `generate` did not make" in capsys.readouterr().err
     assert not (tmp_path / "sessions" / "chats" / "theirs.json").exists()
+
+
+def test_a_session_turn_beside_the_process_keeping_the_stores_sessions_is_refused_before_loading(
+        tmp_path, capsys, monkeypatch):
+    """An `ask --session` beside a server on the same store lost one of the two processes' turns (each
+    works from its own memory of the sessions); it is refused at once, naming the holder, before
+    seconds to minutes of model loading."""
+    import os
+
+    import ragfuse.app
+    from ragfuse.engine.sessions.store import hold_sessions
+    from tests.tiny_store import add_file, open_tiny
+
+    root = tmp_path / "store"
+    store = open_tiny(root)
+    add_file(store, "/docs/a.txt", [0])
+    store.close()
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model loaded before the sessions were checked")
+
+    monkeypatch.setattr(ragfuse.app, "open_pipeline", no_model)
+    server = hold_sessions(root / "sessions")  # as a server on this store holds them
+    assert main(["ask", "Who?", "--store", str(root), "--session", "s1"]) == 2
+    err = capsys.readouterr().err
+    assert f"in use by another process (pid {os.getpid()}" in err and "Send the turn to that process" in err
+    server.release()

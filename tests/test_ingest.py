@@ -113,6 +113,22 @@ def test_failed_ingest_loses_nothing_and_stale_index_is_rebuilt(tmp_path, corpus
     store.close()
 
 
+def test_an_ingest_within_a_smaller_kv_capacity_counts_the_kv_it_evicts(tmp_path, corpus, engine, embedder):
+    """`--kv-capacity-gb` applies to the run that gives it: less than the store holds evicted other
+    files' KV (the instruction prefix's too) while the report said "removed 0". It counts them now."""
+    root = tmp_path / "store"
+    store = RagStore(root, _config(embedder))
+    _ingest(store, engine, embedder, [corpus / "eiffel.txt"])
+    held = store.kv.tier("disk").stats()
+    store.close()
+    store = RagStore(root, _config(embedder), kv_capacity_gb=held.bytes / 2**30)  # full already
+    rep = _ingest(store, engine, embedder, [corpus / "rust.md"])
+    after = store.kv.tier("disk").stats()
+    assert rep.kv_computed == 1 and rep.kv_removed == 0 and rep.kv_evicted >= 1
+    assert after.entries == held.entries + 1 - rep.kv_evicted
+    store.close()
+
+
 @pytest.mark.parametrize("kind", ["ivf", "hnsw"])
 def test_approximate_indexes(tmp_path, corpus, engine, embedder, kind):
     store = RagStore(tmp_path / kind, _config(embedder, index=kind))

@@ -56,6 +56,22 @@ def test_demotion_cascades_and_hits_are_promoted(tmp_path):
     assert stats["cpu"].misses == 1 and stats["disk"].hits == 1 and stats["cpu"].evictions >= 4
 
 
+def test_persist_writes_an_entry_only_memory_holds_through_to_disk(tmp_path):
+    """An upload counted a server's hot chunk as stored although its disk copy was gone (removed by
+    `store rm` beside the server): after a restart, or for another process, it was missing."""
+    e = make_entry(0)
+    cpu = MemoryTier("cpu", "cpu", capacity_bytes=4 * e.nbytes)
+    disk = DiskTier(tmp_path / "kv", capacity_bytes=4 * (e.nbytes + 4096))
+    store = TieredKVStore([cpu, disk])
+    store.put(e)
+    assert disk.delete(e.key) and store.locate(e.key) == "cpu"
+    assert store.persist(e.key) and disk.contains(e.key)
+    got = disk.get(e.key)
+    assert got is not None and same(got, e)
+    assert not store.persist(make_entry(1).key)  # held nowhere: not stored
+    assert TieredKVStore([MemoryTier("m", "cpu", capacity_bytes=e.nbytes)]).persist(e.key) is False
+
+
 def test_memory_to_memory_promotion_moves(tmp_path):
     e = [make_entry(i) for i in range(3)]
     top = MemoryTier("fast", "cpu", capacity_bytes=e[0].nbytes)

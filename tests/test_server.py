@@ -604,3 +604,24 @@ def test_serve_vllm_backend_without_vllm_says_how_to_install(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ragfuse.cli", "serve", "--backend", "vllm", "--store",
                         str(tmp_path / "store")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "scripts/test_vllm.sh" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_on_a_port_in_use_says_so_before_loading_a_model(capsys, monkeypatch):
+    """uvicorn binds once the app is built: a second server on a port took its model's loading time
+    (seconds to minutes) to fail, with uvicorn's log. The port is bound first, one line, exit 2."""
+    import socket
+
+    from ragfuse.cli import main
+    from ragfuse.commands import serve
+
+    def no_model(args):
+        raise AssertionError("the model loaded before the port was checked")
+
+    monkeypatch.setattr(serve, "build_backend", no_model)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"ragfuse: error: cannot serve on 127.0.0.1:{port}: in use (another server?)"

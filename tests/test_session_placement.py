@@ -50,6 +50,20 @@ def test_admission_keeps_the_queued_session_in_memory_where_lru_would_drop_it() 
     assert aware.tier_of("a") == "cpu" and aware.tier_of("b") == "disk"  # a is about to run
 
 
+def test_a_session_not_queued_goes_to_disk_only_when_memory_holds_those_queued_next() -> None:
+    """A job queue served one turn at a time: the turn that just ran saved its session into memory by
+    evicting the session queued next, which prefetching had just brought in, so that one ran from disk."""
+    aware = placement(SchedulerAwarePolicy(), cpu=20)  # memory holds a and b
+    moves = aware.admit("c", 10, 5.0, queue=["a", "b"])
+    assert aware.tier_of("c") == "disk" and aware.tier_of("a") == aware.tier_of("b") == "cpu"
+    assert [(m.action, m.session_id) for m in moves] == [("persist", "c")]
+    aware.admit("a", 10, 6.0, queue=["a", "b"])  # a queued session is admitted as before
+    assert aware.tier_of("a") == "cpu"
+    lru = placement(LRUPolicy(), cpu=20)
+    lru.admit("c", 10, 5.0, queue=["a", "b"])
+    assert lru.tier_of("c") == "cpu" and lru.tier_of("a") == "disk"  # recency alone
+
+
 def test_prefetch_window_fetches_queued_disk_sessions_and_counts_hits_by_tier() -> None:
     p = placement(SchedulerAwarePolicy(), cpu=20)
     p.admit("c", 10, 5.0)  # memory holds b, c; a is on disk only

@@ -295,3 +295,31 @@ def test_a_turn_with_history_but_no_stored_session_says_so(tmp_path) -> None:
     assert later.notes == ["session lost has no stored KV here (new to this store, deleted, or not kept across a "
                            "restart): history computed"]
     store.close()
+
+
+def test_one_process_at_a_time_keeps_a_folders_sessions(tmp_path, capsys) -> None:
+    """Each process works from its own memory of the sessions: a second one saving into the same
+    folder (another server, an ``ask --session`` beside a server) lost turns, and a session deleted
+    beside the process serving it came back. A second holder is refused, naming the first's pid; a
+    listing may look on; a delete is refused while the folder is held."""
+    import os
+
+    from ragfuse.cli import main
+    from ragfuse.engine.folder_lock import FolderBusyError
+
+    store = SessionStore(tmp_path, "fp", torch.float32)
+    store.save("x", list(range(11)), [(0, 10)], snapshot(10, 0))
+    store.flush()
+    with pytest.raises(FolderBusyError, match=f"in use by another process \\(pid {os.getpid()}"):
+        SessionStore(tmp_path, "fp", torch.float32)
+    look = SessionStore.browse(tmp_path)
+    assert [s.session_id for s in look.sessions()] == ["x"]
+    look.close()
+    assert main(["session", "rm", "x", "--session-dir", str(tmp_path)]) == 2
+    assert "in use by another process" in capsys.readouterr().err
+    assert store.conversation("x") == list(range(11))  # nothing was deleted under the holder
+    store.close()
+    assert main(["session", "rm", "x", "--session-dir", str(tmp_path)]) == 0  # released: deleted now
+    again = SessionStore(tmp_path, "fp", torch.float32)
+    assert again.sessions() == []
+    again.close()

@@ -71,3 +71,60 @@ def test_rm_all_forgets_settings_no_ingest_accepts_where_no_file_used_them(tmp_p
     (root / "store.json").write_text(json.dumps({**settings, "chunk_overlap": -1}))
     assert main(["store", "rm", "--all", "--store", str(root)]) == 2  # a file was ingested with settings now lost
     assert "unreadable" in capsys.readouterr().err and (root / "store.json").exists()
+
+
+def test_rm_all_waits_for_every_other_process_to_close_the_store(tmp_path, capsys):
+    """A server, an ingest or an ask keeps the store's settings in memory: `rm --all` beside one left
+    chunks without settings (a store nothing could open or remove) or a server chunking uploads by the
+    settings just reset. It is refused while the store is open elsewhere, and works once it is not."""
+    root = tmp_path / "store"
+    store = open_tiny(root)
+    add_file(store, "/docs/a.txt", [0, 1], kv_key="kv-of-a")
+    assert main(["store", "rm", "--all", "--store", str(root)]) == 2
+    assert "is open in another process" in capsys.readouterr().err
+    assert store.docs.counts()["chunks"] == 2 and StoreConfig.load(root) is not None  # nothing removed
+    store.close()
+    assert main(["store", "rm", "--all", "--store", str(root)]) == 0
+    assert "removed 1 files, 2 chunks" in capsys.readouterr().out
+
+
+def test_a_read_only_store_is_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
+    """On a read-only mount every command that opens the store failed with a traceback from the KV
+    tier's lock file; it is one line naming the file and why ragfuse writes there, exit 2."""
+    import errno
+    import os
+
+    root = tmp_path / "store"
+    open_tiny(root).close()
+    real_open = os.open
+
+    def read_only(path, flags, *args, **kwargs):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
+    assert main(["store", "stats", "--store", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ragfuse: error: Read-only file system: ") and "Traceback" not in err
+    assert "ragfuse writes its locks" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_model_given_as_a_relative_path_is_recorded_absolute(tmp_path, monkeypatch):
+    """`ingest --model ./tiny` recorded "./tiny": the store failed from every other folder, and the
+    absolute path was refused as another model. A local path is recorded absolute and matches
+    however it is spelled; an alias stays as given."""
+    from ragfuse.app import serving_model
+
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "models")
+    root = tmp_path / "store"
+    RagStore(root, tiny_config(model="./tiny")).close()
+    where = str((tmp_path / "models" / "tiny").resolve())
+    assert StoreConfig.load(root).model == where
+    assert serving_model(root, "./tiny") == where
+    monkeypatch.chdir(tmp_path)
+    assert serving_model(root, None) == serving_model(root, where) == serving_model(root, "models/tiny") == where
+    with pytest.raises(Exception, match="was ingested with model"):
+        serving_model(root, "./tiny")  # no such folder here: another model
+    assert tiny_config(model="smollm2-135m-instruct").model == "smollm2-135m-instruct"

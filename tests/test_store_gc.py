@@ -25,7 +25,7 @@ from ragfuse.rag_store import DEAD_TEMP_AGE_S, RagStore
 from ragfuse.store_dir import StoreError
 from tests.kvstore_helpers import make_entry
 from tests.store_helpers import ingest_demo
-from tests.tiny_store import open_tiny, put_kv, tiny_config
+from tests.tiny_store import add_file, open_tiny, put_kv, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "When was the Hollowpoint lighthouse electrified?"
@@ -260,4 +260,23 @@ def test_gc_refuses_a_store_whose_model_is_not_found(tmp_path, capsys):
     with pytest.raises(StoreError, match="model no-such-model is not found"):
         store.gc()
     assert store.kv.locate("kv-ask-stored") == "disk"
+    store.close()
+
+
+def test_removed_chunks_keep_their_kv_while_an_ingest_runs_and_gc_takes_it_after(tmp_path):
+    """Two ingests at once: one replacing a file deleted KV that the other had counted as stored for
+    a chunk of the same text it had not committed yet, and the store was left referencing missing KV.
+    While an ingest holds the store, removed chunks' KV stays; gc removes it once none runs."""
+    store = open_tiny(tmp_path / "store")
+    add_file(store, "/docs/a.txt", [0], kv_key="kv-of-a")
+    put_kv(store, "kv-of-a")
+    disk = store.kv.tier("disk")
+    with store.ingesting():  # as another process's ingest (its own lock file descriptor)
+        assert store.remove(["/docs/a.txt"]) == (1, 0)
+        assert disk.contains("kv-of-a")
+    report = store.gc(progress=False)
+    assert report.unreferenced_entries == 1 and not disk.contains("kv-of-a")
+    add_file(store, "/docs/b.txt", [1], kv_key="kv-of-b")
+    put_kv(store, "kv-of-b")
+    assert store.remove(["/docs/b.txt"]) == (1, 1) and not disk.contains("kv-of-b")  # alone: deleted at once
     store.close()

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ragfuse.engine import LLM, AsyncEngine, LLMEngine, RequestOutput, SamplingParams
+from ragfuse.engine.folder_lock import FolderLock
 from ragfuse.engine.sessions import SessionStore
 from ragfuse.engine.sessions.history import turn_floor
 from ragfuse.pipeline import Prepared, RagPipeline, Started
@@ -107,8 +108,10 @@ class EngineBackend:
     name = "ragfuse"
 
     def __init__(self, pipeline: RagPipeline, model_id: str, sessions_dir: str | Path | None = None,
-                 session_cpu_bytes: int = 4 << 30, session_disk_bytes: int = 32 << 30) -> None:
-        """``sessions_dir``: where sessions' KV is kept (default: the store's ``sessions/``)."""
+                 session_cpu_bytes: int = 4 << 30, session_disk_bytes: int = 32 << 30,
+                 sessions_lock: FolderLock | None = None) -> None:
+        """``sessions_dir``: where sessions' KV is kept (default: the store's ``sessions/``);
+        ``sessions_lock``: that folder's hold, taken before the model loaded (``hold_sessions``)."""
         from ragfuse.embeddings import Embedder
         from ragfuse.ingest import Ingestor
 
@@ -118,7 +121,8 @@ class EngineBackend:
         self.context_length = engine.max_model_len
         root = Path(sessions_dir) if sessions_dir is not None else pipeline.store.root / "sessions"
         self._engine_sessions = engine.sessions  # put back on close (an engine shared with other front ends)
-        self.sessions = SessionStore(root, engine.fingerprint, engine.dtype, session_cpu_bytes, session_disk_bytes)
+        self.sessions = SessionStore(root, engine.fingerprint, engine.dtype, session_cpu_bytes, session_disk_bytes,
+                                     hold=sessions_lock or True)
         engine.enable_sessions(self.sessions)
         self.loop = AsyncEngine(engine)
         self._uploading = asyncio.Lock()  # one upload at a time: each restores its files on failure

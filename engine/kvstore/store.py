@@ -40,6 +40,22 @@ class TieredKVStore:
         """Name of the fastest tier holding ``key`` (no stats change, no promotion)."""
         return next((t.name for t in self.tiers if t.contains(key)), None)
 
+    def persist(self, key: str) -> bool:
+        """Whether a persistent tier holds ``key`` once this returns: an entry only a memory tier
+        holds (a server's hot chunk whose disk copy was removed) is written through from there, so
+        whoever counts it stored finds it after a restart, in another process, or once evicted."""
+        persistent = [i for i, t in enumerate(self.tiers) if t.persistent]
+        if any(self.tiers[i].contains(key) for i in persistent):
+            return True
+        if not persistent:
+            return any(t.contains(key) for t in self.tiers)
+        for tier in self.tiers[: persistent[0]]:
+            entry = tier.get(key)
+            if entry is not None:
+                self._insert(persistent[0], entry)
+                return True
+        return False
+
     def get(self, key: str, device: torch.device | str | None = None) -> StoredKV | None:
         """The entry from the fastest tier that holds it (verified), promoted to the top; or None."""
         for i, tier in enumerate(self.tiers):

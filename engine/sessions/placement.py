@@ -171,9 +171,15 @@ class SessionPlacement:
         info = SessionInfo(session_id, nbytes, old.created if old else now, now)
         moves: list[Move] = []
         self.sessions[session_id] = info
+        # sessions whose jobs come next and fit in memory: a session not among them is not kept in
+        # memory at their expense (it goes to disk only), as prefetching would only fetch them back
+        soon = set(queue[: self.prefetch_window()]) - {session_id}
         if nbytes <= self.cpu_bytes:
-            moves += self._make_room("cpu", nbytes, queue, keep={session_id})
-            info.in_cpu = True
+            room = (self._make_room("cpu", nbytes, queue, keep={session_id}) if not soon or session_id in queue
+                    else self._make_room("cpu", nbytes, queue, keep=soon | {session_id}, strict=True))
+            if room is not None:
+                moves += room
+                info.in_cpu = True
         if nbytes <= self.disk_bytes:
             moves += self._make_room("disk", nbytes, queue, keep={session_id})
             info.on_disk = True

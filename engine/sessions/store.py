@@ -38,6 +38,7 @@ import torch
 
 from ..atomic_file import write_atomic
 from ..errors import RequestError
+from ..folder_lock import FolderLock
 from ..kvstore import CorruptEntryError, DiskTier, KVStoreError, StoredKV, kv_key
 from ..kvstore.entry import DTYPES, EntryMeta, dtype_name, layer_checksum
 from .history import Ranges, total
@@ -174,18 +175,32 @@ class SessionStore:
         policy: str = "scheduler",
         ttl_s: float | None = None,
         clock: Callable[[], float] = time.time,
+        hold: bool | FolderLock = True,
     ) -> None:
+        """``hold``: keep the folder's sessions to this process (``FolderLock``) while it is open, or
+        the lock a caller took before loading a model (``hold_sessions``: a refusal comes at once); a
+        store that only lists them (``browse``) holds nothing."""
         self.fingerprint = fingerprint
         self.dtype = dtype
         self.clock = clock
         self.root = Path(root) if root is not None else None
         self.placement = SessionPlacement(cpu_bytes, disk_bytes if root is not None else 0, make_policy(policy), ttl_s)
         self.disk: DiskTier | None = None
+        self._folder: FolderLock | None = None
         if self.root is not None:
-            # the placement decides disk evictions; the tier's own LRU must never fire first
-            self.disk = DiskTier(self.root / "kv", capacity_bytes=2 * disk_bytes + (1 << 30), name="disk",
-                                 reserve_bytes=0)
-            (self.root / "records").mkdir(parents=True, exist_ok=True)
+            if isinstance(hold, FolderLock):
+                self._folder = hold
+            elif hold:
+                self._folder = hold_sessions(self.root)
+            try:
+                # the placement decides disk evictions; the tier's own LRU must never fire first
+                self.disk = DiskTier(self.root / "kv", capacity_bytes=2 * disk_bytes + (1 << 30), name="disk",
+                                     reserve_bytes=0)
+                (self.root / "records").mkdir(parents=True, exist_ok=True)
+            except BaseException:
+                if self._folder is not None:
+                    self._folder.release()
+                raise
         self._records: dict[str, SessionRecord] = {}
         self._memory: dict[str, StoredKV] = {}
         self._gone: dict[str, str] = {}  # why a session known earlier is not there any more
@@ -197,6 +212,7 @@ class SessionStore:
         # turns begun and not saved yet, by when they began (``begin``)
         self._turns: weakref.WeakValueDictionary[int, TurnTicket] = weakref.WeakValueDictionary()
         self._turn_ids = itertools.count()
+        self._lookahead: list[str] = []  # the sessions a caller said come next (``hint``)
         self._pins: dict[str, int] = {}  # open layer sources per session (``placement.pinned``: those > 0)
         self._load_records()
         self._remove_orphans()
@@ -204,10 +220,12 @@ class SessionStore:
     # ---- records on disk -----------------------------------------------------------------------
 
     @classmethod
-    def browse(cls, root: str | Path) -> SessionStore:
-        """The sessions saved under ``root`` by any model, to list and delete (``ragfuse session``)
-        without loading one: this store has no model's fingerprint, so it must save no turn."""
-        return cls(root, fingerprint="", dtype=torch.float32, cpu_bytes=0)
+    def browse(cls, root: str | Path, hold: bool = False) -> SessionStore:
+        """The sessions saved under ``root`` by any model, to list, or with ``hold`` to delete
+        (``ragfuse session``), without loading one: this store has no model's fingerprint, so it must
+        save no turn. A listing holds nothing (it may run beside a server); a delete must hold the
+        folder, or the process serving the session would save it again from memory."""
+        return cls(root, fingerprint="", dtype=torch.float32, cpu_bytes=0, hold=hold)
 
     def _record_path(self, session_id: str) -> Path:
         assert self.root is not None
@@ -300,6 +318,11 @@ class SessionStore:
             dropped.set_result(None)
             return dropped
         created = self._records[session_id].created if session_id in self._records else self.clock()
+        with self._lock:
+            # the engine's waiting turns, then those a caller said come next (``hint``; a job queue
+            # served one turn at a time has no waiting turn in the engine), as they are now: the save
+            # runs later, when the next turn may have begun and hinted what follows it
+            ahead = [*queue, *(s for s in self._lookahead if s not in queue and s != session_id)]
 
         def work() -> None:
             layers = snapshot.wait()
@@ -311,7 +334,7 @@ class SessionStore:
             rec = SessionRecord(session_id, key, list(tokens), list(ranges), meta.num_tokens, meta.nbytes, created,
                                 self.fingerprint, dtype_name(self.dtype))
             with self._lock:
-                moves = self.placement.admit(session_id, entry.nbytes, self.clock(), queue)
+                moves = self.placement.admit(session_id, entry.nbytes, self.clock(), ahead)
                 self._apply(moves, new=(rec, entry))
 
         with self._lock:
@@ -536,8 +559,10 @@ class SessionStore:
             return (list(rec.tokens), list(rec.ranges)) if rec is not None else ([], [])
 
     def hint(self, queue: Sequence[str]) -> None:
-        """The engine's waiting sessions (head first): prefetch the look-ahead window."""
+        """The sessions of the jobs queued next (head first): prefetch the look-ahead window, and
+        keep them out of the evictions that saves make until the next hint."""
         with self._lock:
+            self._lookahead = list(queue)
             self._apply(self.placement.prefetch([s for s in queue if s in self._records]))
 
     def sessions(self) -> list[SessionSummary]:
@@ -633,4 +658,22 @@ class SessionStore:
         self._io.shutdown(wait=True)
         if self.disk is not None:
             self.disk.close()
+        if self._folder is not None:
+            self._folder.release()
 
+
+
+def hold_sessions(root: Path) -> FolderLock:
+    """The session folder ``root`` held by this process alone: every process works from its own
+    memory of the sessions, so two saving into one folder lost turns (the one saved last won), and a
+    session deleted beside the process serving it came back with its next turn."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KVStoreError(f"cannot create the sessions folder {root}: {exc.strerror}") from exc
+    return FolderLock(
+        root / "sessions.lock", exclusive=True,
+        busy=f"the sessions under {root} are in use by another process (pid {{pid}}: a server, or an ask or "
+             "generate with --session): one process at a time keeps a folder's sessions. Send the turn to that "
+             "process (a server's /v1/rag/query, /v1/chat/completions or DELETE /v1/sessions/ID), wait for it to "
+             "end, or give this one a sessions folder of its own (serve --sessions-dir, generate --session-dir)")

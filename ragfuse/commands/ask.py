@@ -55,13 +55,18 @@ def run(args: argparse.Namespace) -> int:
 
     # the accuracy gate's r* (a one-off calibration of minutes on a CPU) only bounds a ratio nobody chose
     gate = args.mode == "fuse" and args.recompute_ratio is None
-    pipe = open_pipeline(args.store, args.model, args.device, args.dtype, redis_url=args.redis, gate=gate)
-    if args.session is not None:
-        from ragfuse.engine.sessions import SessionStore
+    held = None
+    if args.session is not None:  # a server keeping the store's sessions is told before the model loads
+        from ragfuse.engine.sessions.store import hold_sessions
         from ragfuse.store_dir import resolve_store_dir
 
+        held = hold_sessions(resolve_store_dir(args.store) / "sessions")
+    pipe = open_pipeline(args.store, args.model, args.device, args.dtype, redis_url=args.redis, gate=gate)
+    if held is not None:
+        from ragfuse.engine.sessions import SessionStore
+
         eng = pipe.engine
-        eng.enable_sessions(SessionStore(resolve_store_dir(args.store) / "sessions", eng.fingerprint, eng.dtype))
+        eng.enable_sessions(SessionStore(held.path.parent, eng.fingerprint, eng.dtype, hold=held))
     params = SamplingParams(max_tokens=args.max_tokens)
     result = None
     for item in pipe.stream(args.question, mode=args.mode, ratio=args.recompute_ratio, top_k=args.top_k,

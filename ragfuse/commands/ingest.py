@@ -45,7 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-kv-context", choices=CHUNK_KV_CONTEXTS, default=None,
                    help="compute each chunk's KV after the RAG prompt's instruction prefix (closer to full "
                         "prefill) [instruction] or alone (CacheBlend's way)")
-    p.add_argument("--kv-capacity-gb", type=float, default=200.0, help="capacity of the disk KV tier")
+    p.add_argument("--kv-capacity-gb", type=float, default=200.0,
+                   help="capacity of the store's disk KV tier for this run: with less than the store holds, "
+                   "the least recently used KV (any file's) is evicted, and the report counts it")
     p.add_argument("--redis", metavar="URL", help="also keep KV in this Redis server (remote tier)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=run)
@@ -109,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
               f"+{report.chunks_added} -{report.chunks_removed} chunks ({report.tokens} tokens); "
               f"KV computed {report.kv_computed}, reused {report.kv_reused}, removed {report.kv_removed}; "
               f"{report.seconds:.1f} s (KV {report.kv_seconds:.1f} s) -> {store.root}")
+        if report.kv_evicted:
+            print(f"note: the KV tier evicted {report.kv_evicted} stored entries (least recently used, any "
+                  f"file's) to stay within --kv-capacity-gb {args.kv_capacity_gb:g}; they are recomputed when asked")
     if report.skipped and not (report.new_files or report.replaced_files or report.unchanged_files):
         # scripts check the status: an ingest that read no file of those it was given did not work
         sys.stderr.write("ragfuse: error: nothing ingested: every file was skipped (the reasons are above)\n")

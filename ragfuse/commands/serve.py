@@ -5,13 +5,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import os
+import socket
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 
 from ragfuse.commands.generate import add_model_args, positive_int
 from ragfuse.commands.ingest import add_store_arg
+from ragfuse.engine.errors import RagfuseError
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
@@ -59,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if args.host not in LOOPBACK and not args.api_key:
         sys.stderr.write(f"ragfuse: warning: serving on {args.host} without an API key: anyone who can reach "
                          "the port can use it\n")
+    sock = _bind(args.host, args.port)  # a port in use is told before the model loads (seconds to minutes)
     import uvicorn  # after the checks: the server stack takes seconds to import
 
     from ragfuse.connectors.server import ServerSettings, create_app
@@ -76,8 +81,27 @@ def run(args: argparse.Namespace) -> int:
     # uvicorn raises the signal again once it has shut down: KeyboardInterrupt (Ctrl-C) or the CLI's
     # Terminated (SIGTERM); the shutdown was clean, so the exit status is 0
     with contextlib.suppress(KeyboardInterrupt):
-        _server_class(end_requests)(config).run()
+        _server_class(end_requests)(config).run(sockets=[sock])
     return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound now: uvicorn binds only once the app is built, so a port
+    in use (another server) failed after the model had loaded."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise RagfuseError(f"cannot serve on {host}: {exc.strerror}") from exc
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        why = "in use (another server?)" if exc.errno == errno.EADDRINUSE else exc.strerror
+        raise RagfuseError(f"cannot serve on {host}:{port}: {why}") from exc
+    return sock
 
 
 def _server_class(end_requests: Callable[[], None]) -> type:
@@ -106,7 +130,11 @@ def build_backend(args: argparse.Namespace):  # noqa: ANN201 (a Backend; its mod
 
         return VLLMServeBackend.open(args.store, model)
     from ragfuse.connectors.server.engine_backend import EngineBackend, open_store_pipeline
+    from ragfuse.engine.sessions.store import hold_sessions
+    from ragfuse.store_dir import resolve_store_dir
 
+    # another process keeping these sessions (a server on the same store) is told before the model loads
+    held = hold_sessions(Path(args.sessions_dir) if args.sessions_dir else resolve_store_dir(args.store) / "sessions")
     engine = None
     if args.no_prefix_tree:
         from ragfuse.engine import EngineConfig, LLMEngine
@@ -115,7 +143,7 @@ def build_backend(args: argparse.Namespace):  # noqa: ANN201 (a Backend; its mod
     pipeline = open_store_pipeline(args.store, model, args.device, args.dtype, engine=engine,
                                    gate=not args.no_gate)
     return EngineBackend(pipeline, model, args.sessions_dir, int(args.session_memory_gb * 2**30),
-                         int(args.session_disk_gb * 2**30))
+                         int(args.session_disk_gb * 2**30), sessions_lock=held)
 
 
 def _usage(msg: str) -> int:

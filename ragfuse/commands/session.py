@@ -43,11 +43,12 @@ def _root(args: argparse.Namespace) -> Path:
     return resolve_store_dir(args.store) / "sessions" if args.store else sessions_dir(args.session_dir)
 
 
-def _open(root: Path) -> SessionStore | None:
-    """The sessions under ``root`` (None where there is no such folder: nothing is created for a look)."""
+def _open(root: Path, hold: bool = False) -> SessionStore | None:
+    """The sessions under ``root`` (None where there is no such folder: nothing is created for a look);
+    ``hold``: to delete, refused while another process keeps them."""
     from ragfuse.engine.sessions import SessionStore
 
-    return SessionStore.browse(root) if (root / "records").is_dir() else None
+    return SessionStore.browse(root, hold=hold) if (root / "records").is_dir() else None
 
 
 def list_sessions(args: argparse.Namespace) -> int:
@@ -76,7 +77,7 @@ def remove_sessions(args: argparse.Namespace) -> int:
 
     ids = [check_session_id(i) for i in args.ids]
     root = _root(args)
-    store = _open(root)
+    store = _open(root, hold=True)
     missing = []
     try:
         for sid in ids:
