@@ -78,15 +78,17 @@ class FoundFiles:
     incomplete: set[Path] = field(default_factory=set)
 
 
-def find_files(paths: Iterable[str | Path]) -> FoundFiles:
+def find_files(paths: Iterable[str | Path], exclude: Path | None = None) -> FoundFiles:
     """Expand directories (recursively, supported suffixes only); name paths that do not exist.
     Roots that overlap (``docs docs/sub``, or a folder one root reaches through a link and another
-    names) share one listing of each folder: each file is listed, and read, once."""
+    names) share one listing of each folder: each file is listed, and read, once. A walk does not
+    enter ``exclude`` (the store's own folder, kept inside the documents: its settings and a server's
+    uploads are not documents of this ingest)."""
     missing: list[SkippedFile] = []
     folders: dict[str, None] = {}
     roots: dict[Path, dict[Path, None]] = {}
     incomplete: set[Path] = set()
-    lister = _FolderLister()
+    lister = _FolderLister(os.path.realpath(exclude) if exclude is not None else None)
     for p in map(Path, paths):
         if p.is_dir():
             found, walked, complete = lister.walk(p)
@@ -115,7 +117,8 @@ class _FolderLister:
     but such a folder's listing is the one taken before, so overlapping roots cost no second pass
     over the disk. Hidden files and folders are left out."""
 
-    def __init__(self) -> None:
+    def __init__(self, exclude: str | None = None) -> None:
+        self._exclude = exclude  # a real folder not to enter
         # by real path: the supported files' and the visible subfolders' names, None if it cannot be listed
         self._listings: dict[str, tuple[list[str], list[str]] | None] = {}
         # the errors of the folders that could not be listed, each once, which ``os.walk`` would
@@ -132,7 +135,7 @@ class _FolderLister:
         while todo:
             folder = todo.pop()
             real = os.path.realpath(folder)
-            if real in seen:
+            if real in seen or real == self._exclude:
                 continue
             seen[real] = None
             if real not in self._listings:

@@ -128,7 +128,7 @@ class Ingestor:
         report = IngestReport()
         evictions = self.store.kv.tier("disk").stats().evictions
         paths = [Path(p) for p in paths]
-        found = find_files(paths)
+        found = find_files(paths, exclude=self.store.root)
         report.skipped = found.missing
         # a root whose walk could not list every folder neither removes nor records what it missed
         roots = _storable_roots({root: files for root, files in found.roots.items() if root not in found.incomplete})

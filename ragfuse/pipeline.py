@@ -291,22 +291,25 @@ class RagPipeline:
     def _key(self, token_ids: list[int]) -> str:
         return kv_key(self.engine.fingerprint, self.engine.dtype, token_ids)
 
-    def _chunk_source(self, token_ids: list[int], notes: list[str]) -> EntrySource | LayerwiseSource:
+    def _chunk_source(self, token_ids: list[int], notes: list[str], damaged: bool = False,
+                      ) -> EntrySource | LayerwiseSource:
         """A chunk's stored KV, or (on a miss) its KV computed and stored as ingest would have."""
         assert self.chunk_kv is not None
-        return self._source(self.chunk_kv.key(token_ids), token_ids, notes, self.chunk_kv.context)
+        return self._source(self.chunk_kv.key(token_ids), token_ids, notes, self.chunk_kv.context, damaged)
 
     def _source(
-        self, key: str, token_ids: list[int], notes: list[str], context: tuple[int, ...] = ()
+        self, key: str, token_ids: list[int], notes: list[str], context: tuple[int, ...] = (),
+        damaged: bool = False,
     ) -> EntrySource | LayerwiseSource:
-        """The stored KV under ``key``, else the KV of ``token_ids`` after ``context``, computed and stored."""
+        """The stored KV under ``key``, else the KV of ``token_ids`` after ``context``, computed and
+        stored. ``damaged``: the entry was stored, and dropped while loading (already noted)."""
         assert self.store is not None
         before = len(notes)
         src = self._lookup(key, len(token_ids), notes)
         if src is not None:
             return src
-        # after a damaged or unreadable entry (the lookup noted it) the KV had been stored, only not usable
-        what = "" if len(notes) > before else " was not stored:"
+        # after a damaged or unreadable entry (noted) the KV had been stored, only not usable
+        what = "" if damaged or len(notes) > before else " was not stored:"
         (k, v), = self.engine.compute_kv([token_ids], context)
         entry = StoredKV.from_kv(key, k, v)
         try:
@@ -536,8 +539,8 @@ class RagPipeline:
                 else:
                     log.warning("KV entry %s could not be read, recomputed: %s", key, exc)
                     prep.notes.append(f"KV entry {key[:12]} could not be read ({exc}): recomputed")
-                seg.kv = (self._source(key, seg.token_ids, prep.notes) if seg.label == "instruction"
-                          else self._chunk_source(seg.token_ids, prep.notes))
+                seg.kv = (self._source(key, seg.token_ids, prep.notes, damaged=True) if seg.label == "instruction"
+                          else self._chunk_source(seg.token_ids, prep.notes, damaged=True))
         prep.sources = [s.kv for s in prep.segments if s.kv is not None]  # type: ignore[misc]
 
     def start(

@@ -424,7 +424,7 @@ class RagStore:
         report.leftover_files += [f"KV entry {key} (listed, its file gone)" for key in gone]
         report.leftover_bytes += sum(nbytes for _, nbytes in files)
         profiles = self.root / "profiles"
-        folders = [self.root, profiles, *(p for p in profiles.rglob("*") if p.is_dir())]
+        folders = [self.root, self.root / "uploads", profiles, *(p for p in profiles.rglob("*") if p.is_dir())]
         temps = [p for folder in folders for p in folder.glob(".*.tmp") if untouched_for(p) > DEAD_TEMP_AGE_S]
         with self._index_lock:
             for path in [*temps, self.index_path.with_suffix(".tmp")]:

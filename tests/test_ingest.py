@@ -129,6 +129,18 @@ def test_an_ingest_within_a_smaller_kv_capacity_counts_the_kv_it_evicts(tmp_path
     store.close()
 
 
+def test_a_store_kept_inside_the_documents_is_not_ingested_as_documents(tmp_path, corpus, engine, embedder):
+    """`ingest docs --store docs/store` listed the store's own settings and index as skipped files
+    (with a --text-field hint), and would read a server's uploads there a second time."""
+    store = RagStore(corpus / "store", _config(embedder))
+    (corpus / "store" / "uploads").mkdir()
+    (corpus / "store" / "uploads" / "up.md").write_text("An uploaded note about lighthouses.")
+    rep = _ingest(store, engine, embedder, [corpus], precompute_kv=False)
+    assert not [f for f in rep.new_files if "/store/" in f]
+    assert not [s for s in rep.skipped if "/store/" in s.path], rep.skipped
+    store.close()
+
+
 @pytest.mark.parametrize("kind", ["ivf", "hnsw"])
 def test_approximate_indexes(tmp_path, corpus, engine, embedder, kind):
     store = RagStore(tmp_path / kind, _config(embedder, index=kind))

@@ -155,6 +155,8 @@ def test_corrupt_entry_is_recomputed_not_served(pipeline):
     path.write_bytes(bytes(data))
     after = pipeline.ask(QUESTION, mode="fuse", ratio=0.5, top_k=1, params=params)
     assert any("checksum" in n for n in after.notes)
+    # it was stored, only damaged: the recompute's note does not say it "was not stored"
+    assert not any("not stored" in n for n in after.notes), after.notes
     assert after.answer == before.answer
     assert disk.stats().corrupt >= 1
 

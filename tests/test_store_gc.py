@@ -148,14 +148,18 @@ def test_gc_removes_what_a_killed_writer_left_and_keeps_a_live_writers_temp_file
     old_settings.write_text("{")
     fresh_settings = root / ".store.json.z9y8x7w6.tmp"
     fresh_settings.write_text("{")
+    # a server's upload killed before its rename (the uploads folder was not swept)
+    (root / "uploads").mkdir(exist_ok=True)
+    old_upload = root / "uploads" / ".notes.md.a1b2c3d4.tmp"
+    old_upload.write_text("half an upload")
     long_ago = time.time() - DEAD_TEMP_AGE_S - 60
-    for path in (reused, old_settings):
+    for path in (reused, old_settings, old_upload):
         os.utime(path, (long_ago, long_ago))
     # an entry renamed in by a writer killed before listing it
     unlisted = dead.parent / f"{'c' * 64}.safetensors"
     unlisted.write_bytes(b"\0" * 100)
 
-    leftovers = (dead, reused, old_settings, unlisted)
+    leftovers = (dead, reused, old_settings, old_upload, unlisted)
     expected = {str(p.relative_to(root)) for p in leftovers}
     nbytes = sum(p.stat().st_size for p in leftovers)
     dry = _gc(capsys, root, "--dry-run")

@@ -8,14 +8,13 @@ hash of its stored path), so listings do not reveal the server's directory layou
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from ragfuse.documents import SUFFIXES
+from ragfuse.engine.atomic_file import write_atomic
 from ragfuse.engine.errors import RequestError
 from ragfuse.ingest import Ingestor
 from ragfuse.rag_store import RagStore
@@ -117,16 +116,11 @@ class DocumentLibrary:
             self._write(name, old)
 
     def _write(self, name: str, data: bytes) -> Path:
-        """Write atomically (temp file, then rename), so a failed upload never leaves half a file."""
+        """Write atomically (temp file, then rename), so a failed upload never leaves half a file;
+        readable by everyone, as the store's other files (a CLI run by another user reads it), and
+        the temp file a crash leaves is one ``store gc`` sweeps."""
         target = self.uploads / name
-        fd, tmp = tempfile.mkstemp(dir=self.uploads, prefix=".upload-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(target, data)
         return target
 
     def _info(self, path: str, chunks: int) -> dict[str, Any]:
