@@ -52,9 +52,14 @@ class FolderLock:
             self._write_pid()
 
     def exclusive(self, busy: str) -> None:
-        """Turn a shared hold into the only one, or refuse with ``busy`` while another process holds."""
+        """Turn a shared hold into the only one, or refuse with ``busy`` while another process holds
+        (keeping the shared hold: ``flock`` drops it before trying, so it is taken again)."""
         if self._fd is not None:
-            self._take(True, busy, wait=False)
+            try:
+                self._take(True, busy, wait=False)
+            except FolderBusyError:
+                self.shared()
+                raise
 
     def shared(self) -> None:
         """Back to a shared hold after ``exclusive``."""

@@ -662,7 +662,6 @@ class SessionStore:
             self._folder.release()
 
 
-
 def hold_sessions(root: Path) -> FolderLock:
     """The session folder ``root`` held by this process alone: every process works from its own
     memory of the sessions, so two saving into one folder lost turns (the one saved last won), and a

@@ -61,25 +61,30 @@ def run(args: argparse.Namespace) -> int:
         from ragfuse.store_dir import resolve_store_dir
 
         held = hold_sessions(resolve_store_dir(args.store) / "sessions")
-    pipe = open_pipeline(args.store, args.model, args.device, args.dtype, redis_url=args.redis, gate=gate)
-    if held is not None:
-        from ragfuse.engine.sessions import SessionStore
+    pipe = None
+    try:
+        pipe = open_pipeline(args.store, args.model, args.device, args.dtype, redis_url=args.redis, gate=gate)
+        if held is not None:
+            from ragfuse.engine.sessions import SessionStore
 
-        eng = pipe.engine
-        eng.enable_sessions(SessionStore(held.path.parent, eng.fingerprint, eng.dtype, hold=held))
-    params = SamplingParams(max_tokens=args.max_tokens)
-    result = None
-    for item in pipe.stream(args.question, mode=args.mode, ratio=args.recompute_ratio, top_k=args.top_k,
-                            params=params, session_id=args.session):
-        if hasattr(item, "delta_text"):
-            if not args.json:
-                sys.stdout.write(item.delta_text)
-                sys.stdout.flush()
-        else:
-            result = item
+            eng = pipe.engine
+            eng.enable_sessions(SessionStore(held.path.parent, eng.fingerprint, eng.dtype, hold=held))
+        params = SamplingParams(max_tokens=args.max_tokens)
+        result = None
+        for item in pipe.stream(args.question, mode=args.mode, ratio=args.recompute_ratio, top_k=args.top_k,
+                                params=params, session_id=args.session):
+            if hasattr(item, "delta_text"):
+                if not args.json:
+                    sys.stdout.write(item.delta_text)
+                    sys.stdout.flush()
+            else:
+                result = item
+    finally:  # the turn's KV reaches disk before the process ends, and the sessions are free again
+        if pipe is not None and pipe.engine.sessions is not None:
+            pipe.engine.sessions.close()
+        if held is not None:
+            held.release()
     assert result is not None
-    if pipe.engine.sessions is not None:
-        pipe.engine.sessions.close()  # the turn's KV reaches disk before the process ends
     baseline = None
     if args.compare and args.mode != "full":
         baseline = pipe.ask(args.question, mode="full", top_k=args.top_k, params=params)

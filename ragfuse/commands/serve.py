@@ -71,8 +71,12 @@ def run(args: argparse.Namespace) -> int:
     settings = ServerSettings(api_key=args.api_key, cors_origins=tuple(args.cors_origin),
                               max_body_bytes=int(args.max_body_mb * 2**20), max_tokens=args.max_tokens,
                               max_top_k=args.max_top_k, relay=not args.no_relay)
-    backend = build_backend(args)
-    app = create_app(backend, settings)
+    try:
+        backend = build_backend(args)
+        app = create_app(backend, settings)
+    except BaseException:
+        sock.close()
+        raise
     # a signal ends the engine's requests at once: their streams close with an error event instead of
     # being cut off mid-chunk (with a traceback) when the grace period runs out
     end_requests = backend.stop if args.backend == "vllm" else backend.loop.stop
