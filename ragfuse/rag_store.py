@@ -128,7 +128,8 @@ class RagStore:
         try:
             tiers: list = [*(memory_tiers or []), DiskTier(root / "kv", int(kv_capacity_gb * 2**30), sweep=sweep_kv)]
             if redis_url:
-                tiers.append(RedisTier(redis_url, int(redis_capacity_gb * 2**30), prefix=_redis_namespace(root)))
+                tiers.append(RedisTier(redis_url, int(redis_capacity_gb * 2**30),
+                                       prefix=_redis_namespace(root, self._index_lock)))
             self.kv = TieredKVStore(tiers)
         except BaseException:
             self.docs.close()
@@ -480,24 +481,32 @@ def _drop_corrupt(tier: _CollectableTier, part: TierGc, sizes: dict[str, int], d
                 tier.drop(key)
 
 
-def _redis_namespace(root: Path) -> str:
+def _redis_namespace(root: Path, lock: FileLock) -> str:
     """The store's own key prefix in a Redis server: ``ragfuse:kv:`` and an id the store records the
     first time it is opened with Redis. Entries are keyed by content, so on a server several stores
     share, one store's ``gc`` would take every other store's entries for unused; in its own namespace
     it sees only its own. An id, not the store's path: a store may be moved, or reached at other paths
-    from other hosts sharing the server. Two processes recording it at once agree (a link, not a
-    rename, puts it in place: the second one finds the first one's)."""
+    from other hosts sharing the server. The file also names its own inode: a copy of the store (a
+    new file, the id copied) gets an id of its own, or its gc would remove the original's entries (a
+    move to another filesystem looks like a copy: its entries are left to Redis's LRU). Under the
+    store's index lock, so processes opening it at once record one id."""
     path = root / "redis_namespace"
     try:
-        if not path.exists():
-            tmp = root / f".redis_namespace.{uuid.uuid4().hex}.tmp"
-            tmp.write_text(uuid.uuid4().hex)
-            try:
-                with contextlib.suppress(FileExistsError):
-                    os.link(tmp, path)
-            finally:
-                tmp.unlink()
-        namespace = path.read_text().strip()
+        with lock:
+            text = path.read_text().split() if path.exists() else []
+            if len(text) == 2 and text[1] != str(path.stat().st_ino):  # a copy's file: not the one recorded
+                path.unlink()
+                text = []
+            if not text:
+                tmp = root / f".redis_namespace.{uuid.uuid4().hex}.tmp"
+                with tmp.open("w") as f:
+                    f.write(f"{uuid.uuid4().hex} {os.fstat(f.fileno()).st_ino}")
+                try:
+                    os.link(tmp, path)  # the same inode, under its final name
+                finally:
+                    tmp.unlink()
+                text = path.read_text().split()
+        namespace = text[0] if text else ""
     except OSError as exc:
         raise StoreError(f"cannot record the store's Redis namespace in {path}: {exc.strerror or exc}") from exc
     if not namespace.isalnum():

@@ -119,3 +119,29 @@ def test_a_store_keeps_its_redis_namespace_when_reopened_or_moved(tmp_path, redi
     assert _redis(moved).prefix == prefix != _redis(other).prefix
     moved.close()
     other.close()
+
+
+def test_a_copied_store_gets_a_redis_namespace_of_its_own(tmp_path, redis_url):
+    """`cp -a` of a store copied its namespace id, and the copy's gc removed the original's entries
+    (unused by the copy's chunks). The recorded file names its inode: a copy's file is a new one."""
+    import shutil
+
+    a = _open(tmp_path / "a", redis_url)
+    prefix = _redis(a).prefix
+    a.close()
+    shutil.copytree(tmp_path / "a", tmp_path / "copy")
+    copy = _open(tmp_path / "copy", redis_url)
+    assert _redis(copy).prefix != prefix
+    copy_prefix = _redis(copy).prefix
+    copy.close()
+    again = _open(tmp_path / "copy", redis_url)  # its own id, kept from now on
+    a = _open(tmp_path / "a", redis_url)
+    assert _redis(again).prefix == copy_prefix and _redis(a).prefix == prefix
+    again.close()
+    a.close()
+    legacy = tmp_path / "legacy"  # a file written before the inode was recorded keeps its id
+    shutil.copytree(tmp_path / "a", legacy)
+    (legacy / "redis_namespace").write_text("0123abcd")
+    old = _open(legacy, redis_url)
+    assert _redis(old).prefix == "ragfuse:kv:0123abcd"
+    old.close()
