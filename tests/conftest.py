@@ -126,3 +126,20 @@ def redis_url():
     yield url
     proc.terminate()
     proc.wait(timeout=10)
+
+
+@pytest.fixture
+def read_only_fs(monkeypatch):
+    """Every file open for writing or creating fails as on a read-only mount (root ignores file
+    modes, so a chmod cannot make a folder read-only for the tests)."""
+    import errno
+    import os
+
+    real_open = os.open
+
+    def read_only(path, flags, *args, **kwargs):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)

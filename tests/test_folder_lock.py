@@ -3,7 +3,6 @@ and a read-only folder that cannot be locked for writing."""
 
 from __future__ import annotations
 
-import errno
 import os
 
 import pytest
@@ -34,16 +33,9 @@ def test_a_refused_exclusive_step_keeps_the_shared_hold(tmp_path):
     mine.release()
 
 
-def test_a_read_only_folder_is_locked_read_only_or_not_at_all(tmp_path, monkeypatch):
+def test_a_read_only_folder_is_locked_read_only_or_not_at_all(tmp_path, request):
     (tmp_path / "there.lock").write_text("")
-    real_open = os.open
-
-    def read_only(path, flags, *args, **kwargs):
-        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
-            raise OSError(errno.EROFS, "Read-only file system", str(path))
-        return real_open(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", read_only)
+    request.getfixturevalue("read_only_fs")  # from here on
     there = FolderLock(tmp_path / "there.lock", exclusive=True, busy="")  # through a read-only descriptor
     absent = FolderLock(tmp_path / "absent.lock", exclusive=True, busy="")  # cannot be made: no lock
     there.release()

@@ -88,22 +88,12 @@ def test_rm_all_waits_for_every_other_process_to_close_the_store(tmp_path, capsy
     assert "removed 1 files, 2 chunks" in capsys.readouterr().out
 
 
-def test_a_read_only_store_is_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
+def test_a_read_only_store_is_one_line_not_a_traceback(tmp_path, capsys, request):
     """On a read-only mount every command that opens the store failed with a traceback from the KV
     tier's lock file; it is one line naming the file and why ragfuse writes there, exit 2."""
-    import errno
-    import os
-
     root = tmp_path / "store"
     open_tiny(root).close()
-    real_open = os.open
-
-    def read_only(path, flags, *args, **kwargs):
-        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
-            raise OSError(errno.EROFS, "Read-only file system", str(path))
-        return real_open(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", read_only)
+    request.getfixturevalue("read_only_fs")  # from here on
     assert main(["store", "stats", "--store", str(root)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ragfuse: error: Read-only file system: ") and "Traceback" not in err
