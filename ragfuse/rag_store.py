@@ -14,7 +14,6 @@ takes it exclusively.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import logging
 import os
@@ -30,7 +29,7 @@ from filelock import FileLock
 from tqdm.auto import tqdm
 
 from ragfuse.docstore import DocStore
-from ragfuse.engine.folder_lock import FolderLock
+from ragfuse.engine.folder_lock import FolderBusyError, FolderLock
 from ragfuse.engine.kvstore import DiskTier, KVStoreError, RedisTier, TieredKVStore, kv_key
 from ragfuse.engine.kvstore.disk import untouched_for
 from ragfuse.store_dir import StoreConfig, StoreError, ingested_store
@@ -246,13 +245,13 @@ class RagStore:
         if not refs:
             return 0
         try:
-            with _flock(self.root / "ingest.lock", fcntl.LOCK_EX | fcntl.LOCK_NB, busy="an ingest is running"):
+            with _ingest_lock(self.root, busy="an ingest is running"):
                 tokens = {t for _, t in refs}
                 derived = {t: [chunk_kv.key(t) for chunk_kv in self._chunk_kvs] for t in tokens}
                 in_use = {k for t in self.docs.token_ids_in_use(tokens) for k in derived[t]}
                 keys = {k for k, _ in refs if k} | {k for ks in derived.values() for k in ks}
                 return self.forget_kv(keys - in_use)
-        except StoreError as exc:
+        except FolderBusyError as exc:
             log.info("KV of %d removed chunks kept for `ragfuse store gc`: %s", len(refs), exc)
             return 0
 
@@ -347,7 +346,7 @@ class RagStore:
         """Held by an ingest from before it writes its first KV entry until its chunks are committed:
         its new entries are referenced by no chunk until then, and ``gc`` must not take them for
         garbage. Shared: ingests run side by side; ``gc`` takes it exclusively. Waits for a running gc."""
-        with _flock(self.root / "ingest.lock", fcntl.LOCK_SH):
+        with _ingest_lock(self.root):
             yield
 
     def gc(self, dry_run: bool = False, verify: bool = False, progress: bool = True) -> GcReport:
@@ -391,8 +390,8 @@ class RagStore:
             for (tier, part), held in zip(parts, sizes):
                 _drop_corrupt(tier, part, held, dry_run, progress)
         self._remove_leftovers(disk, report)
-        with _flock(self.root / "ingest.lock", fcntl.LOCK_EX | fcntl.LOCK_NB,
-                    busy="an ingest is running on this store (another process): run gc once it is done"):
+        busy = "an ingest is running on this store (another process): run gc once it is done"
+        with _ingest_lock(self.root, busy=busy):
             unused = [dict(held) for held in sizes]
 
             def in_use(key: str | None) -> None:
@@ -442,22 +441,16 @@ class RagStore:
 
 
 @contextlib.contextmanager
-def _flock(path: Path, how: int, busy: str = "") -> Iterator[None]:
-    """``flock`` on ``path`` (created where missing): shared or exclusive; with ``LOCK_NB``, a lock
-    held elsewhere is a StoreError saying ``busy``. Released when the block ends or the process dies,
-    so a crashed ingest never leaves a lock behind (a lock file's mere existence would)."""
+def _ingest_lock(root: Path, busy: str | None = None) -> Iterator[None]:
+    """The store's ``ingest.lock`` for the block (``FolderLock``): shared, waiting for an exclusive
+    holder, or with ``busy`` exclusive, refused with that message (``FolderBusyError``) while another
+    holds it. Released when the block ends or the process dies, so a crashed ingest never leaves a
+    lock behind (a lock file's mere existence would)."""
+    lock = FolderLock(root / "ingest.lock", exclusive=busy is not None, busy=busy or "", wait=busy is None)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise StoreError(f"cannot open the lock file {path}: {exc.strerror}") from exc
-    try:
-        try:
-            fcntl.flock(fd, how)
-        except BlockingIOError as exc:
-            raise StoreError(busy) from exc
         yield
     finally:
-        os.close(fd)
+        lock.release()
 
 
 def _forget_settings(root: Path) -> None:
