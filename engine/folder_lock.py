@@ -26,13 +26,14 @@ class FolderBusyError(RagfuseError):
 class FolderLock:
     """``flock`` on ``path``, held until ``release`` (or the process ends). A folder this process
     cannot write to (a read-only mount) is locked through a read-only descriptor where the file
-    exists, and not at all where it does not: nobody can change such a folder, from here at least."""
+    exists, and not at all where it does not: nobody can change such a folder, from here at least.
+    ``writable`` says which: holders of such a folder only read it."""
 
     def __init__(self, path: Path, exclusive: bool, busy: str, wait: bool = False) -> None:
         """``busy``: the refusal's message, ``{pid}`` standing for the holder's. ``wait``: block until
         the lock is free instead of refusing (for a shared lock behind a short exclusive step)."""
         self.path = path
-        self._fd = _open(path)
+        self._fd, self.writable = _open(path)
         if self._fd is None:
             return
         try:
@@ -86,13 +87,15 @@ class FolderLock:
         return text if text.isdigit() else "unknown"
 
 
-def _open(path: Path) -> int | None:
+def _open(path: Path) -> tuple[int | None, bool]:
+    """(descriptor, whether the folder can be written): read-write where it can, else read-only where
+    the file exists, else none."""
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644), True
     except OSError as exc:
         if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
             raise
     try:
-        return os.open(path, os.O_RDONLY)
+        return os.open(path, os.O_RDONLY), False
     except FileNotFoundError:
-        return None
+        return None, False

@@ -16,6 +16,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from ragfuse.engine.read_only_sqlite import connect_read_only
 from ragfuse.store_dir import StoreError
 
 T = TypeVar("T")
@@ -54,12 +55,17 @@ class NewChunk:
 
 
 class DocStore:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, read_only: bool = False) -> None:
+        """``read_only``: a store on a read-only mount, whose docstore is read as it is (nothing created
+        or upgraded; ``connect_read_only``)."""
         self.path = path
         # generations this docstore's own transactions committed: an index that saw all changes up to
         # one generation plus these is current without a rebuild (``changed_only_here``)
         self.own_generations: set[int] = set()
         try:
+            if read_only:
+                self.db = connect_read_only(path, "SELECT v FROM meta LIMIT 1")
+                return
             # framework connectors read it from worker threads (a batch, an async stream); SQLite is built
             # serialized (sqlite3.threadsafety 3), and writes (ingest) come from one thread at a time
             self.db = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False)

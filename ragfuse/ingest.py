@@ -124,6 +124,7 @@ class Ingestor:
         ingest root still holds them (a folder or file ingested on its own). A file named alone, one
         that is now skipped, or one stored before roots were recorded is never removed for being
         out of reach: ``store rm`` does that. A path that does not exist changes nothing stored."""
+        self.store.check_writable("an ingest")  # before any file is read or embedded
         t0 = time.perf_counter()
         report = IngestReport()
         evictions = self.store.kv.tier("disk").stats().evictions

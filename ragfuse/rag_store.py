@@ -9,6 +9,10 @@ so two writers never save over each other.
 An ingest holds ``ingest.lock`` shared from its first KV write to its commit (``ingesting``): until
 then no chunk references its new entries, and ``gc``, which removes entries no chunk references,
 takes it exclusively.
+
+A store this process cannot write (a read-only mount, a folder of another user's) opens read-only:
+search and ``ask`` read it as it is (KV computed on a miss stays in memory tiers), and every command
+that would change it (an ingest, an upload, ``store rm``, ``gc``) is refused with a StoreError.
 """
 
 from __future__ import annotations
@@ -115,20 +119,25 @@ class RagStore:
             raise StoreError(f"cannot create store directory {root}: {exc.strerror}") from exc
         # shared with every process that has the store open; ``clear`` needs it alone (waits for one)
         self._open = FolderLock(root / "open.lock", exclusive=False, busy="", wait=True)
+        self.read_only = not self._open.writable
         try:
             existing = StoreConfig.load(root)
             if existing is not None:
                 existing.check_compatible(config)
-            self._index_lock = FileLock(str(root / "index.lock"))
-            self.docs = DocStore(root / "docstore.sqlite")
+            elif self.read_only:
+                raise StoreError(f"the store folder {root} is read-only and holds no ingest: nothing to read there")
+            self._index_lock = FileLock(str(root / "index.lock")) if not self.read_only else None
+            self.docs = DocStore(root / "docstore.sqlite", read_only=self.read_only)
         except BaseException:
             self._open.release()
             raise
         try:
-            tiers: list = [*(memory_tiers or []), DiskTier(root / "kv", int(kv_capacity_gb * 2**30), sweep=sweep_kv)]
+            tiers: list = [*(memory_tiers or []), DiskTier(root / "kv", int(kv_capacity_gb * 2**30),
+                                                           sweep=sweep_kv, read_only=self.read_only)]
             if redis_url:
-                tiers.append(RedisTier(redis_url, int(redis_capacity_gb * 2**30),
-                                       prefix=_redis_namespace(root, self._index_lock)))
+                namespace = (_recorded_redis_namespace(root) if self.read_only
+                             else _redis_namespace(root, self._index_locked()))
+                tiers.append(RedisTier(redis_url, int(redis_capacity_gb * 2**30), prefix=namespace))
             self.kv = TieredKVStore(tiers)
         except BaseException:
             self.docs.close()
@@ -147,12 +156,27 @@ class RagStore:
         first: then this one's must match them (two ingests starting on a new store with different
         chunk sizes would otherwise both run, and the first one's chunks sit under the second's
         settings). Under the store's write lock, which every writer takes."""
-        with self._index_lock:
+        with self._index_locked():
             recorded = StoreConfig.load(self.root)
             if recorded is None:
                 self.config.save(self.root)
             else:
                 recorded.check_compatible(self.config)
+
+    def _index_locked(self) -> contextlib.AbstractContextManager[object]:
+        """The index lock, held around index loads and saves and the settings' first record. A
+        read-only store takes it shared through a read-only descriptor: a writer behind a read-only
+        bind of a live store holds it while it saves, and a reader waits for a whole index."""
+        if self._index_lock is not None:
+            return self._index_lock
+        return _held(self.root / "index.lock")
+
+    def check_writable(self, what: str) -> None:
+        """Refuse ``what`` (a command or request that changes the store) on a read-only store."""
+        if self.read_only:
+            raise StoreError(f"the store at {self.root} is read-only (a read-only mount, or a folder this user cannot "
+                             f"write): {what} would change it. Search, ask and serve read it as it is; run {what} "
+                             "where the store is writable")
 
     @classmethod
     def open_existing(cls, root: Path, **kwargs: object) -> RagStore:
@@ -168,16 +192,17 @@ class RagStore:
         """The saved index where it is at the docstore's generation, else one rebuilt from the docstore.
 
         A rebuilt index that cannot be saved (a full disk) is served from memory: reading needs no
-        room, and the next writer's save reports the error."""
-        with self._index_lock:
+        room, and the next writer's save reports the error; a read-only store's is not saved at all."""
+        with self._index_locked():
             saved = VectorIndex.load(self.index_path, self.config.embedding_dim, self.config.index_kind)
             if saved is not None and saved.generation == self.docs.generation:
                 return saved
             index = self._build_index()
-            try:
-                index.save(self.index_path)
-            except StoreError as exc:
-                log.warning("%s", exc)
+            if not self.read_only:
+                try:
+                    index.save(self.index_path)
+                except StoreError as exc:
+                    log.warning("%s", exc)
             return index
 
     def _build_index(self) -> VectorIndex:
@@ -203,7 +228,8 @@ class RagStore:
         writer already saved the current generation, else rebuilt from the docstore. Updating in
         place over another process's commit would save an index without that process's chunks,
         stamped as current, and they would never be found again."""
-        with self._index_lock:
+        self.check_writable("an ingest")
+        with self._index_locked():
             current = self.docs.generation
             if self.config.index_kind == "flat" and self.docs.changed_only_here(self.index.generation, current):
                 # the added ids go first too: a reader's refresh (``current_index``) may have taken some
@@ -245,7 +271,7 @@ class RagStore:
         if not refs:
             return 0
         try:
-            with _ingest_lock(self.root, busy="an ingest is running"):
+            with _held(self.root / "ingest.lock", busy="an ingest is running"):
                 tokens = {t for _, t in refs}
                 derived = {t: [chunk_kv.key(t) for chunk_kv in self._chunk_kvs] for t in tokens}
                 in_use = {k for t in self.docs.token_ids_in_use(tokens) for k in derived[t]}
@@ -291,6 +317,7 @@ class RagStore:
 
     def remove(self, paths: list[str]) -> tuple[int, int]:
         """Remove files' chunks (and KV no longer used); return (chunks removed, KV entries removed)."""
+        self.check_writable("`ragfuse store rm`")
         refs = self.docs.kv_refs(paths)
         removed = self.docs.remove_files(paths)
         self.apply_changes(removed, [], np.zeros((0, self.config.embedding_dim), np.float32))
@@ -300,6 +327,7 @@ class RagStore:
         """Remove every file with its chunks, every entry of the store's disk KV tier (also those of
         the instruction prefix and of passages ``ask`` stored), and the settings, which the next ingest
         sets (``store rm --all``). Return (files, chunks, KV entries) removed."""
+        self.check_writable("`ragfuse store rm --all`")
         self._open.exclusive(
             f"the store at {self.root} is open in another process (a server, an ingest, an ask or the demo): "
             "`store rm --all` resets its settings, which that process keeps using; stop it first")
@@ -346,7 +374,8 @@ class RagStore:
         """Held by an ingest from before it writes its first KV entry until its chunks are committed:
         its new entries are referenced by no chunk until then, and ``gc`` must not take them for
         garbage. Shared: ingests run side by side; ``gc`` takes it exclusively. Waits for a running gc."""
-        with _ingest_lock(self.root):
+        self.check_writable("an ingest")
+        with _held(self.root / "ingest.lock"):
             yield
 
     def gc(self, dry_run: bool = False, verify: bool = False, progress: bool = True) -> GcReport:
@@ -375,6 +404,7 @@ class RagStore:
         from ragfuse.engine.errors import ModelError
         from ragfuse.engine.kvstore.entry import DTYPES
 
+        self.check_writable("`ragfuse store gc`")
         try:
             fingerprint, builder = self._keying()
         except (ModelError, OSError) as exc:
@@ -391,7 +421,7 @@ class RagStore:
                 _drop_corrupt(tier, part, held, dry_run, progress)
         self._remove_leftovers(disk, report)
         busy = "an ingest is running on this store (another process): run gc once it is done"
-        with _ingest_lock(self.root, busy=busy):
+        with _held(self.root / "ingest.lock", busy=busy):
             unused = [dict(held) for held in sizes]
 
             def in_use(key: str | None) -> None:
@@ -426,7 +456,7 @@ class RagStore:
         profiles = self.root / "profiles"
         folders = [self.root, self.root / "uploads", profiles, *(p for p in profiles.rglob("*") if p.is_dir())]
         temps = [p for folder in folders for p in folder.glob(".*.tmp") if untouched_for(p) > DEAD_TEMP_AGE_S]
-        with self._index_lock:
+        with self._index_locked():
             for path in [*temps, self.index_path.with_suffix(".tmp")]:
                 with contextlib.suppress(FileNotFoundError):
                     report.leftover_bytes += path.stat().st_size
@@ -441,12 +471,12 @@ class RagStore:
 
 
 @contextlib.contextmanager
-def _ingest_lock(root: Path, busy: str | None = None) -> Iterator[None]:
-    """The store's ``ingest.lock`` for the block (``FolderLock``): shared, waiting for an exclusive
-    holder, or with ``busy`` exclusive, refused with that message (``FolderBusyError``) while another
-    holds it. Released when the block ends or the process dies, so a crashed ingest never leaves a
-    lock behind (a lock file's mere existence would)."""
-    lock = FolderLock(root / "ingest.lock", exclusive=busy is not None, busy=busy or "", wait=busy is None)
+def _held(path: Path, busy: str | None = None) -> Iterator[None]:
+    """The lock file ``path`` (the store's ``ingest.lock``, a read-only store's ``index.lock``) for the
+    block (``FolderLock``): shared, waiting for an exclusive holder, or with ``busy`` exclusive, refused
+    with that message (``FolderBusyError``) while another holds it. Released when the block ends or the
+    process dies, so a crashed ingest never leaves a lock behind (a lock file's mere existence would)."""
+    lock = FolderLock(path, exclusive=busy is not None, busy=busy or "", wait=busy is None)
     try:
         yield
     finally:
@@ -474,7 +504,7 @@ def _drop_corrupt(tier: _CollectableTier, part: TierGc, sizes: dict[str, int], d
                 tier.drop(key)
 
 
-def _redis_namespace(root: Path, lock: FileLock) -> str:
+def _redis_namespace(root: Path, lock: contextlib.AbstractContextManager[object]) -> str:
     """The store's own key prefix in a Redis server: ``ragfuse:kv:`` and an id the store records the
     first time it is opened with Redis. Entries are keyed by content, so on a server several stores
     share, one store's ``gc`` would take every other store's entries for unused; in its own namespace
@@ -502,6 +532,24 @@ def _redis_namespace(root: Path, lock: FileLock) -> str:
         namespace = text[0] if text else ""
     except OSError as exc:
         raise StoreError(f"cannot record the store's Redis namespace in {path}: {exc.strerror or exc}") from exc
+    return _namespace_prefix(path, namespace)
+
+
+def _recorded_redis_namespace(root: Path) -> str:
+    """A read-only store's Redis prefix: the id its namespace file records, as it is (a read-only copy
+    reads the original's entries, and adds only what is keyed by the same content)."""
+    path = root / "redis_namespace"
+    try:
+        text = path.read_text().split()
+    except FileNotFoundError:
+        raise StoreError(f"the store at {root} is read-only and was never opened with Redis, so it has no Redis "
+                         "namespace: open it once with --redis where it is writable, or run without --redis") from None
+    except OSError as exc:
+        raise StoreError(f"cannot read the store's Redis namespace in {path}: {exc.strerror or exc}") from exc
+    return _namespace_prefix(path, text[0] if text else "")
+
+
+def _namespace_prefix(path: Path, namespace: str) -> str:
     if not namespace.isalnum():
         raise StoreError(f"{path} does not hold a Redis namespace id ({namespace!r}): remove it, and the store's "
                          "entries in Redis are left to its LRU")

@@ -440,6 +440,28 @@ def test_an_upload_the_disk_has_no_room_for_is_a_507_and_changes_nothing(served)
     assert not (served.store / "uploads" / "tides.md").exists()
 
 
+def test_a_read_only_store_refuses_uploads_and_deletes_with_403(served):
+    """A server over a store it cannot write (opened read-only: tests/test_read_only_store.py) answers
+    from it, and refuses what would change it with a 403 naming why, before anything is written."""
+    store = served.backend.pipeline.store
+    url = f"{served.url}/v1/documents"
+    listed = httpx.get(url, headers=AUTH).json()["data"]
+    store.read_only = True
+    try:
+        doc = {"name": "tides.md", "text": "Spring tides at Hollowpoint reach 6.1 metres in March."}
+        up = httpx.post(url, json={"documents": [doc]}, headers=AUTH, timeout=120)
+        gone = httpx.delete(f"{url}/{listed[0]['id']}", headers=AUTH)
+        ask = httpx.post(f"{served.url}/v1/rag/query", json={"question": "How tall is the Hollowpoint tower?",
+                                                             "max_tokens": 4}, headers=AUTH, timeout=120)
+    finally:
+        store.read_only = False
+    for r in (up, gone):
+        assert r.status_code == 403 and "is read-only" in r.json()["error"]["message"], r.text
+    assert ask.status_code == 200 and ask.json()["answer"].strip()
+    assert httpx.get(url, headers=AUTH).json()["data"] == listed
+    assert not (served.store / "uploads" / "tides.md").exists()
+
+
 @pytest.mark.parametrize("content", [b"   ", b"\x00\x01\x02"], ids=["blank", "binary"])
 def test_a_skipped_replacement_loses_nothing(served, content):
     """Re-uploading a document with content the ingest skips (blank, binary) reports only the skip:

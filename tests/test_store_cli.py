@@ -88,18 +88,6 @@ def test_rm_all_waits_for_every_other_process_to_close_the_store(tmp_path, capsy
     assert "removed 1 files, 2 chunks" in capsys.readouterr().out
 
 
-def test_a_read_only_store_is_one_line_not_a_traceback(tmp_path, capsys, request):
-    """On a read-only mount every command that opens the store failed with a traceback from the KV
-    tier's lock file; it is one line naming the file and why ragfuse writes there, exit 2."""
-    root = tmp_path / "store"
-    open_tiny(root).close()
-    request.getfixturevalue("read_only_fs")  # from here on
-    assert main(["store", "stats", "--store", str(root)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("ragfuse: error: Read-only file system: ") and "Traceback" not in err
-    assert "ragfuse writes its locks" in err and len(err.strip().splitlines()) == 1
-
-
 def test_a_model_given_as_a_relative_path_is_recorded_absolute(tmp_path, monkeypatch):
     """`ingest --model ./tiny` recorded "./tiny": the store failed from every other folder, and the
     absolute path was refused as another model. A local path is recorded absolute and matches

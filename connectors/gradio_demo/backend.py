@@ -98,6 +98,7 @@ class DemoBackend:
         first, under their own names: uploading a file again replaces its chunks, not doubles them).
         An upload the ingest skips (binary, empty...) does not stay there: its earlier upload, if
         any, is put back, as the server does."""
+        self.pipe.store.check_writable("an ingest")  # a read-only store: said before anything is copied
         unknown = [name for name in picked if name not in self.sample_docs()]
         if unknown:
             raise RequestError(f"not a demo document: {', '.join(unknown)}")

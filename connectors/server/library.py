@@ -18,6 +18,7 @@ from ragfuse.engine.atomic_file import write_atomic
 from ragfuse.engine.errors import RequestError
 from ragfuse.ingest import Ingestor
 from ragfuse.rag_store import RagStore
+from ragfuse.store_dir import StoreError
 
 from .errors import APIError
 
@@ -47,7 +48,8 @@ class DocumentLibrary:
     def __init__(self, store: RagStore, ingestor: Ingestor) -> None:
         self.store, self.ingestor = store, ingestor
         self.uploads = (store.root / "uploads").resolve()
-        self.uploads.mkdir(parents=True, exist_ok=True)
+        if not store.read_only:  # a read-only store takes no uploads (``add`` refuses them)
+            self.uploads.mkdir(parents=True, exist_ok=True)
 
     def add(self, files: list[tuple[str, bytes]]) -> dict[str, Any]:
         """Store and ingest ``(name, content)`` pairs; an upload with the name of an earlier one
@@ -57,6 +59,7 @@ class DocumentLibrary:
         not take it for stored."""
         if not files:
             raise RequestError("no documents in the request")
+        self._check_writable("an upload")
         names = [check_name(n) for n, _ in files]
         if len(set(names)) != len(names):
             raise RequestError("two documents in one request have the same name")
@@ -90,6 +93,7 @@ class DocumentLibrary:
     def delete(self, doc_id: str) -> bool:
         for path, _ in self.store.docs.files():
             if document_id(path) == doc_id:
+                self._check_writable("removing a document")
                 self.store.remove([path])
                 if Path(path).parent == self.uploads:
                     Path(path).unlink(missing_ok=True)
@@ -102,6 +106,13 @@ class DocumentLibrary:
         ids = [i for path, _ in self.store.docs.files() if document_id(path) in wanted
                for i in self.store.docs.chunk_ids(path)]
         return [list(c.token_ids) for c in self.store.docs.chunks(ids).values()]
+
+    def _check_writable(self, what: str) -> None:
+        """A read-only store refuses a change with 403: the server may serve it, not change it."""
+        try:
+            self.store.check_writable(what)
+        except StoreError as exc:
+            raise APIError(403, str(exc)) from exc
 
     def _read(self, name: str) -> bytes | None:
         """An earlier upload's bytes, or None."""

@@ -40,6 +40,7 @@ import torch
 from filelock import FileLock
 from safetensors.torch import save as safetensors_save
 
+from ..read_only_sqlite import connect_read_only
 from .buffer_pool import HostBufferPool, shared_pool
 from .entry import CorruptEntryError, EntryMeta, KVStoreError, StoredKV, UnreadableEntryError, tensor_bytes
 from .tier import Tier, TierStats
@@ -147,13 +148,16 @@ class DiskTier(Tier):
     """Entries as files under ``root``, listed in ``root/manifest.sqlite``, LRU by last access.
 
     Reads to CPU fill buffers from ``read_pool`` (default: the process-wide ``shared_pool()``).
+    A ``read_only`` tier (a store on a read-only mount) serves what is listed and writes nothing: no
+    put, no last-access update, no sweep; an entry failing its checksum is hidden from this process
+    instead of removed, so it is recomputed, never served.
     """
 
     persistent = True
 
     def __init__(
         self, root: str | Path, capacity_bytes: int, name: str = "disk", reserve_bytes: int = 64 << 20,
-        read_pool: HostBufferPool | None = None, sweep: bool = True,
+        read_pool: HostBufferPool | None = None, sweep: bool = True, read_only: bool = False,
     ) -> None:
         """``sweep=False`` opens the tier without removing what crashed writers left (``remove_leftovers``):
         for ``ragfuse store gc``, which reports what it removes and, with ``--dry-run``, removes nothing."""
@@ -162,15 +166,20 @@ class DiskTier(Tier):
         self.root = Path(root)
         self.capacity_bytes = int(capacity_bytes)
         self.reserve_bytes = reserve_bytes
-        try:
-            (self.root / "data").mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise KVStoreError(f"cannot create KV store directory {self.root}: {exc.strerror}") from exc
+        self.read_only = read_only
+        self._hidden: set[str] = set()  # entries a read-only tier dropped (it cannot remove them)
         self._lock = FileLock(str(self.root / ".lock"))
         self._db_lock = threading.Lock()
         self._stats = TierStats(capacity=self.capacity_bytes)
         self._staging: list[torch.Tensor] | None = None  # page-locked buffers for reads to a GPU
         self._staging_lock = threading.Lock()  # one reader at a time in them (reads run on worker threads)
+        if read_only:
+            self._db = self._connect_read_only(self.root / "manifest.sqlite")
+            return
+        try:
+            (self.root / "data").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise KVStoreError(f"cannot create KV store directory {self.root}: {exc.strerror}") from exc
         with self._lock:
             self._open_manifest(sweep)
 
@@ -219,6 +228,19 @@ class DiskTier(Tier):
             raise
         return db
 
+    @classmethod
+    def _connect_read_only(cls, path: Path) -> sqlite3.Connection:
+        """The manifest as it is; an empty one in memory where there is none (a store ingested without KV)."""
+        if not path.exists():
+            return cls._connect(Path(":memory:"))
+        try:
+            return connect_read_only(path, "SELECT COUNT(*), SUM(nbytes) FROM entries")
+        except sqlite3.Error as exc:
+            raise KVStoreError(f"cannot read the KV manifest {path} (read-only): {exc}") from exc
+
+    def _read_only_error(self) -> KVStoreError:
+        return KVStoreError(f"the KV store {self.root} is read-only: nothing is stored there")
+
     def _relist(self) -> None:
         """List every entry file whose header reads, under the key it names (last access: its mtime).
         Files that do not read are left unlisted, for the sweep to remove."""
@@ -240,6 +262,7 @@ class DiskTier(Tier):
         """Remove what crashed writers left, under the lock (a put holds it from its rename to its
         listing, so nothing found here is a live put's); return the files removed with their sizes,
         and the keys of rows whose file was gone. ``dry_run``: remove nothing, return what would go.
+        A read-only tier removes nothing and reports nothing.
 
         - entry files the manifest does not list (a crash between the rename and the listing);
         - temp files of dead writers (a crash mid-write): the pid in the name runs no process here,
@@ -248,6 +271,8 @@ class DiskTier(Tier):
           dead even where its pid now belongs to another process (the pid test alone keeps it forever);
         - rows whose entry file is gone (removed behind the manifest's back)."""
         removed: list[tuple[Path, int]] = []
+        if self.read_only:
+            return removed, []
         with self._lock:
             listed = {row[0] for row in self._sql("SELECT file FROM entries")}
             for path in (self.root / "data").glob("*/*"):
@@ -281,7 +306,7 @@ class DiskTier(Tier):
         call ``drop(key)`` if a layer later fails its checksum. An entry whose file does not open as
         one (empty, a damaged header) is dropped and raises ``CorruptEntryError``: the caller says
         that what it recomputes replaces damaged KV, not KV that was never stored."""
-        rows = self._sql("SELECT file, checksum FROM entries WHERE key=?", (key,))
+        rows = self._sql("SELECT file, checksum FROM entries WHERE key=?", (key,)) if key not in self._hidden else []
         if not rows:
             self._stats.misses += 1
             return None
@@ -295,7 +320,8 @@ class DiskTier(Tier):
             self.drop(key)
             raise
         self._stats.hits += 1
-        self._sql("UPDATE entries SET last_access=? WHERE key=?", (time.time(), key))
+        if not self.read_only:
+            self._sql("UPDATE entries SET last_access=? WHERE key=?", (time.time(), key))
         return reader
 
     def get(self, key: str, device: torch.device | None = None) -> StoredKV | None:
@@ -345,6 +371,8 @@ class DiskTier(Tier):
     # ---- writes ------------------------------------------------------------------------------
 
     def put(self, entry: StoredKV, keep_evicted: bool = True) -> list[StoredKV]:
+        if self.read_only:
+            raise self._read_only_error()
         if self._listed(entry.key):
             return []
         tensors = {layer_name(i): t.to("cpu").contiguous() for i, t in enumerate(entry.layers)}
@@ -406,7 +434,7 @@ class DiskTier(Tier):
         """Whether ``key`` is listed with its file in place: an entry whose file was removed behind the
         manifest's back is no entry (a re-ingest computes it again, instead of finding it stored);
         its row goes at the next ``put`` of the key (``_listed``) or the next opener's sweep."""
-        rows = self._sql("SELECT file FROM entries WHERE key=?", (key,))
+        rows = self._sql("SELECT file FROM entries WHERE key=?", (key,)) if key not in self._hidden else []
         return bool(rows) and (self.root / rows[0][0]).exists()
 
     def _listed(self, key: str) -> bool:
@@ -425,6 +453,10 @@ class DiskTier(Tier):
             return bool(rows)
 
     def delete(self, key: str) -> bool:
+        if self.read_only:  # hidden from this process: what it cannot remove, it does not serve
+            listed = self.contains(key)
+            self._hidden.add(key)
+            return listed
         with self._lock:
             rows = self._sql("SELECT file FROM entries WHERE key=?", (key,))
             self._sql("DELETE FROM entries WHERE key=?", (key,))

@@ -21,6 +21,7 @@ prefetch) is ``SessionPlacement``'s decision; this class carries the moves out:
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import logging
@@ -669,10 +670,22 @@ def hold_sessions(root: Path) -> FolderLock:
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise _read_only_sessions(root) from exc
         raise KVStoreError(f"cannot create the sessions folder {root}: {exc.strerror}") from exc
-    return FolderLock(
+    lock = FolderLock(
         root / "sessions.lock", exclusive=True,
         busy=f"the sessions under {root} are in use by another process (pid {{pid}}: a server, or an ask or "
              "generate with --session): one process at a time keeps a folder's sessions. Send the turn to that "
              "process (a server's /v1/rag/query, /v1/chat/completions or DELETE /v1/sessions/ID), wait for it to "
              "end, or give this one a sessions folder of its own (serve --sessions-dir, generate --session-dir)")
+    if not lock.writable:  # a read-only store's: each turn's save would fail after its answer
+        lock.release()
+        raise _read_only_sessions(root)
+    return lock
+
+
+def _read_only_sessions(root: Path) -> KVStoreError:
+    return KVStoreError(f"the sessions folder {root} is read-only (a read-only store, or a folder this user cannot "
+                        "write): give sessions a writable folder (serve --sessions-dir, generate --session-dir), "
+                        "or ask without --session")

@@ -122,7 +122,7 @@ def _check_has_chunks(store: str | None) -> None:
     from ragfuse.store_dir import StoreError
 
     root, _ = ingested_store(store)
-    docs = DocStore(root / "docstore.sqlite")
+    docs = DocStore(root / "docstore.sqlite", read_only=True)  # a look: it creates nothing, works read-only
     try:
         empty = docs.counts()["chunks"] == 0
     finally:

@@ -1,0 +1,172 @@
+"""A store this process cannot write (a read-only mount, shipped in an image or shared to replicas) is
+read as it is: search, ``ask`` and a server answer from it; what would change it is refused in one line.
+
+The in-process tests fail every ``os.open`` for writing (``read_only_fs``: root ignores file modes)
+and rely on SQLite's own read-only connections; the end-to-end test mounts the store read-only for
+real (``unshare`` + a read-only bind mount) where the machine allows it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ragfuse.cli import main
+from ragfuse.docstore import DocStore
+from ragfuse.engine.kvstore import DiskTier, KVStoreError, TieredKVStore
+from ragfuse.engine.sessions.store import hold_sessions
+from ragfuse.rag_store import RagStore
+from ragfuse.store_dir import StoreError
+from tests.kvstore_helpers import make_entry, same
+from tests.store_helpers import DEMO, ingest_demo
+from tests.tiny_store import add_file, open_tiny, put_kv, tiny_config, unit
+
+
+def _last_access(root: Path) -> list[tuple[str, float]]:
+    db = sqlite3.connect(root / "manifest.sqlite")
+    try:
+        return db.execute("SELECT key, last_access FROM entries ORDER BY key").fetchall()
+    finally:
+        db.close()
+
+
+def _contents(root: Path) -> dict[str, str]:
+    """Every file of ``root`` by its digest, but the WAL sidecars a SQLite reader makes in a folder it can write."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.name.endswith(("-wal", "-shm"))}
+
+
+def _flip_last_bytes(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size - 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_read_only_disk_tier_serves_its_entries_and_writes_nothing(tmp_path, request):
+    """Reads come back whole, without a last-access update (a write); a put is a KVStoreError that
+    says why; an entry failing its checksum is hidden from this process, never served, and its file
+    left where it is (nothing can remove it)."""
+    disk = DiskTier(tmp_path, 1 << 30)
+    a, b = make_entry(1), make_entry(2)
+    disk.put(a)
+    disk.put(b)
+    disk.close()
+    before = _last_access(tmp_path)
+    _flip_last_bytes(tmp_path / DiskTier(tmp_path, 1 << 30).path_of(b.key).relative_to(tmp_path))
+    request.getfixturevalue("read_only_fs")  # from here on
+    ro = DiskTier(tmp_path, 1 << 30, read_only=True)
+    store = TieredKVStore([ro])
+    assert same(store.get(a.key), a)
+    assert store.get(b.key) is None and not ro.contains(b.key) and ro.stats().corrupt == 1
+    assert store.get(b.key) is None and ro.path_of(b.key).exists()  # hidden, not removed
+    with pytest.raises(KVStoreError, match="is read-only"):
+        store.put(make_entry(3))
+    ro.close()
+    assert _last_access(tmp_path) == before
+
+
+def test_a_read_only_disk_tier_without_a_manifest_is_empty(tmp_path):
+    """A store ingested without KV has no manifest; read-only, none can be made: the tier is empty."""
+    ro = DiskTier(tmp_path / "kv", 1 << 30, read_only=True)
+    assert ro.entry_keys() == [] and ro.get(make_entry(1).key) is None
+    ro.close()
+    assert not (tmp_path / "kv").exists()
+
+
+def test_a_read_only_store_is_searched_and_refuses_every_change(tmp_path, request):
+    root = tmp_path / "store"
+    store = open_tiny(root)
+    add_file(store, "/docs/a.txt", [0, 1], kv_key="kv-of-a")
+    put_kv(store, "kv-of-a")
+    store.close()
+    before = _contents(root)
+    request.getfixturevalue("read_only_fs")  # from here on
+    ro = RagStore.open_existing(root)
+    assert ro.read_only and ro.docs.counts()["chunks"] == 2
+    assert ro.kv.get("kv-of-a") is not None
+    _, ids = ro.current_index().search(unit(1), 1)
+    assert ro.docs.chunks([int(ids[0])])[int(ids[0])].text == "chunk 1 of /docs/a.txt"
+    for change in (lambda: ro.remove(["/docs/a.txt"]), ro.clear, ro.gc,
+                   lambda: ro.apply_changes([], [], torch.zeros(0, 4).numpy())):
+        with pytest.raises(StoreError, match="is read-only"):
+            change()
+    with pytest.raises(StoreError, match="an ingest would change it"), ro.ingesting():
+        pass
+    with pytest.raises(KVStoreError, match="sessions folder .* is read-only"):
+        hold_sessions(root / "sessions")
+    ro.close()
+    assert _contents(root) == before
+
+
+def test_a_read_only_folder_without_an_ingest_is_refused(tmp_path, request):
+    (tmp_path / "store").mkdir()
+    request.getfixturevalue("read_only_fs")
+    with pytest.raises(StoreError, match="read-only and holds no ingest"):
+        RagStore(tmp_path / "store", tiny_config())
+
+
+def test_the_cli_reads_a_read_only_store_and_refuses_changes_in_a_line(tmp_path, capsys, request):
+    root = tmp_path / "store"
+    store = open_tiny(root)
+    add_file(store, "/docs/a.txt", [0, 1])
+    store.close()
+    request.getfixturevalue("read_only_fs")
+    assert main(["store", "stats", "--store", str(root)]) == 0
+    assert "1 files, 2 chunks" in capsys.readouterr().out
+    for argv in (["store", "rm", "--all"], ["store", "gc"], ["store", "rm", "/docs/a.txt"]):
+        assert main([*argv, "--store", str(root)]) == 2
+        err = capsys.readouterr().err
+        assert "is read-only" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_docstore_opened_read_only_creates_nothing(tmp_path):
+    with pytest.raises(StoreError, match="cannot open the docstore"):
+        DocStore(tmp_path / "none.sqlite", read_only=True)
+    assert not (tmp_path / "none.sqlite").exists()
+
+
+def _unshare_works(tmp_path: Path) -> bool:
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    if shutil.which("unshare") is None:
+        return False
+    run = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount --bind -o ro {probe} {probe} && ! touch {probe}/x"],
+                         capture_output=True)
+    return run.returncode == 0
+
+
+def test_ask_answers_from_a_store_on_a_read_only_mount(tmp_path, engine):
+    """For real: the demo store bind-mounted read-only in a mount namespace of its own. ``ask`` answers
+    from the stored KV (disk tier), ``search`` lists, ``ingest`` and ``ask --session`` are refused."""
+    if not _unshare_works(tmp_path):
+        pytest.skip("this machine cannot mount a folder read-only (unshare -rm + bind mount)")
+    root = ingest_demo(tmp_path / "store", engine)
+    ragfuse = [sys.executable, "-m", "ragfuse.cli"]
+    script = " && ".join([
+        f"mount --bind -o ro {root} {root}",
+        " ".join([*ragfuse, "ask", "'Who was the last keeper of the Hollowpoint lighthouse?'", "--store", str(root),
+                  "--json", "--max-tokens", "8", "--recompute-ratio", "0.15", ">", str(tmp_path / "ask.json")]),
+        f"! {' '.join(ragfuse)} ingest {DEMO} --store {root} 2> {tmp_path / 'ingest.err'}",
+        f"! {' '.join(ragfuse)} ask hello --store {root} --session s1 2> {tmp_path / 'session.err'}",
+    ])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    run = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).resolve().parents[1], timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    answer = json.loads((tmp_path / "ask.json").read_text())
+    assert answer["answer"].strip() and "disk" in answer["tiers"] and answer["reused_tokens"] > 0
+    assert not any("stor" in note for note in answer.get("notes", [])), answer.get("notes")
+    assert "is read-only" in (tmp_path / "ingest.err").read_text()
+    assert "sessions folder" in (tmp_path / "session.err").read_text()
+    assert not (root / "sessions").exists()
