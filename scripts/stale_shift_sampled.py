@@ -69,6 +69,8 @@ def main() -> None:
     ap.add_argument("--dataset", required=True, help="file under ../shared/data, or a path")
     ap.add_argument("--cases", required=True, help="comma-separated case indices")
     ap.add_argument("--ratio", type=float, default=0.15)
+    ap.add_argument("--variants", default="0.2:0.5,0.2:0.75,0.2:1,0.33:0.5,0.33:0.75,0.33:1",
+                    help="comma-separated FRAC:SHARE (budget share sampled, shift share)")
     args = ap.parse_args()
     picks = [int(x) for x in args.cases.split(",")]
     examples = load_dataset(shared_data(args.dataset), max(picks) + 1, 6)
@@ -76,9 +78,9 @@ def main() -> None:
     builder = RagPromptBuilder(engine.tokenizer)
     layer_step.front, layer_step.segment_shift, fusor.check_keep = front, shift, check
     variants: dict[str, dict[str, float] | None] = {"shipped": None}
-    for frac in (0.2, 0.33):
-        for share in (0.5, 0.75, 1.0):
-            variants[f"sample{frac}-share{share}"] = {"frac": frac, "ratio": args.ratio, "share": share}
+    for spec in args.variants.split(","):
+        frac, share = (float(x) for x in spec.split(":"))
+        variants[f"sample{frac:g}-share{share:g}"] = {"frac": frac, "ratio": args.ratio, "share": share}
     policy = SelectionPolicy.default().with_ratio(args.ratio)
     totals = dict.fromkeys(variants, 0.0)
     for i in picks:
