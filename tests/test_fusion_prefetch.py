@@ -32,8 +32,14 @@ def test_layers_arrive_whole_and_in_order_from_memory_and_disk(tmp_path, device)
     if device == "cuda":
         torch.cuda.synchronize()
     assert loader.load_s > 0 and loader.wait_s >= 0
-    if device == "cuda":  # both timed on the device: waiting is part of loading, never more; on CPU the
-        assert loader.wait_s <= loader.load_s  # host wait also counts the reader thread's wake-up (a busy box)
+    if device == "cuda":  # memory tiers alone: both timed on the device, waiting is part of loading, never more
+        # (a disk read's wait also counts the reader thread's start and wake-up, which its read time does not:
+        # 7 ms against a 1 ms load once, on the first read of a busy machine)
+        with LayerPrefetcher(sources[:1], LAYERS, torch.device(device)) as loader:
+            for layer in range(LAYERS):
+                loader.get(layer)
+        torch.cuda.synchronize()
+        assert 0 <= loader.wait_s <= loader.load_s
 
 
 @pytest.mark.gpu
