@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ragfuse.controller_source import Controlled, ControllerSource
 from ragfuse.engine import EngineConfig, LLMEngine
 from ragfuse.engine.errors import RagfuseError
 from ragfuse.engine.kvstore import DelayProfile, KVStoreError, LoadingController, MemoryTier, profile_path
@@ -67,8 +68,14 @@ def open_pipeline(
         from ragfuse.gate import calibrated_r_star
 
         r_star = calibrated_r_star(engine, kv_context=config.chunk_kv_context)
-    controller = unusable = None
     prof_file = store_profile_path(root, engine)
+    controller = ControllerSource(prof_file, lambda: _profile_controller(prof_file, engine, config.model, r_star))
+    return RagPipeline(engine, rag, r_star=r_star, controller=controller)
+
+
+def _profile_controller(prof_file: Path, engine: LLMEngine, model: str, r_star: float | None) -> Controlled:
+    """The loading controller of the delay profile at ``prof_file``; or none, and why where a profile
+    was meant to be there (said in the log, and in the notes of the answers it would have served)."""
     if prof_file.exists():
         # the controller's floor is the gate's r*: with its own default (15%) it raised every ratio the
         # gate had measured safe below that, so profiling a store made its answers slower
@@ -77,18 +84,18 @@ def open_pipeline(
         except KVStoreError as exc:  # damaged, or made by an older ragfuse: answers need no profile
             unusable = f"{exc}; recompute ratio r* without the loading controller"
             log.warning(unusable)
-        else:
-            controller = LoadingController(profile) if r_star is None else LoadingController(profile, r_star=r_star)
-    elif any(prof_file.parent.glob("profile-*.json")):  # profiled for another build, device or dtype
+            return None, unusable
+        log.info("delay profile %s read: the loading controller chooses recompute ratios", prof_file)
+        return (LoadingController(profile) if r_star is None else LoadingController(profile, r_star=r_star)), None
+    if any(prof_file.parent.glob("profile-*.json")):  # profiled for another build, device or dtype
         unusable = (f"the store's delay profiles were measured for another model build, device or dtype, not "
-                    f"{config.model} on {engine.device} in {dtype_name(engine.dtype)} (run `ragfuse profile "
+                    f"{model} on {engine.device} in {dtype_name(engine.dtype)} (run `ragfuse profile "
                     f"--device {engine.device.type} --dtype {dtype_name(engine.dtype)}`); recompute ratio r* "
                     "without the loading controller")
         log.warning(unusable)
-    else:
-        log.info("no delay profile at %s (run `ragfuse profile`): recompute ratio r* without the controller",
-                 prof_file)
-    return RagPipeline(engine, rag, r_star=r_star, controller=controller, controller_note=unusable)
+        return None, unusable
+    log.info("no delay profile at %s (run `ragfuse profile`): recompute ratio r* without the controller", prof_file)
+    return None, None
 
 
 _SHARED: dict[tuple, object] = {}

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ragfuse.chunk_kv import ChunkKV
+from ragfuse.controller_source import ControllerSource
 from ragfuse.engine import LLMEngine, RequestOutput, SamplingParams
 from ragfuse.engine.errors import RagfuseError, RequestError
 from ragfuse.engine.fusion import FusionMode, FusionStats, Segment, SelectionPolicy
@@ -132,14 +133,14 @@ class RagPipeline:
         retriever: Retriever | None = None,
         policy: SelectionPolicy | None = None,
         r_star: float | None = None,
-        controller: Any = None,
+        controller: ControllerSource | None = None,
         relay: bool = True,
-        controller_note: str | None = None,
     ) -> None:
         """``relay``: serve the instruction prefix as a relay system prompt where the mode allows
-        it (see the module's docstring); a call may say otherwise. ``controller_note``: why there is
-        no controller though one was meant to be (a delay profile that could not be read), said in
-        the notes of every answer whose ratio it would have chosen."""
+        it (see the module's docstring); a call may say otherwise. ``controller``: the store's
+        delay profile's loading controller as the profile is at each answer; where it has none
+        though one was meant to be (a profile that could not be read), why is said in the notes of
+        every answer whose ratio it would have chosen."""
         if engine.tokenizer is None:
             raise RagfuseError("the RAG pipeline needs a model with a tokenizer")
         self.engine = engine
@@ -149,7 +150,6 @@ class RagPipeline:
         self.policy = policy or SelectionPolicy.default()
         self.r_star = r_star if r_star is not None else self.policy.ratio
         self.controller = controller
-        self.controller_note = controller_note
         self.builder = RagPromptBuilder(engine.tokenizer)
         # chunks' KV keyed and (on a miss) computed as the store's ingest did: after the instruction or alone
         self.chunk_kv = (ChunkKV.for_context(engine, store.config.chunk_kv_context, self.builder)
@@ -284,8 +284,9 @@ class RagPipeline:
         segments.append(Segment(self.builder.tail(question), None, "question"))
         sources = [s.kv for s in segments if s.kv is not None]
         chosen, decision = self._ratio(mode, ratio, sources)
-        if self.controller_note and mode == FusionMode.FUSE.value and ratio is None:
-            notes.append(self.controller_note)
+        why_none = self.controller.current()[1] if self.controller is not None else None
+        if why_none and mode == FusionMode.FUSE.value and ratio is None:
+            notes.append(why_none)
         return Prepared(segments, sources, hits, chosen, decision, notes, question=question)  # type: ignore[arg-type]
 
     def _key(self, token_ids: list[int]) -> str:
@@ -341,16 +342,17 @@ class RagPipeline:
             return 0.0, None
         if ratio is not None:
             return ratio, None
-        if self.controller is None or not sources:
+        controller = self.controller.current()[0] if self.controller is not None and sources else None
+        if controller is None:
             return self.r_star, None
         slowest = sources[-1].tier if sources else "cpu"
         for s in sources:
             if s.tier in ("redis", "disk"):
                 slowest = "redis" if "redis" in (slowest, s.tier) else "disk"
-        tier = slowest if slowest in self.controller.profile.bandwidth else None
+        tier = slowest if slowest in controller.profile.bandwidth else None
         if tier is None:
             return self.r_star, None
-        decision = self.controller.decide(sum(s.num_tokens for s in sources), tier)
+        decision = controller.decide(sum(s.num_tokens for s in sources), tier)
         return max(self.r_star, decision.recompute_ratio), decision.as_dict()
 
     # ---- answering ---------------------------------------------------------------------------

@@ -65,6 +65,18 @@ def test_profiled_store_never_raises_the_ratio_above_the_gates_r_star(engine, tm
     assert result.decision is None
     assert any(f"not smollm2-135m-instruct on cpu in {dtype}" in n for n in result.notes), result.notes
 
+    # README: a `ragfuse profile` beside a running server is its next answer's, no restart (the
+    # profile was read once, when the store opened): saved by rename, as `profile` saves it
+    fresh = prof_file.with_name(".new.json")
+    fresh.write_text(json.dumps(prof))
+    fresh.replace(prof_file)
+    result = pipeline.ask(QUESTION, mode="fuse", top_k=2, params=SamplingParams(max_tokens=4))
+    assert result.decision is not None and not any("loading controller" in n for n in result.notes)
+    prof_file.unlink()  # and a profile removed is no longer used
+    (prof_file.parent / "profile-0000000000000000.json").unlink()
+    result = pipeline.ask(QUESTION, mode="fuse", top_k=2, params=SamplingParams(max_tokens=4))
+    assert result.decision is None and not result.notes
+
 
 def test_generate_takes_the_sessions_dir_spelling_serve_uses(tmp_path):
     """`ragfuse serve --sessions-dir` and `ragfuse generate --session-dir` named one thing two ways, and
