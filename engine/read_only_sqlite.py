@@ -1,28 +1,83 @@
-"""Opening a SQLite file that this process may not write (a store on a read-only mount).
+"""Reading a SQLite file that this process may not write (a store on a read-only mount).
 
-A WAL-mode database opened with ``mode=ro`` still needs its ``-shm`` file, which SQLite cannot
-create on a read-only filesystem once the last writer closed cleanly and removed it. ``immutable``
-then reads the file as it is, without locks: right for a mount nobody writes behind (a store shipped
-in an image); where a writer does exist behind the mount (a read-only bind of a live store), its
-``-shm`` is there and ``mode=ro`` reads its commits as a reader should.
+A WAL-mode database opened ``mode=ro`` needs its ``-shm`` file, which exists only while a writer has
+the database open: the last writer to close removes it, and a reader on a read-only mount cannot
+make it. Without it, ``immutable`` is the only way in, and it reads the file as it is, with no locks
+and no WAL, which is right only as long as nobody writes. A read-only bind of a store that is still
+written (an ingest beside serving replicas) then read stale data, and after a checkpoint "database
+disk image is malformed". So a connection is kept only while the files stay as they were: before
+each query the database file, its WAL and its ``-shm`` are looked at again (three ``stat`` calls),
+and the connection is opened anew where they changed (``mode=ro`` whenever a writer's ``-shm`` is
+there); a query that still meets a changing file is retried once on a fresh connection. A store
+nobody writes, the common case, never reopens. A WAL left with changes but without its ``-shm`` (a
+writer killed, the file lost) cannot be read without losing those changes: that is an error, not
+older data served.
 """
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import threading
+from collections.abc import Sequence
 from pathlib import Path
 
+_Stamp = tuple[tuple[int, int, int] | None, ...]
 
-def connect_read_only(path: Path, probe: str = "SELECT COUNT(*) FROM sqlite_master") -> sqlite3.Connection:
-    """A connection that never writes ``path`` (nor its ``-wal``/``-shm``). ``probe``, run once, makes a
-    file that cannot be read this way fail here rather than at the first query."""
-    if not path.is_file():
-        raise sqlite3.OperationalError(f"no such database: {path}")
-    uri = path.resolve().as_uri()
-    try:
-        return _probed(f"{uri}?mode=ro", probe)
-    except sqlite3.OperationalError:  # no -shm beside a WAL file, and none can be made
-        return _probed(f"{uri}?mode=ro&immutable=1", probe)
+
+class Rows(list):
+    """A query's rows, read whole, answering as a cursor does (``fetchone``, ``fetchall``, iteration)."""
+
+    def fetchone(self) -> tuple | None:
+        return self[0] if self else None
+
+    def fetchall(self) -> list[tuple]:
+        return list(self)
+
+
+class ReadOnlyDatabase:
+    """``execute(sql, args)`` returning every row (``Rows``), on a connection that never writes
+    ``path`` nor its ``-wal``/``-shm``. ``probe``, run at each open, makes a file that cannot be read
+    fail at once (``sqlite3.Error``) rather than at the first query."""
+
+    def __init__(self, path: Path, probe: str = "SELECT COUNT(*) FROM sqlite_master") -> None:
+        if not path.is_file():
+            raise sqlite3.OperationalError(f"no such database: {path}")
+        self.path, self._probe = path, probe
+        self._lock = threading.Lock()  # the connectors read from worker threads
+        self._db, self._stamp = self._open()
+
+    def _open(self) -> tuple[sqlite3.Connection, _Stamp]:
+        stamp = _stamp(self.path)
+        uri = self.path.resolve().as_uri()
+        try:
+            return _probed(f"{uri}?mode=ro", self._probe), stamp
+        except sqlite3.OperationalError:  # no -shm, and none can be made here
+            wal = stamp[1]
+            if wal is not None and wal[2] > 0:
+                raise sqlite3.OperationalError(
+                    f"{self.path} has changes in its write-ahead log that a read-only open cannot read (its -shm "
+                    "file is missing): open the store once where it is writable") from None
+            return _probed(f"{uri}?mode=ro&immutable=1", self._probe), stamp
+
+    def execute(self, sql: str, args: Sequence[object] = ()) -> Rows:
+        with self._lock:
+            if _stamp(self.path) != self._stamp:
+                self._reopen()
+            try:
+                return Rows(self._db.execute(sql, args).fetchall())
+            except sqlite3.DatabaseError:
+                self._reopen()  # the file changed under the query: once more, on what it is now
+                return Rows(self._db.execute(sql, args).fetchall())
+
+    def _reopen(self) -> None:
+        old = self._db
+        self._db, self._stamp = self._open()
+        old.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
 
 
 def _probed(uri: str, probe: str) -> sqlite3.Connection:
@@ -33,3 +88,16 @@ def _probed(uri: str, probe: str) -> sqlite3.Connection:
         db.close()
         raise
     return db
+
+
+def _stamp(path: Path) -> _Stamp:
+    """What a writer changes: the database file, its WAL, its -shm (inode, mtime, size; None if absent)."""
+    out: list[tuple[int, int, int] | None] = []
+    for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        try:
+            st = os.stat(p)
+        except OSError:
+            out.append(None)
+            continue
+        out.append((st.st_ino, st.st_mtime_ns, st.st_size))
+    return tuple(out)

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from ragfuse.engine.read_only_sqlite import connect_read_only
+from ragfuse.engine.read_only_sqlite import ReadOnlyDatabase
 from ragfuse.store_dir import StoreError
 
 T = TypeVar("T")
@@ -63,8 +63,8 @@ class DocStore:
         # one generation plus these is current without a rebuild (``changed_only_here``)
         self.own_generations: set[int] = set()
         try:
-            if read_only:
-                self.db = connect_read_only(path, "SELECT v FROM meta LIMIT 1")
+            if read_only:  # queried as a connection is (``execute``); never written
+                self.db = ReadOnlyDatabase(path, "SELECT v FROM meta LIMIT 1")  # type: ignore[assignment]
                 return
             # framework connectors read it from worker threads (a batch, an async stream); SQLite is built
             # serialized (sqlite3.threadsafety 3), and writes (ingest) come from one thread at a time

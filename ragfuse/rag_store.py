@@ -125,7 +125,8 @@ class RagStore:
             if existing is not None:
                 existing.check_compatible(config)
             elif self.read_only:
-                raise StoreError(f"the store folder {root} is read-only and holds no ingest: nothing to read there")
+                raise StoreError(f"the store folder {root} is read-only and holds no ingest: there is no store to "
+                                 "read, and none can be made there")
             self._index_lock = FileLock(str(root / "index.lock")) if not self.read_only else None
             self.docs = DocStore(root / "docstore.sqlite", read_only=self.read_only)
         except BaseException:
@@ -174,9 +175,7 @@ class RagStore:
     def check_writable(self, what: str) -> None:
         """Refuse ``what`` (a command or request that changes the store) on a read-only store."""
         if self.read_only:
-            raise StoreError(f"the store at {self.root} is read-only (a read-only mount, or a folder this user cannot "
-                             f"write): {what} would change it. Search, ask and serve read it as it is; run {what} "
-                             "where the store is writable")
+            raise StoreError(_read_only(self.root, what))
 
     @classmethod
     def open_existing(cls, root: Path, **kwargs: object) -> RagStore:
@@ -481,6 +480,18 @@ def _held(path: Path, busy: str | None = None) -> Iterator[None]:
         yield
     finally:
         lock.release()
+
+
+def check_store_folder_writable(root: Path, what: str) -> None:
+    """Refuse ``what`` on a store folder this process cannot write (a read-only mount), before a model
+    loads for it; ``RagStore.check_writable`` says the same once the store is open."""
+    if root.is_dir() and not os.access(root, os.W_OK):
+        raise StoreError(_read_only(root, what))
+
+
+def _read_only(root: Path, what: str) -> str:
+    return (f"the store at {root} is read-only (a read-only mount, or a folder this user cannot write): {what} would "
+            "change it. Search, ask and serve read it as it is; make changes where the store is writable")
 
 
 def _forget_settings(root: Path) -> None:

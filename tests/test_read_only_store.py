@@ -72,6 +72,7 @@ def test_a_read_only_disk_tier_serves_its_entries_and_writes_nothing(tmp_path, r
     assert store.get(b.key) is None and ro.path_of(b.key).exists()  # hidden, not removed
     with pytest.raises(KVStoreError, match="is read-only"):
         store.put(make_entry(3))
+    store.put(a)  # one it holds is stored already: no error (a memory tier's eviction into it is no loss)
     ro.close()
     assert _last_access(tmp_path) == before
 
@@ -146,27 +147,103 @@ def _unshare_works(tmp_path: Path) -> bool:
     return run.returncode == 0
 
 
+def _in_read_only_mount(root: Path, command: str) -> list[str]:
+    """``command`` (sh) run with ``root`` bind-mounted read-only in a mount namespace of its own."""
+    return ["unshare", "-rm", "sh", "-c", f"mount --bind -o ro {root} {root} && {command}"]
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+REPO = Path(__file__).resolve().parents[1]
+READER = """
+import json, sys, time
+from pathlib import Path
+from ragfuse.rag_store import RagStore
+from tests.tiny_store import unit
+root, go = Path(sys.argv[1]), Path(sys.argv[2])
+store = RagStore.open_existing(root)
+def look():
+    _, ids = store.current_index().search(unit(2), 1)
+    return {"read_only": store.read_only, "files": store.docs.counts()["files"],
+            "kv": store.kv.get("kv-of-b") is not None, "top": store.docs.chunks([int(ids[0])])[int(ids[0])].text}
+print(json.dumps(look()), flush=True)
+while not go.exists():
+    time.sleep(0.05)
+print(json.dumps(look()), flush=True)
+"""
+
+
+def test_a_read_only_reader_sees_what_a_writer_behind_the_mount_commits(tmp_path):
+    """Serving replicas on a read-only bind of a store an ingest still writes: the reader opened it
+    with no writer about (no -shm: SQLite's immutable mode, a snapshot that never changes); the
+    writer's chunks, index and KV are then found at the reader's next search, without a restart and
+    without "database disk image is malformed"."""
+    if not _unshare_works(tmp_path):
+        pytest.skip("this machine cannot mount a folder read-only (unshare -rm + bind mount)")
+    root, go = tmp_path / "store", tmp_path / "go"
+    store = open_tiny(root)
+    add_file(store, "/docs/a.txt", [0, 1])
+    store.close()
+    reader = subprocess.Popen(_in_read_only_mount(root, f"{sys.executable} -c '{READER}' {root} {go}"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO)
+    try:
+        before = json.loads(reader.stdout.readline() or "null")
+        assert before is not None, reader.stderr.read()[-3000:]
+        assert before["read_only"] and before["files"] == 1 and not before["kv"]
+        writer = open_tiny(root)  # the writer, outside the mount
+        add_file(writer, "/docs/b.txt", [2], kv_key="kv-of-b")
+        put_kv(writer, "kv-of-b")
+        writer.close()
+        go.touch()
+        after = json.loads(reader.stdout.readline() or "null")
+        assert after is not None, reader.stderr.read()[-3000:]
+    finally:
+        go.touch()
+        reader.wait(timeout=60)
+    assert after == {"read_only": True, "files": 2, "kv": True, "top": "chunk 2 of /docs/b.txt"}
+
+
+def test_changes_only_a_lost_wal_index_holds_are_an_error_not_older_data(tmp_path):
+    """A docstore whose last commits sit in its WAL, with the WAL's -shm gone (a copy that skipped it,
+    a writer killed and its files tidied): read-only, SQLite can only read it as it was before those
+    commits. That is refused in a line, where the removed or added documents would be served wrong."""
+    if not _unshare_works(tmp_path):
+        pytest.skip("this machine cannot mount a folder read-only (unshare -rm + bind mount)")
+    root, copy = tmp_path / "store", tmp_path / "copy"
+    store = open_tiny(root)
+    add_file(store, "/docs/a.txt", [0, 1])  # committed into the WAL, not yet checkpointed while it is open
+    shutil.copytree(root, copy, ignore=shutil.ignore_patterns("*-shm"))
+    store.close()
+    assert (copy / "docstore.sqlite-wal").stat().st_size > 0
+    run = subprocess.run(_in_read_only_mount(copy, f"{sys.executable} -m ragfuse.cli store stats --store {copy}"),
+                         capture_output=True, text=True, env=ENV, cwd=REPO, timeout=300)
+    assert run.returncode == 2 and "write-ahead log" in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
 def test_ask_answers_from_a_store_on_a_read_only_mount(tmp_path, engine):
     """For real: the demo store bind-mounted read-only in a mount namespace of its own. ``ask`` answers
-    from the stored KV (disk tier), ``search`` lists, ``ingest`` and ``ask --session`` are refused."""
+    from the stored KV (disk tier), ``session ls`` lists the sessions a writable run kept there, and
+    ``ingest`` (before its model loads) and a new ``ask --session`` are refused."""
     if not _unshare_works(tmp_path):
         pytest.skip("this machine cannot mount a folder read-only (unshare -rm + bind mount)")
     root = ingest_demo(tmp_path / "store", engine)
     ragfuse = [sys.executable, "-m", "ragfuse.cli"]
+    kept = subprocess.run([*ragfuse, "ask", "Hello", "--store", str(root), "--session", "s1", "--max-tokens", "2",
+                           "--recompute-ratio", "0.15"], capture_output=True, text=True, env=ENV, cwd=REPO, timeout=300)
+    assert kept.returncode == 0, kept.stderr[-2000:]
     script = " && ".join([
-        f"mount --bind -o ro {root} {root}",
         " ".join([*ragfuse, "ask", "'Who was the last keeper of the Hollowpoint lighthouse?'", "--store", str(root),
                   "--json", "--max-tokens", "8", "--recompute-ratio", "0.15", ">", str(tmp_path / "ask.json")]),
+        f"{' '.join(ragfuse)} session ls --store {root} > {tmp_path / 'sessions.txt'}",
         f"! {' '.join(ragfuse)} ingest {DEMO} --store {root} 2> {tmp_path / 'ingest.err'}",
-        f"! {' '.join(ragfuse)} ask hello --store {root} --session s1 2> {tmp_path / 'session.err'}",
+        f"! {' '.join(ragfuse)} ask hello --store {root} --session s2 2> {tmp_path / 'session.err'}",
     ])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    run = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, env=env,
-                         cwd=Path(__file__).resolve().parents[1], timeout=600)
+    run = subprocess.run(_in_read_only_mount(root, script), capture_output=True, text=True, env=ENV, cwd=REPO,
+                         timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     answer = json.loads((tmp_path / "ask.json").read_text())
     assert answer["answer"].strip() and "disk" in answer["tiers"] and answer["reused_tokens"] > 0
     assert not any("stor" in note for note in answer.get("notes", [])), answer.get("notes")
-    assert "is read-only" in (tmp_path / "ingest.err").read_text()
+    assert "s1" in (tmp_path / "sessions.txt").read_text()
+    ingest_err = (tmp_path / "ingest.err").read_text()
+    assert "is read-only" in ingest_err and "Loading" not in ingest_err, ingest_err
     assert "sessions folder" in (tmp_path / "session.err").read_text()
-    assert not (root / "sessions").exists()

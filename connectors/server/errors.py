@@ -19,7 +19,7 @@ from ragfuse.engine.kvstore.disk import DiskFullError
 from ragfuse.engine.kvstore.entry import KVStoreError
 
 log = logging.getLogger("ragfuse.server")
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
          405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
          500: "server_error", 501: "not_implemented_error", 503: "server_error", 507: "server_error"}
 

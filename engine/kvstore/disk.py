@@ -40,7 +40,7 @@ import torch
 from filelock import FileLock
 from safetensors.torch import save as safetensors_save
 
-from ..read_only_sqlite import connect_read_only
+from ..read_only_sqlite import ReadOnlyDatabase
 from .buffer_pool import HostBufferPool, shared_pool
 from .entry import CorruptEntryError, EntryMeta, KVStoreError, StoredKV, UnreadableEntryError, tensor_bytes
 from .tier import Tier, TierStats
@@ -229,12 +229,13 @@ class DiskTier(Tier):
         return db
 
     @classmethod
-    def _connect_read_only(cls, path: Path) -> sqlite3.Connection:
-        """The manifest as it is; an empty one in memory where there is none (a store ingested without KV)."""
+    def _connect_read_only(cls, path: Path) -> sqlite3.Connection | ReadOnlyDatabase:
+        """The manifest as it is, kept up with a writer behind the mount (``ReadOnlyDatabase``); an
+        empty one in memory where there is none (a store ingested without KV)."""
         if not path.exists():
             return cls._connect(Path(":memory:"))
         try:
-            return connect_read_only(path, "SELECT COUNT(*), SUM(nbytes) FROM entries")
+            return ReadOnlyDatabase(path, "SELECT COUNT(*), SUM(nbytes) FROM entries")
         except sqlite3.Error as exc:
             raise KVStoreError(f"cannot read the KV manifest {path} (read-only): {exc}") from exc
 
@@ -371,7 +372,9 @@ class DiskTier(Tier):
     # ---- writes ------------------------------------------------------------------------------
 
     def put(self, entry: StoredKV, keep_evicted: bool = True) -> list[StoredKV]:
-        if self.read_only:
+        if self.read_only:  # an entry it holds is stored already (a memory tier's eviction is no loss)
+            if self.contains(entry.key):
+                return []
             raise self._read_only_error()
         if self._listed(entry.key):
             return []

@@ -25,6 +25,7 @@ import errno
 import itertools
 import json
 import logging
+import os
 import re
 import sqlite3
 import threading
@@ -177,10 +178,13 @@ class SessionStore:
         ttl_s: float | None = None,
         clock: Callable[[], float] = time.time,
         hold: bool | FolderLock = True,
+        read_only: bool = False,
     ) -> None:
         """``hold``: keep the folder's sessions to this process (``FolderLock``) while it is open, or
         the lock a caller took before loading a model (``hold_sessions``: a refusal comes at once); a
-        store that only lists them (``browse``) holds nothing."""
+        store that only lists them (``browse``) holds nothing. ``read_only``: a listing of a folder this
+        process cannot write (a read-only store's), which changes nothing there, damaged records and
+        orphaned KV included."""
         self.fingerprint = fingerprint
         self.dtype = dtype
         self.clock = clock
@@ -196,8 +200,9 @@ class SessionStore:
             try:
                 # the placement decides disk evictions; the tier's own LRU must never fire first
                 self.disk = DiskTier(self.root / "kv", capacity_bytes=2 * disk_bytes + (1 << 30), name="disk",
-                                     reserve_bytes=0)
-                (self.root / "records").mkdir(parents=True, exist_ok=True)
+                                     reserve_bytes=0, read_only=read_only)
+                if not read_only:
+                    (self.root / "records").mkdir(parents=True, exist_ok=True)
             except BaseException:
                 if self._folder is not None:
                     self._folder.release()
@@ -215,8 +220,10 @@ class SessionStore:
         self._turn_ids = itertools.count()
         self._lookahead: list[str] = []  # the sessions a caller said come next (``hint``)
         self._pins: dict[str, int] = {}  # open layer sources per session (``placement.pinned``: those > 0)
+        self.read_only = read_only
         self._load_records()
-        self._remove_orphans()
+        if not read_only:
+            self._remove_orphans()
 
     # ---- records on disk -----------------------------------------------------------------------
 
@@ -225,8 +232,10 @@ class SessionStore:
         """The sessions saved under ``root`` by any model, to list, or with ``hold`` to delete
         (``ragfuse session``), without loading one: this store has no model's fingerprint, so it must
         save no turn. A listing holds nothing (it may run beside a server); a delete must hold the
-        folder, or the process serving the session would save it again from memory."""
-        return cls(root, fingerprint="", dtype=torch.float32, cpu_bytes=0, hold=hold)
+        folder, or the process serving the session would save it again from memory. A listing of a
+        folder this process cannot write (a read-only store's) reads it as it is."""
+        read_only = not hold and Path(root).is_dir() and not os.access(root, os.W_OK)
+        return cls(root, fingerprint="", dtype=torch.float32, cpu_bytes=0, hold=hold, read_only=read_only)
 
     def _record_path(self, session_id: str) -> Path:
         assert self.root is not None
@@ -245,7 +254,8 @@ class SessionStore:
                 why = f"unreadable ({exc})"
             if why:
                 log.warning("session record %s is damaged (%s): dropped, its next turn recomputes", path, why)
-                path.unlink(missing_ok=True)
+                if not self.read_only:
+                    path.unlink(missing_ok=True)
                 if _SESSION_ID.fullmatch(path.stem):
                     self._note_gone(path.stem, "had a damaged record on disk")
                 continue
@@ -687,5 +697,5 @@ def hold_sessions(root: Path) -> FolderLock:
 
 def _read_only_sessions(root: Path) -> KVStoreError:
     return KVStoreError(f"the sessions folder {root} is read-only (a read-only store, or a folder this user cannot "
-                        "write): give sessions a writable folder (serve --sessions-dir, generate --session-dir), "
-                        "or ask without --session")
+                        "write): sessions need a writable one (serve --sessions-dir DIR, generate --session-dir DIR; "
+                        "ask --session keeps them in the store, so it cannot run on a read-only one)")

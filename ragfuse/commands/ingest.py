@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from ragfuse.engine.errors import ModelError, RagfuseError
     from ragfuse.engine.kvstore import check_redis
     from ragfuse.ingest import Ingestor
-    from ragfuse.rag_store import RagStore
+    from ragfuse.rag_store import RagStore, check_store_folder_writable
     from ragfuse.store_dir import check_chunking, resolve_store_dir
 
     # a mistyped path is the user's mistake, told before anything loads or a store is made
@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         raise RagfuseError(f"no such file or directory: {', '.join(missing)} (nothing was ingested)")
     check_redis(args.redis)
     root = resolve_store_dir(args.store)
+    check_store_folder_writable(root, "an ingest")  # a read-only store: told before the model loads
     existing = StoreConfig.load(root)
     if existing is None and not find_files(args.paths).files:  # (for a store, an emptied folder removes its files)
         raise RagfuseError(f"no documents in {', '.join(args.paths)}: ingest reads "
