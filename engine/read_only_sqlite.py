@@ -16,13 +16,14 @@ older data served.
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-_Stamp = tuple[tuple[int, int, int] | None, ...]
+from .file_stamp import Stamp, file_stamp
+
+_Stamps = tuple[Stamp | None, ...]
 
 
 class Rows(list):
@@ -47,8 +48,8 @@ class ReadOnlyDatabase:
         self._lock = threading.Lock()  # the connectors read from worker threads
         self._db, self._stamp = self._open()
 
-    def _open(self) -> tuple[sqlite3.Connection, _Stamp]:
-        stamp = _stamp(self.path)
+    def _open(self) -> tuple[sqlite3.Connection, _Stamps]:
+        stamp = _stamps(self.path)
         uri = self.path.resolve().as_uri()
         try:
             return _probed(f"{uri}?mode=ro", self._probe), stamp
@@ -62,7 +63,7 @@ class ReadOnlyDatabase:
 
     def execute(self, sql: str, args: Sequence[object] = ()) -> Rows:
         with self._lock:
-            if _stamp(self.path) != self._stamp:
+            if _stamps(self.path) != self._stamp:
                 self._reopen()
             try:
                 return Rows(self._db.execute(sql, args).fetchall())
@@ -90,14 +91,6 @@ def _probed(uri: str, probe: str) -> sqlite3.Connection:
     return db
 
 
-def _stamp(path: Path) -> _Stamp:
-    """What a writer changes: the database file, its WAL, its -shm (inode, mtime, size; None if absent)."""
-    out: list[tuple[int, int, int] | None] = []
-    for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
-        try:
-            st = os.stat(p)
-        except OSError:
-            out.append(None)
-            continue
-        out.append((st.st_ino, st.st_mtime_ns, st.st_size))
-    return tuple(out)
+def _stamps(path: Path) -> _Stamps:
+    """What a writer changes: the database file, its WAL, its -shm."""
+    return tuple(file_stamp(p) for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")))

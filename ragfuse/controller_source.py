@@ -8,11 +8,11 @@ reads it again where it changed: a profile made, replaced or removed is the next
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from ragfuse.engine.file_stamp import Stamp, file_stamp
 from ragfuse.engine.kvstore import LoadingController
 
 # what a profile file gives: the controller built from it, or none and why (a note every answer it
@@ -25,22 +25,13 @@ class ControllerSource:
         """``load`` builds the controller from the profile at ``path`` (or says why there is none)."""
         self.path, self._load = path, load
         self._lock = threading.Lock()  # answers on several threads (a framework's batch) share it
-        self._stamp: tuple[int, int, int] | None = _stamp(path)
+        self._stamp: Stamp | None = file_stamp(path)
         self._value = load()
 
     def current(self) -> Controlled:
         """The controller of the profile as the file is now."""
         with self._lock:
-            stamp = _stamp(self.path)
+            stamp = file_stamp(self.path)  # profiles are saved by rename: a new one is a new inode
             if stamp != self._stamp:
                 self._stamp, self._value = stamp, self._load()
             return self._value
-
-
-def _stamp(path: Path) -> tuple[int, int, int] | None:
-    """What changes when the file is written (profiles are saved by rename: a new inode), or None."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_ino, st.st_mtime_ns, st.st_size
