@@ -482,10 +482,15 @@ def _held(path: Path, busy: str | None = None) -> Iterator[None]:
         lock.release()
 
 
+def store_folder_writable(root: Path) -> bool:
+    """Whether this process may write the store folder ``root`` (one not made yet: its parent's call)."""
+    return not root.is_dir() or os.access(root, os.W_OK)
+
+
 def check_store_folder_writable(root: Path, what: str) -> None:
     """Refuse ``what`` on a store folder this process cannot write (a read-only mount), before a model
     loads for it; ``RagStore.check_writable`` says the same once the store is open."""
-    if root.is_dir() and not os.access(root, os.W_OK):
+    if not store_folder_writable(root):
         raise StoreError(_read_only(root, what))
 
 

@@ -12,9 +12,11 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -247,3 +249,45 @@ def test_ask_answers_from_a_store_on_a_read_only_mount(tmp_path, engine):
     ingest_err = (tmp_path / "ingest.err").read_text()
     assert "is read-only" in ingest_err and "Loading" not in ingest_err, ingest_err
     assert "sessions folder" in (tmp_path / "session.err").read_text()
+
+
+def test_a_server_on_a_read_only_store_keeps_sessions_in_memory(tmp_path, engine):
+    """A replica serving a read-only store with no sessions folder of its own: it starts (it refused
+    before), says that sessions live in memory only, and a session's second turn reuses the first's KV."""
+    if not _unshare_works(tmp_path):
+        pytest.skip("this machine cannot mount a folder read-only (unshare -rm + bind mount)")
+    import httpx
+
+    root = ingest_demo(tmp_path / "store", engine)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve = f"{sys.executable} -m ragfuse.cli serve --store {root} --port {port} --device cpu --no-gate"
+    server = subprocess.Popen(_in_read_only_mount(root, f"exec {serve}"), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, server.communicate()[1][-3000:]
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        turns = []
+        messages = [{"role": "user", "content": "Hi, I am Ana."}]
+        for follow_up in ("What is my name?", None):
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+                "model": "smollm2-135m-instruct", "messages": messages, "max_tokens": 3, "session_id": "ana"})
+            assert r.status_code == 200, r.text
+            turns.append(r.json())
+            if follow_up:
+                messages += [turns[-1]["choices"][0]["message"], {"role": "user", "content": follow_up}]
+        assert turns[0]["usage"]["ragfuse"]["session_tokens_reused"] == 0
+        assert turns[1]["usage"]["ragfuse"]["session_tokens_reused"] > 0
+    finally:
+        server.terminate()
+        err = server.communicate(timeout=60)[1]
+    assert "sessions are kept in memory only" in err and "Traceback" not in err, err[-3000:]
+    assert not (root / "sessions").exists()

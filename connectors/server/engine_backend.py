@@ -109,9 +109,10 @@ class EngineBackend:
 
     def __init__(self, pipeline: RagPipeline, model_id: str, sessions_dir: str | Path | None = None,
                  session_cpu_bytes: int = 4 << 30, session_disk_bytes: int = 32 << 30,
-                 sessions_lock: FolderLock | None = None) -> None:
+                 sessions_lock: FolderLock | None = None, sessions_on_disk: bool = True) -> None:
         """``sessions_dir``: where sessions' KV is kept (default: the store's ``sessions/``);
-        ``sessions_lock``: that folder's hold, taken before the model loaded (``hold_sessions``)."""
+        ``sessions_lock``: that folder's hold, taken before the model loaded (``hold_sessions``).
+        Without ``sessions_on_disk`` (a read-only store's replica) sessions live in memory only."""
         from ragfuse.embeddings import Embedder
         from ragfuse.ingest import Ingestor
 
@@ -121,8 +122,8 @@ class EngineBackend:
         self.context_length = engine.max_model_len
         root = Path(sessions_dir) if sessions_dir is not None else pipeline.store.root / "sessions"
         self._engine_sessions = engine.sessions  # put back on close (an engine shared with other front ends)
-        self.sessions = SessionStore(root, engine.fingerprint, engine.dtype, session_cpu_bytes, session_disk_bytes,
-                                     hold=sessions_lock or True)
+        self.sessions = SessionStore(root if sessions_on_disk else None, engine.fingerprint, engine.dtype,
+                                     session_cpu_bytes, session_disk_bytes, hold=sessions_lock or sessions_on_disk)
         engine.enable_sessions(self.sessions)
         self.loop = AsyncEngine(engine)
         self._uploading = asyncio.Lock()  # one upload at a time: each restores its files on failure

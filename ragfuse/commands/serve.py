@@ -135,10 +135,17 @@ def build_backend(args: argparse.Namespace):  # noqa: ANN201 (a Backend; its mod
         return VLLMServeBackend.open(args.store, model)
     from ragfuse.connectors.server.engine_backend import EngineBackend, open_store_pipeline
     from ragfuse.engine.sessions.store import hold_sessions
+    from ragfuse.rag_store import store_folder_writable
     from ragfuse.store_dir import resolve_store_dir
 
-    # another process keeping these sessions (a server on the same store) is told before the model loads
-    held = hold_sessions(Path(args.sessions_dir) if args.sessions_dir else resolve_store_dir(args.store) / "sessions")
+    # another process keeping these sessions (a server on the same store) is told before the model loads;
+    # a read-only store's replica keeps them in memory unless given a folder of their own
+    root = resolve_store_dir(args.store)
+    on_disk = args.sessions_dir is not None or store_folder_writable(root)
+    if not on_disk:
+        sys.stderr.write(f"ragfuse: warning: the store at {root} is read-only: sessions are kept in memory only, lost "
+                         "when the server stops (--sessions-dir DIR keeps them on disk)\n")
+    held = hold_sessions(Path(args.sessions_dir) if args.sessions_dir else root / "sessions") if on_disk else None
     engine = None
     if args.no_prefix_tree:
         from ragfuse.engine import EngineConfig, LLMEngine
@@ -147,7 +154,7 @@ def build_backend(args: argparse.Namespace):  # noqa: ANN201 (a Backend; its mod
     pipeline = open_store_pipeline(args.store, model, args.device, args.dtype, engine=engine,
                                    gate=not args.no_gate)
     return EngineBackend(pipeline, model, args.sessions_dir, int(args.session_memory_gb * 2**30),
-                         int(args.session_disk_gb * 2**30), sessions_lock=held)
+                         int(args.session_disk_gb * 2**30), sessions_lock=held, sessions_on_disk=on_disk)
 
 
 def _usage(msg: str) -> int:
