@@ -2,8 +2,8 @@
 read as it is: search, ``ask`` and a server answer from it; what would change it is refused in one line.
 
 The in-process tests fail every ``os.open`` for writing (``read_only_fs``: root ignores file modes)
-and rely on SQLite's own read-only connections; the end-to-end test mounts the store read-only for
-real (``unshare`` + a read-only bind mount) where the machine allows it.
+and rely on SQLite's own read-only connections; the others mount the store read-only for real
+(``unshare`` + a read-only bind mount) where the machine allows it.
 """
 
 from __future__ import annotations
@@ -63,15 +63,16 @@ def test_a_read_only_disk_tier_serves_its_entries_and_writes_nothing(tmp_path, r
     a, b = make_entry(1), make_entry(2)
     disk.put(a)
     disk.put(b)
+    damaged = disk.path_of(b.key)
     disk.close()
     before = _last_access(tmp_path)
-    _flip_last_bytes(tmp_path / DiskTier(tmp_path, 1 << 30).path_of(b.key).relative_to(tmp_path))
+    _flip_last_bytes(damaged)
     request.getfixturevalue("read_only_fs")  # from here on
     ro = DiskTier(tmp_path, 1 << 30, read_only=True)
     store = TieredKVStore([ro])
     assert same(store.get(a.key), a)
     assert store.get(b.key) is None and not ro.contains(b.key) and ro.stats().corrupt == 1
-    assert store.get(b.key) is None and ro.path_of(b.key).exists()  # hidden, not removed
+    assert store.get(b.key) is None and damaged.exists()  # hidden, not removed
     with pytest.raises(KVStoreError, match="is read-only"):
         store.put(make_entry(3))
     store.put(a)  # one it holds is stored already: no error (a memory tier's eviction into it is no loss)
