@@ -62,6 +62,7 @@ class DocStore:
         # generations this docstore's own transactions committed: an index that saw all changes up to
         # one generation plus these is current without a rebuild (``changed_only_here``)
         self.own_generations: set[int] = set()
+        self.read_only = read_only
         try:
             if read_only:  # queried as a connection is (``execute``); never written
                 self.db = ReadOnlyDatabase(path, "SELECT v FROM meta LIMIT 1")  # type: ignore[assignment]
@@ -216,7 +217,9 @@ class DocStore:
     def iter_kv_refs(self) -> Iterator[tuple[str | None, tuple[int, ...]]]:
         """(stored KV key, token ids) of every chunk, read one at a time (a store's chunks may not fit
         in memory at once), from one snapshot of the docstore."""
-        for kv_key, token_ids in self.db.cursor().execute("SELECT kv_key, token_ids FROM chunks"):
+        # (read-only, the rows come whole: such a connection answers each query at once, ``ReadOnlyDatabase``)
+        query = self.db.execute if self.read_only else self.db.cursor().execute
+        for kv_key, token_ids in query("SELECT kv_key, token_ids FROM chunks"):
             yield kv_key, _tokens(token_ids)
 
     def chunk_heads(self, n: int) -> list[tuple[int, str]]:

@@ -399,11 +399,13 @@ class RagStore:
           the tiers), which ``ask`` would otherwise meet, drop and recompute.
 
         ``dry_run`` removes nothing and reports what would go. A store opened with ``sweep_kv=False``
-        reports the disk tier's leftovers; another has swept them when it opened."""
+        reports the disk tier's leftovers; another has swept them when it opened. A read-only store
+        takes a dry run (with ``verify``, a check of a shipped store's entries), nothing more."""
         from ragfuse.engine.errors import ModelError
         from ragfuse.engine.kvstore.entry import DTYPES
 
-        self.check_writable("`ragfuse store gc`")
+        if not dry_run:
+            self.check_writable("`ragfuse store gc` (a dry run reads it only)")
         try:
             fingerprint, builder = self._keying()
         except (ModelError, OSError) as exc:

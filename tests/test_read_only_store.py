@@ -93,6 +93,7 @@ def test_a_read_only_store_is_searched_and_refuses_every_change(tmp_path, reques
     store = open_tiny(root)
     add_file(store, "/docs/a.txt", [0, 1], kv_key="kv-of-a")
     put_kv(store, "kv-of-a")
+    put_kv(store, "kv-of-nothing")  # no chunk's: gc's to take
     store.close()
     before = _contents(root)
     request.getfixturevalue("read_only_fs")  # from here on
@@ -101,6 +102,8 @@ def test_a_read_only_store_is_searched_and_refuses_every_change(tmp_path, reques
     assert ro.kv.get("kv-of-a") is not None
     _, ids = ro.current_index().search(unit(1), 1)
     assert ro.docs.chunks([int(ids[0])])[int(ids[0])].text == "chunk 1 of /docs/a.txt"
+    report = ro.gc(dry_run=True, verify=True, progress=False)  # a check of a shipped store: it only reads
+    assert report.unreferenced_entries == 1 and report.verified_entries == 2 and not report.corrupt_entries
     for change in (lambda: ro.remove(["/docs/a.txt"]), ro.clear, ro.gc,
                    lambda: ro.apply_changes([], [], torch.zeros(0, 4).numpy())):
         with pytest.raises(StoreError, match="is read-only"):
@@ -128,6 +131,8 @@ def test_the_cli_reads_a_read_only_store_and_refuses_changes_in_a_line(tmp_path,
     request.getfixturevalue("read_only_fs")
     assert main(["store", "stats", "--store", str(root)]) == 0
     assert "1 files, 2 chunks" in capsys.readouterr().out
+    assert main(["store", "gc", "--dry-run", "--store", str(root)]) == 0
+    capsys.readouterr()
     for argv in (["store", "rm", "--all"], ["store", "gc"], ["store", "rm", "/docs/a.txt"]):
         assert main([*argv, "--store", str(root)]) == 2
         err = capsys.readouterr().err

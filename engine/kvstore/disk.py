@@ -263,7 +263,7 @@ class DiskTier(Tier):
         """Remove what crashed writers left, under the lock (a put holds it from its rename to its
         listing, so nothing found here is a live put's); return the files removed with their sizes,
         and the keys of rows whose file was gone. ``dry_run``: remove nothing, return what would go.
-        A read-only tier removes nothing and reports nothing.
+        A read-only tier removes nothing; a dry run reports what a writer's sweep would remove.
 
         - entry files the manifest does not list (a crash between the rename and the listing);
         - temp files of dead writers (a crash mid-write): the pid in the name runs no process here,
@@ -272,9 +272,9 @@ class DiskTier(Tier):
           dead even where its pid now belongs to another process (the pid test alone keeps it forever);
         - rows whose entry file is gone (removed behind the manifest's back)."""
         removed: list[tuple[Path, int]] = []
-        if self.read_only:
+        if self.read_only and not dry_run:
             return removed, []
-        with self._lock:
+        with contextlib.nullcontext() if self.read_only else self._lock:  # no lock file on a read-only mount
             listed = {row[0] for row in self._sql("SELECT file FROM entries")}
             for path in (self.root / "data").glob("*/*"):
                 if path.name.endswith(".tmp"):
