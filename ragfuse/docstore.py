@@ -23,6 +23,7 @@ T = TypeVar("T")
 # bound values per statement: SQLite's smallest default limit (builds differ, from 999 to 250,000), so
 # an IN list of any length is sent in pieces every build accepts
 SQL_VARIABLES = 999
+KV_REFS_PAGE = 4096  # chunks a read-only docstore reads at once for ``iter_kv_refs``
 # the root of the files stored before roots were recorded: which paths reached them is not known, so
 # they keep this root, which no ingest walks, and are never removed for a root no longer reaching them
 UNKNOWN_ROOT = ""
@@ -216,11 +217,19 @@ class DocStore:
 
     def iter_kv_refs(self) -> Iterator[tuple[str | None, tuple[int, ...]]]:
         """(stored KV key, token ids) of every chunk, read one at a time (a store's chunks may not fit
-        in memory at once), from one snapshot of the docstore."""
-        # (read-only, the rows come whole: such a connection answers each query at once, ``ReadOnlyDatabase``)
-        query = self.db.execute if self.read_only else self.db.cursor().execute
-        for kv_key, token_ids in query("SELECT kv_key, token_ids FROM chunks"):
-            yield kv_key, _tokens(token_ids)
+        in memory at once), from one snapshot of the docstore; read-only, in pages of ids, since
+        such a connection answers each query whole (``ReadOnlyDatabase``; a writer behind the mount
+        may commit between two pages)."""
+        if not self.read_only:
+            for kv_key, token_ids in self.db.cursor().execute("SELECT kv_key, token_ids FROM chunks"):
+                yield kv_key, _tokens(token_ids)
+            return
+        after = -1
+        while rows := self.db.execute("SELECT id, kv_key, token_ids FROM chunks WHERE id > ? ORDER BY id LIMIT ?",
+                                      (after, KV_REFS_PAGE)):
+            for _, kv_key, token_ids in rows:
+                yield kv_key, _tokens(token_ids)
+            after = rows[-1][0]
 
     def chunk_heads(self, n: int) -> list[tuple[int, str]]:
         """(id, first ``n`` characters) of every chunk at least ``n`` characters long."""

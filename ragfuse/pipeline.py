@@ -27,7 +27,7 @@ import logging
 import time
 from array import array
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -313,6 +313,11 @@ class RagPipeline:
         what = "" if damaged or len(notes) > before else " was not stored:"
         (k, v), = self.engine.compute_kv([token_ids], context)
         entry = StoredKV.from_kv(key, k, v)
+        if self.store.read_only:  # nothing can be stored: no fault, and a memory tier keeps it for the next question
+            with suppress(KVStoreError):  # (a one-shot ask has none: its disk tier refuses)
+                self.store.kv.put_top(entry)
+            notes.append(f"KV of {len(token_ids)} tokens{what} computed, kept in memory only (the store is read-only)")
+            return EntrySource(entry, "computed")
         try:
             self.store.kv.put(entry)
             notes.append(f"KV of {len(token_ids)} tokens{what} computed and stored now")

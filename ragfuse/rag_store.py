@@ -405,7 +405,7 @@ class RagStore:
         from ragfuse.engine.kvstore.entry import DTYPES
 
         if not dry_run:
-            self.check_writable("`ragfuse store gc` (a dry run reads it only)")
+            self.check_writable("`ragfuse store gc` without --dry-run")
         try:
             fingerprint, builder = self._keying()
         except (ModelError, OSError) as exc:

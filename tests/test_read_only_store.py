@@ -88,7 +88,7 @@ def test_a_read_only_disk_tier_without_a_manifest_is_empty(tmp_path):
     assert not (tmp_path / "kv").exists()
 
 
-def test_a_read_only_store_is_searched_and_refuses_every_change(tmp_path, request):
+def test_a_read_only_store_is_searched_and_refuses_every_change(tmp_path, request, monkeypatch):
     root = tmp_path / "store"
     store = open_tiny(root)
     add_file(store, "/docs/a.txt", [0, 1], kv_key="kv-of-a")
@@ -102,6 +102,8 @@ def test_a_read_only_store_is_searched_and_refuses_every_change(tmp_path, reques
     assert ro.kv.get("kv-of-a") is not None
     _, ids = ro.current_index().search(unit(1), 1)
     assert ro.docs.chunks([int(ids[0])])[int(ids[0])].text == "chunk 1 of /docs/a.txt"
+    monkeypatch.setattr("ragfuse.docstore.KV_REFS_PAGE", 1)  # read-only, the chunks are listed a page at a time
+    assert sorted(ro.docs.iter_kv_refs()) == [("kv-of-a", (1,)), ("kv-of-a", (2,))]
     report = ro.gc(dry_run=True, verify=True, progress=False)  # a check of a shipped store: it only reads
     assert report.unreferenced_entries == 1 and report.verified_entries == 2 and not report.corrupt_entries
     for change in (lambda: ro.remove(["/docs/a.txt"]), ro.clear, ro.gc,
@@ -297,3 +299,25 @@ def test_a_server_on_a_read_only_store_keeps_sessions_in_memory(tmp_path, engine
         err = server.communicate(timeout=60)[1]
     assert "sessions are kept in memory only" in err and "Traceback" not in err, err[-3000:]
     assert not (root / "sessions").exists()
+
+
+def test_kv_a_read_only_store_lacks_is_computed_and_kept_in_memory(tmp_path, engine, request):
+    """A chunk whose entry is gone (or never stored: an ingest with --no-kv) is computed on a read-only
+    store, as anywhere; it cannot be stored, which is no fault: the answer's note says it is kept in
+    memory only (it said "storing it failed"), and the next question finds it there."""
+    from ragfuse.app import open_pipeline
+    from ragfuse.engine import SamplingParams
+
+    root = ingest_demo(tmp_path / "store", engine)
+    for entry in (root / "kv" / "data").rglob("*.safetensors"):
+        entry.unlink()
+    request.getfixturevalue("read_only_fs")
+    pipeline = open_pipeline(str(root), engine=engine, gate=False)
+    try:
+        first, second = (pipeline.ask("How tall is the Hollowpoint lighthouse?", mode="fuse", ratio=0.15, top_k=2,
+                                      params=SamplingParams(max_tokens=2)) for _ in range(2))
+    finally:
+        pipeline.store.close()
+    kept = [n for n in first.notes if "kept in memory only (the store is read-only)" in n]
+    assert len(kept) >= 2 and not any("failed" in n for n in first.notes), first.notes
+    assert not any("computed" in n for n in second.notes) and "cpu" in second.tiers, (second.notes, second.tiers)
