@@ -3,6 +3,7 @@ the tier is read inline (memory) or on reader threads (disk), and its timings ar
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -105,3 +106,34 @@ def test_covered_time_is_the_union_of_the_spans():
     assert _covered([]) == 0.0
     assert _covered([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.8)]) == pytest.approx(4.0)
     assert _covered([(4.0, 5.0), (0.0, 1.0)]) == pytest.approx(2.0)
+
+
+class _FailingDiskSource(_SlowDiskSource):
+    """Layer 0 fails to read at once; the others take their time, counting the reads under way."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(seconds)
+        self.running = 0
+        self.lock = threading.Lock()
+
+    def load_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer == 0:
+            raise OSError("disk gone")
+        with self.lock:
+            self.running += 1
+        try:
+            return super().load_layer(layer)
+        finally:
+            with self.lock:
+                self.running -= 1
+
+
+def test_a_failed_pass_leaves_no_read_running_and_the_readers_serve_the_next():
+    """The reader threads outlive a pass: one that fails midway returns only once its reads still
+    under way are done (its caller closes the sources they read next), and the next pass reads on."""
+    src = _FailingDiskSource(0.05)
+    with pytest.raises(OSError, match="disk gone"), LayerPrefetcher([src], 6, torch.device("cpu")) as loader:
+        loader.get(0)
+    assert src.running == 0
+    with LayerPrefetcher([_SlowDiskSource(0.0)], 6, torch.device("cpu")) as loader:
+        assert [loader.get(layer)[0].shape for layer in range(6)] == [torch.Size([4, 2, 8])] * 6

@@ -21,8 +21,10 @@ previous layer's work to the layer's KV being on the device.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -31,11 +33,25 @@ from .segments import LayerSource
 _Parts = list[tuple[torch.Tensor, torch.Tensor]]
 DEPTH = 2  # layers loaded ahead of the one computed
 RING_SLOTS = DEPTH + 1  # layer i's KV lands in slot i % RING_SLOTS of the device ring
+READERS = 2  # reader threads of a process (a pass keeps DEPTH + 1 reads queued)
+_reader_pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, the process's reader threads)
+_reader_pool_lock = threading.Lock()
+
+
+def _readers() -> ThreadPoolExecutor:
+    """The process's reader threads, shared by its passes: a pool made and shut down per pass cost a
+    disk-bound pass ~0.5 ms of its TTFT (threads started at its first reads, joined after its last).
+    A forked child makes its own, since its parent's threads do not exist in it."""
+    global _reader_pool
+    with _reader_pool_lock:
+        if _reader_pool is None or _reader_pool[0] != os.getpid():
+            _reader_pool = (os.getpid(), ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="ragfuse-kv-read"))
+        return _reader_pool[1]
 
 
 class LayerPrefetcher:
     def __init__(
-        self, sources: list[LayerSource], num_layers: int, device: torch.device, workers: int = 2,
+        self, sources: list[LayerSource], num_layers: int, device: torch.device,
         ring: tuple[torch.Tensor, torch.Tensor] | None = None, lazy: bool = False, skip: list[int] | None = None,
     ) -> None:
         """``ring``: the device buffers to load into, [RING_SLOTS, rows, kv_heads, head_dim] each (a CUDA
@@ -53,7 +69,7 @@ class LayerPrefetcher:
         self.device = device
         self.depth = DEPTH
         blocking = any(s.blocking for s in sources)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ragfuse-kv-read") if blocking else None
+        self._pool = _readers() if blocking else None
         self._reads: dict[int, Future[tuple[_Parts, tuple[float, float]]]] = {}
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ring = ring  # [RING_SLOTS, tokens, kv_heads, head_dim] each
@@ -61,8 +77,9 @@ class LayerPrefetcher:
         self._copy_events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}  # layer -> copy (start, end)
         self._freed: dict[int, torch.cuda.Event] = {}  # layer -> compute done with its ring slot
         self._waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # compute stream: (asks, has) a layer
-        self._read_s = 0.0  # reads done inline and the CPU's joins
-        self._read_spans: list[tuple[float, float]] = []  # (start, end) of each reader thread's read
+        # (start, end) of every read, on a reader thread or inline, and of the CPU's joins: reader threads
+        # run beside each other and beside the joins, so their union, not their sum, is the time taken
+        self._read_spans: list[tuple[float, float]] = []
         self._host_wait_s = 0.0
         self._next_issue = 0
         self._lazy = lazy
@@ -79,8 +96,8 @@ class LayerPrefetcher:
     def __exit__(self, *exc: object) -> None:
         for f in self._reads.values():
             f.cancel()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        # a read still running (the pass failed midway) uses sources its caller closes next
+        wait(list(self._reads.values()))
 
     def _read(self, layer: int) -> tuple[_Parts, tuple[float, float]]:
         t = time.perf_counter()
@@ -90,8 +107,8 @@ class LayerPrefetcher:
     def _parts(self, layer: int, wait: bool) -> _Parts | None:
         """Layer ``layer``'s host (or device) parts, or None while a blocking read is still running."""
         if self._pool is None:  # in-memory sources: views, read inline
-            parts, (start, end) = self._read(layer)
-            self._read_s += end - start
+            parts, span = self._read(layer)
+            self._read_spans.append(span)
             return parts
         future = self._reads.get(layer)
         if future is None:
@@ -123,7 +140,7 @@ class LayerPrefetcher:
         if self._stream is None:  # CPU: joined right here, nothing to overlap it with
             t = time.perf_counter()
             kv = torch.cat([p[0] for p in parts]).to(self.device), torch.cat([p[1] for p in parts]).to(self.device)
-            self._read_s += time.perf_counter() - t
+            self._read_spans.append((t, time.perf_counter()))
             self._host_wait_s += time.perf_counter() - t
             return kv
         if self._ring is None:
@@ -177,7 +194,7 @@ class LayerPrefetcher:
         """Loading time: the longer of the reads (inline, and the reader threads' busy time) and the
         device copies, which run beside the next layers' reads (call after the device is synchronized)."""
         copies = sum(s.elapsed_time(e) for s, e in self._copy_events.values()) / 1e3
-        return max(self._read_s + _covered(self._read_spans), copies)
+        return max(_covered(self._read_spans), copies)
 
     @property
     def wait_s(self) -> float:
