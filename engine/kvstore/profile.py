@@ -11,6 +11,7 @@ import bisect
 import hashlib
 import json
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -204,11 +205,11 @@ def measure_read_bandwidth(tier: Tier, entries: Sequence[StoredKV], device: torc
     """Bytes/s of loading ``entries`` from ``tier`` into ``device`` memory as a fused prefill loads its
     chunks: by the fusor's own ``LayerPrefetcher``, every entry's layer i together, its reader threads
     side by side (page cache dropped before every read, so a disk is really read), timed as a pass
-    times its loading (``load_s``: the longer of the reads and the device copies), the fastest of
-    ``repeats``. The controller sets this beside fused passes' compute, so both are timed alike.
-    Reading an entry at a time, one layer after the other, undercounted the rate: on an H200 1.22-1.48
-    GB/s from a disk that delivered fused passes' 403 MB at 1.5-2.0 GB/s. The entries are stored first
-    and deleted after."""
+    times its loading (``load_s``: the longer of the reads and the device copies), the median of
+    ``repeats``: a disk's rate varies from read to read (an H200's 1.35-2.0 GB/s within minutes), and
+    the fastest read promised passes a load they then waited for. Reading an entry at a time, one
+    layer after the other, undercounted the rate instead: 1.22-1.48 GB/s from that disk. The entries
+    are stored first and deleted after."""
     from ..fusion.prefetch import LayerPrefetcher
     from .source import open_source
     from .store import TieredKVStore
@@ -218,7 +219,7 @@ def measure_read_bandwidth(tier: Tier, entries: Sequence[StoredKV], device: torc
         tier.put(e, keep_evicted=False)
     try:
         times = []
-        for _ in range(repeats):
+        for attempt in range(repeats + 1):  # the first, untimed, faults in the host buffers a server reuses
             for e in entries:
                 tier.drop_cache(e.key)
             sources = [open_source(store, e.key) for e in entries]
@@ -233,8 +234,9 @@ def measure_read_bandwidth(tier: Tier, entries: Sequence[StoredKV], device: torc
             _sync(device)
             for src in sources:
                 src.finish()
-            times.append(loader.load_s)
+            if attempt:
+                times.append(loader.load_s)
     finally:
         for e in entries:
             tier.delete(e.key)
-    return sum(e.nbytes for e in entries) / min(times)
+    return sum(e.nbytes for e in entries) / statistics.median(times)
