@@ -77,8 +77,9 @@ class FusionStats:
 
     @property
     def load_hidden(self) -> float:
-        """Share of the loading time that overlapped compute."""
-        return 1.0 - self.load_wait_s / self.load_s if self.load_s > 0 else 1.0
+        """Share of the loading time that overlapped compute (0 where the compute waited as long as the
+        load took, as a disk-bound pass's may, by a few thread wake-ups more)."""
+        return max(0.0, 1.0 - self.load_wait_s / self.load_s) if self.load_s > 0 else 1.0
 
 
 @dataclass
