@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 import ragfuse.engine.fusion.layer_step as layer_step
-from ragfuse.engine import EngineConfig, LLMEngine, ops
+from ragfuse.engine import EngineConfig, LLMEngine
 from ragfuse.engine.fusion import SelectionPolicy
 from ragfuse.eval_qa import load_dataset
 from ragfuse.kernels.rope import apply_rope_ref
@@ -147,31 +147,42 @@ def modify_k(cfg: str, mk: torch.Tensor, q: torch.Tensor, k_raw: torch.Tensor, k
 
 def front(layer: Any, kv_cache: Any, rotary: Any, stored: Any, hidden: Any, residual: Any, positions: torch.Tensor,
           slots: Any, shift: Any = None, keep: bool = True) -> Any:
-    """The engine's ``front`` (torch reference), with the K shift modified by ``STATE['cfg']``."""
-    attn = layer.self_attn.attn
-    if residual is None:
-        residual, h = hidden, layer.input_layernorm(hidden)
-    else:
-        h, residual = layer.input_layernorm(hidden, residual)
-    q, k_raw, v = layer.self_attn.project(h)
-    if STATE["record"] is not None:
-        STATE["record"].append(k_raw.detach().clone())
-    written = None
-    if stored is not None:
-        k_st, v_st, at, st_slots = stored
-        moved = None
-        if shift is not None:
-            mk, mv, seg = SHIPPED["shift"](shift, k_raw, v, k_st, v_st)
-            cfg = STATE["cfg"]
-            if cfg != "shipped" or STATE["diag"] is not None:
-                mk = modify_k(cfg, mk, q, k_raw, k_st, at, positions, shift, rotary, attn.scale,
-                              float(shift.share[0]))
-            moved = (mk, mv, seg)
-        written = ops.write_stored_kv(k_st, v_st, at, rotary.cos, rotary.sin, kv_cache, st_slots, moved, keep)
-    q, k = ops.apply_rope_qk(q, k_raw, positions, rotary.cos, rotary.sin)
-    attn.store(k, v, kv_cache, slots)
+    """The engine's own ``front``, with what the K shift's variants read stashed in ``STATE``: the layer's fresh
+    queries (from its ``project``), the stored rows' positions, the rotary tables and the attention scale."""
+    attn = layer.self_attn
+    project = attn.project
+
+    def capture(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k_raw, v = project(h)
+        if STATE["record"] is not None:
+            STATE["record"].append(k_raw.detach().clone())
+        STATE.update(q=q, positions=positions, at=None if stored is None else stored[2], rotary=rotary,
+                     scale=attn.attn.scale)
+        return q, k_raw, v
+
+    attn.project = capture
+    try:
+        out = SHIPPED["front"](layer, kv_cache, rotary, stored, hidden, residual, positions, slots, shift, keep)
+    finally:
+        del attn.project  # the model's own method again
     STATE["layer"] += 1
-    return q, k_raw, v, residual, written
+    return out
+
+
+def segment_shift(index: Any, k_new: torch.Tensor, v_new: torch.Tensor, k_st: torch.Tensor,
+                  v_st: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The engine's shift, its K part changed by ``STATE['cfg']``."""
+    mk, mv, seg = SHIPPED["shift"](index, k_new, v_new, k_st, v_st)
+    if STATE["cfg"] != "shipped" or STATE["diag"] is not None:
+        mk = modify_k(STATE["cfg"], mk, STATE["q"], k_new, k_st, STATE["at"], STATE["positions"], index,
+                      STATE["rotary"], STATE["scale"], float(index.share[0]))
+    return mk, mv, seg
+
+
+def install() -> None:
+    """Route the engine's fused prefill through ``front`` and ``segment_shift`` above (CPU, torch reference)."""
+    layer_step.front = front
+    layer_step.segment_shift = segment_shift
 
 
 def main() -> None:
@@ -186,7 +197,7 @@ def main() -> None:
     examples = load_dataset(shared_data(args.dataset), max(picks) + 1, 6)
     engine = LLMEngine(EngineConfig(model="smollm2-135m-instruct", device="cpu"))
     builder = RagPromptBuilder(engine.tokenizer)
-    layer_step.front = front
+    install()
     policy = SelectionPolicy.default().with_ratio(args.ratio)
     variants = args.variants.split(",")
     totals = dict.fromkeys(variants, 0.0)

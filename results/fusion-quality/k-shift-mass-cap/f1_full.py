@@ -11,7 +11,6 @@ import json
 import sys
 from pathlib import Path
 
-import ragfuse.engine.fusion.layer_step as layer_step
 from ragfuse.engine import EngineConfig, LLMEngine
 from ragfuse.engine.fusion import SelectionPolicy
 from ragfuse.eval_qa import load_dataset, run_mode, token_f1
@@ -29,7 +28,7 @@ def main() -> None:
     examples = load_dataset(shared_data("musique_dev.json"), 75, 6)
     engine = LLMEngine(EngineConfig(model="smollm2-135m-instruct", device="cpu"))
     builder = RagPromptBuilder(engine.tokenizer)
-    layer_step.front = k_shift_mass_cap.front
+    k_shift_mass_cap.install()
     k_shift_mass_cap.STATE.update(cfg="cap2", diag=None)
     policy = SelectionPolicy.default().with_ratio(0.15)
     for i in [int(x) for x in sys.argv[1].split(",")]:
