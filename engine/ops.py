@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ragfuse.kernels.activation import silu_mul_ref
+from ragfuse.kernels.mass_direction import cap_k_shift_ref
 from ragfuse.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from ragfuse.kernels.question_attention import question_attention_ref
 from ragfuse.kernels.rope import apply_rope_ref
@@ -27,6 +28,7 @@ HAVE_TRITON = importlib.util.find_spec("triton") is not None
 if HAVE_TRITON:
     from ragfuse.kernels.activation_triton import silu_mul_triton
     from ragfuse.kernels.gemv_triton import gemv_triton
+    from ragfuse.kernels.mass_direction_triton import cap_k_shift_triton
     from ragfuse.kernels.norm_triton import fused_add_rms_norm_triton, rms_norm_triton
     from ragfuse.kernels.question_attention_triton import question_attention_triton
     from ragfuse.kernels.rope_triton import apply_rope_qk_triton, apply_rope_triton
@@ -127,6 +129,19 @@ def write_stored_kv(
     (``kernels.stored_kv.write_stored_kv_ref``)."""
     fn = write_stored_kv_triton if _triton(k) else write_stored_kv_ref
     return fn(k, v, positions, cos, sin, *kv_cache, slots, shift, keep)
+
+
+def cap_k_shift(
+    mk: torch.Tensor, q: torch.Tensor, ok: torch.Tensor, k: torch.Tensor, at: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor, segment: torch.Tensor, limit: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """The stale K shift with each segment's move of the question's attention mass capped
+    (``kernels.mass_direction.cap_k_shift_ref``): two launches on CUDA, where the torch ops took half
+    of a fused pass."""
+    half = q.shape[-1] // 2
+    if _triton(q) and half >= 16 and half & (half - 1) == 0:
+        return cap_k_shift_triton(mk, q, ok, k, at, cos, sin, segment, limit, scale)
+    return cap_k_shift_ref(mk, q, ok, k, at, cos, sin, segment, limit, scale)
 
 
 def question_attention(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -198,7 +199,8 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model="smollm2-135m-instruct", device="cpu"))
     builder = RagPromptBuilder(engine.tokenizer)
     install()
-    policy = SelectionPolicy.default().with_ratio(args.ratio)
+    # the engine's own cap (``SelectionPolicy.k_mass_cap``) off: the variants here replace it
+    policy = replace(SelectionPolicy.default(), k_mass_cap=0.0).with_ratio(args.ratio)
     variants = args.variants.split(",")
     totals = dict.fromkeys(variants, 0.0)
     for i in picks:

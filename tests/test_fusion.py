@@ -8,10 +8,13 @@ import pytest
 import torch
 
 from ragfuse.engine import SamplingParams
+from ragfuse.engine.config import RopeConfig
 from ragfuse.engine.fusion import Segment, SelectionPolicy, TensorKV
-from ragfuse.engine.fusion.stale_shift import ShiftIndex, segment_shift
+from ragfuse.engine.fusion.stale_shift import MassCap, ShiftIndex, cap_k_mass, segment_shift
+from ragfuse.engine.layers import RotaryEmbedding
 from ragfuse.kernels.paged_attention import attention_with_lse
 from ragfuse.kernels.question_attention import question_attention_ref
+from ragfuse.kernels.rope import apply_rope_ref
 from ragfuse.shared_data import shared_data
 
 DATA = shared_data("musique_dev.json")
@@ -172,6 +175,99 @@ def test_stale_shift_moves_each_segment_by_its_share_of_mean_deviation(k_share):
     assert torch.equal(k[:3, 0], torch.tensor([[3.0 * k_share, 0.0]] * 3))  # mean (3, 0), K's share of it
     assert torch.equal(k[3:, 0], torch.tensor([[0.0, 6.0 * k_share]] * 3))
     assert torch.equal(v[:3, 0], torch.full((3, 2), 2.5)) and torch.equal(v[3:, 0], torch.ones(3, 2))
+
+
+def _mass_case(seed: int):
+    """Random queries and stored K of 2 KV heads x 2 query heads, three stored segments (4, 3, 5
+    rows) and the spare, at scattered positions, and a K shift per segment."""
+    g = torch.Generator().manual_seed(seed)
+    rotary = RotaryEmbedding(8, RopeConfig(), 256)
+    at = torch.tensor([3, 4, 5, 6, 20, 21, 22, 40, 41, 42, 43, 44])
+    segment = torch.tensor([0] * 4 + [1] * 3 + [2] * 5)
+    k_st = torch.randn(12, 2, 8, generator=g)
+    q = apply_rope_ref(torch.randn(6, 4, 8, generator=g), torch.arange(60, 66), rotary.cos, rotary.sin)
+    mk = torch.randn(4, 2, 8, generator=g) * 2.0
+    mk[3] = 0.0  # the spare shifts nothing
+    return rotary, at, segment, k_st, q, mk
+
+
+def _mass_move(q, k_st, at, rotary, scale, segment, s, g, delta):
+    """The question's mean (over its tokens and KV head g's query heads) log attention mass on
+    segment s, with ``delta`` added to its K before RoPE: the quantity the cap bounds the change of."""
+    rows = (segment == s).nonzero().flatten()
+    k = apply_rope_ref((k_st[rows] + delta).float(), at[rows], rotary.cos, rotary.sin)[:, g]
+    qg = q[:, 2 * g : 2 * g + 2]  # KV head g's query heads
+    return (torch.einsum("jhd,td->jht", qg, k) * scale).logsumexp(-1).mean()
+
+
+@pytest.mark.parametrize("limit", [0.05, 0.5, 1e6])
+def test_k_mass_cap_bounds_the_question_mass_move_of_each_segment_and_head(limit):
+    """The move ``cap_k_mass`` caps is the first-order change of the question's log attention mass on
+    a segment (checked here by a finite difference of the mass itself); after the cap no segment and
+    KV head moves more than ``limit``, the ones under it keep their shift, and only along the
+    direction of the move: the shift's component across it is untouched."""
+    rotary, at, segment, k_st, q, mk = _mass_case(0)
+    scale = 8 ** -0.5
+    cap = MassCap(torch.tensor([limit]), torch.arange(2, 6), torch.ones(4, dtype=torch.bool))  # last 4 rows
+    index = ShiftIndex(torch.tensor([0.5, 0.5]), torch.zeros(6, dtype=torch.long), torch.full((6,), 3),
+                       segment, 4, cap)
+    capped = cap_k_mass(mk, index, q, k_st, at, rotary, scale)
+    qq = q[2:]
+    for s in range(3):
+        for g in range(2):
+            eps = 1e-3
+            base = _mass_move(qq, k_st, at, rotary, scale, segment, s, g, 0.0)
+            grad = torch.stack([(_mass_move(qq, k_st, at, rotary, scale, segment, s, g, eps * e) - base) / eps
+                                for e in torch.eye(8)])
+            move, after = float(grad @ mk[s, g]), float(grad @ capped[s, g])
+            assert abs(after) <= limit + 1e-2 * max(1.0, abs(move))
+            if abs(move) <= limit * 0.99:
+                assert torch.allclose(capped[s, g], mk[s, g])
+            else:
+                assert after == pytest.approx(limit if move > 0 else -limit, rel=2e-2, abs=2e-3)
+                cut = mk[s, g] - capped[s, g]
+                assert abs(float(cut @ grad)) / float(cut.norm() * grad.norm()) > 0.999  # along the move only
+    assert torch.equal(capped[3], mk[3])
+    if limit > 1e5:
+        assert torch.equal(capped, mk)
+
+
+def test_k_mass_cap_reads_only_the_real_question_rows():
+    """A graph pads the question's rows to a fixed window: padded rows (``ok`` false, pointing at any
+    row) change nothing."""
+    rotary, at, segment, k_st, q, mk = _mass_case(1)
+    share = torch.tensor([0.5, 0.5])
+
+    def capped(rows, ok):
+        cap = MassCap(torch.tensor([0.1]), torch.tensor(rows), torch.tensor(ok))
+        index = ShiftIndex(share, torch.zeros(6, dtype=torch.long), torch.full((6,), 3), segment, 4, cap)
+        return cap_k_mass(mk, index, q, k_st, at, rotary, 8 ** -0.5)
+
+    exact = capped([3, 4, 5], [True, True, True])
+    padded = capped([3, 4, 5, 5, 0], [True, True, True, False, False])
+    assert torch.allclose(exact, padded, atol=1e-6) and not torch.allclose(exact, mk)
+
+
+def test_policy_k_mass_cap_is_checked_and_needs_a_k_shift():
+    assert SelectionPolicy.default().caps_k_mass()
+    assert not SelectionPolicy(stale_shift=0.5, stale_shift_k=0.0, k_mass_cap=2.0).caps_k_mass()
+    assert not SelectionPolicy(stale_shift=0.5).caps_k_mass()
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="K mass cap"):
+            SelectionPolicy(k_mass_cap=bad)
+
+
+def test_fused_pass_applies_the_k_mass_cap(engine, rag_prompt):
+    """The cap reaches the fused prefill: a cap too large to bind gives the uncapped pass's logits
+    exactly, a tight one other logits."""
+    from dataclasses import replace
+
+    policy = SelectionPolicy.default()
+    off, _ = fused_logits(engine, rag_prompt, "fuse", replace(policy, k_mass_cap=0.0))
+    loose, _ = fused_logits(engine, rag_prompt, "fuse", replace(policy, k_mass_cap=1e6))
+    tight, _ = fused_logits(engine, rag_prompt, "fuse", replace(policy, k_mass_cap=0.01))
+    assert torch.equal(off, loose)
+    assert not torch.allclose(off, tight, atol=1e-4)
 
 
 def test_policy_gives_k_its_own_stale_shift_share_or_the_common_one():

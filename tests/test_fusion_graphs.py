@@ -45,11 +45,14 @@ LONG = ((1000, 800, 700), (990, 800, 700))  # 2504 tokens at the first check lay
 @pytest.mark.parametrize("mode,ratio,checks,extra,prompts", [
     ("reuse", 0.0, (1,), {}, SHORT), ("fuse", 0.15, (1,), {}, SHORT), ("fuse", 0.15, (1, 2), {}, SHORT),
     ("fuse", 0.15, (1, 2), SHIFTED, SHORT), ("fuse", 0.15, (1, 2), SHIFTED, LONG),
-    ("fuse", 0.15, (1, 2), {**SHIFTED, "stale_shift_k": 0.1}, SHORT)])
+    ("fuse", 0.15, (1, 2), {**SHIFTED, "stale_shift_k": 0.1}, SHORT),
+    ("fuse", 0.15, (1, 2), {**SHIFTED, "k_mass_cap": 0.05}, SHORT),
+    ("fuse", 0.15, (1, 2), {**SHIFTED, "k_mass_cap": 0.05}, LONG)])
 def test_replayed_fusion_equals_the_eager_pass(mode, ratio, checks, extra, prompts):
     """Steady layers and, in ``fuse``, whole check layers replayed (gradual filtering over two check
     layers: one check graph's kept rows feed the next in place), also with the stale shift (K's share
-    its own or V's) and the question's attention weight, selecting the same tokens as the eager pass."""
+    its own or V's, or capped by the question's mass move) and the question's attention weight,
+    selecting the same tokens as the eager pass."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from .test_fusion_gpu import engine

@@ -21,6 +21,7 @@ import torch
 from ragfuse.kernels.activation import silu_mul_ref
 from ragfuse.kernels.gemv import gemv_ref
 from ragfuse.kernels.history import write_history_ref
+from ragfuse.kernels.mass_direction import cap_k_shift_ref, mass_direction_ref
 from ragfuse.kernels.merge import merge_attention_ref
 from ragfuse.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from ragfuse.kernels.paged_attention import (
@@ -38,7 +39,7 @@ pytest.importorskip("triton")
 
 KERNEL_MODULES = ("norm_triton", "rope_triton", "merge_triton", "paged_attention_triton", "activation_triton",
                   "gemv_triton", "skinny_gemm_triton", "history_triton", "stored_kv_triton",
-                  "question_attention_triton")
+                  "question_attention_triton", "mass_direction_triton")
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
@@ -350,6 +351,43 @@ def test_segment_shift_matches_reference(kern) -> None:
         mk, mv = mk.cpu(), mv.cpu()
         assert rel_err(mk, ref_k) < 1e-5 and rel_err(mv, ref_v) < 1e-5
         assert not mk[3:].any() and not mv[3:].any()
+
+
+def test_mass_direction_and_its_cap_match_reference(kern) -> None:
+    """Per segment and KV head, the question's mean mass direction, and the shift capped along it:
+    grouped query heads, padded question rows (they count for nothing), segments longer than a step,
+    one without rows (zeros) and a spare one at the end, scattered positions; the reference's
+    scattered softmax and the kernel's online one agree, and so do the capped shifts."""
+    heads, kv_heads, head_dim = 8, 2, (128 if kern.big else 32)
+    lengths = (150, 0, 37, 90, 5) if kern.big else (70, 0, 9, 20, 3)
+    w_rows = 12 if kern.big else 5
+    g = torch.Generator().manual_seed(7)
+    segment = torch.cat([torch.full((n,), s) for s, n in enumerate(lengths)])
+    t = segment.shape[0]
+    at = torch.sort(torch.randperm(2 * t, generator=g)[:t]).values
+    cos, sin = cos_sin_table(inv_frequencies(head_dim, 10000.0), 4 * t)
+    ok = torch.arange(w_rows) < w_rows - 2
+    for dtype in kern.dtypes:
+        q = (torch.randn(w_rows, heads, head_dim, generator=g) * 2).to(dtype)
+        k = torch.randn(t, kv_heads, head_dim, generator=g).to(dtype)
+        ref = mass_direction_ref(q.float(), ok, k.float(), at, cos, sin, segment, len(lengths) + 1, 0.3)
+        dev = [x.to(kern.device) for x in (q, ok, k, at, cos, sin, segment)]
+        got = kern.mass_direction_triton(*dev, len(lengths) + 1, 0.3).cpu()
+        assert got.dtype == torch.float32 and got.shape == (len(lengths) + 1, kv_heads, head_dim)
+        assert rel_err(got, ref) < TOL[dtype]
+        assert not got[1].any() and not got[-1].any()  # no rows: zeros
+        padded = mass_direction_ref(q.float()[: w_rows - 2], ok[: w_rows - 2], k.float(), at, cos, sin, segment,
+                                    len(lengths) + 1, 0.3)
+        assert rel_err(ref, padded) < 1e-6
+        # the cap: a shift per segment, a limit that some segments' moves pass and some do not
+        mk = torch.randn(len(lengths) + 1, kv_heads, head_dim, generator=g)
+        mk[-1] = 0.0
+        moves = 0.3 * (ref * mk).sum(-1)
+        limit = moves.abs()[moves != 0].median().reshape(1)
+        capped = cap_k_shift_ref(mk, q.float(), ok, k.float(), at, cos, sin, segment, limit, 0.3)
+        assert not torch.equal(capped, mk) and torch.equal(capped[moves.abs() < limit], mk[moves.abs() < limit])
+        got = kern.cap_k_shift_triton(mk.to(kern.device), *dev, limit.to(kern.device), 0.3).cpu()
+        assert rel_err(got, capped) < TOL[dtype]
 
 
 @pytest.mark.parametrize("padded", [False, True])

@@ -46,7 +46,7 @@ from .graphs import CheckShape, FirstInputs, FirstShape, FusionGraphs, PassInput
 from .prefetch import LayerPrefetcher
 from .segments import Segment
 from .selection import SelectionPolicy, check_keep, keep_count, true_indices
-from .stale_shift import ShiftIndex
+from .stale_shift import QUESTION_WINDOW, MassCap, ShiftIndex
 
 
 class FusionMode(str, Enum):
@@ -206,14 +206,16 @@ def fuse_prefill(
     use_graphs = (graphs is not None and system is None and bool(sources) and steady < num_layers
                   and graphs.accepts(sizes[-1], num_stored, len(block_table), len(used)))
     shifting = run is FusionMode.FUSE and max(policy.shift_shares()) > 0 and bool(sources)
+    capped = shifting and policy.caps_k_mass() and lay.tail > 0
     check_shapes: list[CheckShape] = []
     first_shapes: list[FirstShape] = []  # the layers before the first check, when every later one replays
     if use_graphs and checks and [li for li, _ in checks] == list(range(checks[0][0], steady)):
-        shapes = [CheckShape.of(li, sizes[c], sizes[c + 1], n, lay.tail, policy) for c, (li, _) in enumerate(checks)]
+        shapes = [CheckShape.of(li, sizes[c], sizes[c + 1], n, lay.tail, policy, capped)
+                  for c, (li, _) in enumerate(checks)]
         check_shapes = [s for s in shapes if s is not None] if None not in shapes else []
         firsts = [FirstShape.of(li, sizes[0]) for li in range(checks[0][0])]
         first_shapes = [s for s in firsts if s is not None] if check_shapes and None not in firsts else []
-    cap = (graphs.prepare(sizes[-1], num_stored, range(steady, num_layers), [*first_shapes, *check_shapes])
+    cap = (graphs.prepare(sizes[-1], num_stored, range(steady, num_layers), [*first_shapes, *check_shapes], capped)
            if use_graphs else None)
     # layer 0's stored KV is on its way while the host sets the pass up; later layers' loads are
     # issued once each layer's work is launched (``ahead``). Before the first check every fusable
@@ -247,7 +249,7 @@ def fuse_prefill(
                 "slots": slots_h, "stored_slots": slots_h[lay.stored], "active_slots": slots_h[lay.active],
                 "rows": rows_h, "active_segment": lay.segment[lay.active],
                 "stored_segment": lay.segment[lay.stored], "table": table_h.astype(np.int32)[None],
-                "must_keep": must_keep_h, "share": share_h,
+                "must_keep": must_keep_h, "share": share_h, "mass_cap": np.array([policy.k_mass_cap], np.float32),
                 "tail_pos": np.arange(n - lay.tail, n),  # the question's positions (it ranks by its attention)
             }
         dev = _to_device(device, host) if host else {}
@@ -260,7 +262,7 @@ def fuse_prefill(
             graphs.send(cap, PassInputs(
                 table=table_h, stored_at=lay.stored, stored_slots=slots_h[lay.stored],
                 stored_segment=lay.segment[lay.stored] if shifting else None, prompt_slots=slots_h,
-                must_keep=must_keep_h, share=share_h if shifting else None, tail=lay.tail,
+                must_keep=must_keep_h, share=share_h if shifting else None, mass_cap=policy.k_mass_cap, tail=lay.tail,
                 num_segments=lay.num_segments, first=first))
             if first is not None:
                 dev["ids"], dev["bounds"], dev["fusable"] = graphs.first_inputs(first)
@@ -283,10 +285,16 @@ def fuse_prefill(
             active_segment = dev["active_segment"]
 
             def shift_index() -> ShiftIndex | None:
-                """The stale shift's indices for the current active set (made again when a check narrows it)."""
+                """The stale shift's indices for the current active set (made again when a check narrows it):
+                the question is its last rows, of which the mass cap reads the last ``QUESTION_WINDOW``."""
                 if share is None or stored_segment is None:
                     return None
-                return ShiftIndex(share, rows, active_segment, stored_segment, lay.num_segments)
+                mass_cap = None
+                if capped:
+                    width, a = min(lay.tail, QUESTION_WINDOW), pos.shape[0]
+                    mass_cap = MassCap(dev["mass_cap"], torch.arange(a - width, a, device=device),
+                                       torch.ones(width, dtype=torch.bool, device=device))
+                return ShiftIndex(share, rows, active_segment, stored_segment, lay.num_segments, mass_cap)
 
             shift = shift_index()
             shift_from = checks[0][0] if checks else num_layers
@@ -351,7 +359,7 @@ def fuse_prefill(
                         size_i += 1
                     graphs.check(cap, shape, bounds_all[size_i])
                 else:
-                    graphs.replay(cap, li)
+                    graphs.replay(cap, li, capped)
                 loader.ahead(li)
                 counts.append(sizes[size_i])
             hidden, residual, pos = graphs.output(sizes[size_i])

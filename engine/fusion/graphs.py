@@ -43,7 +43,7 @@ from ..staged_inputs import StagedInputs
 from .layer_step import KVCache, back, front, revert
 from .prefetch import RING_SLOTS
 from .selection import SelectionPolicy, check_keep
-from .stale_shift import ShiftIndex
+from .stale_shift import QUESTION_WINDOW, MassCap, ShiftIndex
 
 STORED_STEP = 512  # stored-token capacities are multiples of this: few captures, little padding
 # the steady layers' active rows: the prefill buckets up to 512, then every 64 up to their last. The
@@ -93,17 +93,18 @@ class CheckShape:
     metric: str
     attention_weight: float
     revert: bool
+    mass_cap: bool  # the K shift capped by the question (``stale_shift.cap_k_mass``)
 
     @classmethod
     def of(cls, layer: int, active_in: int, active_out: int, prompt: int, tail: int,
-           policy: SelectionPolicy) -> CheckShape | None:
+           policy: SelectionPolicy, mass_cap: bool = False) -> CheckShape | None:
         rows_in, rows_out = check_rows(active_in), check_rows(active_out)
         if rows_in is None or rows_out is None:
             return None
         weighted = policy.attention_weight > 0 and tail > 0
         return cls(layer, rows_in, rows_out, -(-prompt // PROMPT_STEP) * PROMPT_STEP if weighted else 0,
                    -(-tail // CHECK_STEP) * CHECK_STEP if weighted else 0, policy.metric, policy.attention_weight,
-                   policy.revert_dropped)
+                   policy.revert_dropped, mass_cap)
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,7 @@ class PassInputs:
     prompt_slots: np.ndarray  # every prompt position's cache slot
     must_keep: np.ndarray  # bool per position: kept by every check
     share: np.ndarray | None  # the stale shift's (K, V) shares (None: no shift)
+    mass_cap: float  # nats the K shift may move the question's attention mass (graphs captured with the cap)
     tail: int  # the question's length
     num_segments: int  # the fusor's segments, its spare (the last) becoming the graphs'
     first: FirstInputs | None = None  # when layer 0 replays
@@ -178,7 +180,7 @@ class _Capacity:
         self.stored = stored
         self.inputs = inputs
         self.ring = inputs.ring
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # by layer
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (layer, K shift's mass capped)
 
 
 class FusionGraphs:
@@ -200,12 +202,12 @@ class FusionGraphs:
         # a pass's own inputs, sent from the host by one copy (``send``): the active rows' state (model
         # positions, cache slots, rows of the loaded stored KV, segments: one tensor, so a check layer
         # narrows all four with one gather), the block table, ``bounds``, the stale shift's (K, V) shares
-        # (0 shifts nothing), for the check layers the prompt's slots, the positions always kept and the
-        # question's length, and for a pass replaying from layer 0 what it reads itself (its tokens' ids,
-        # the bounds of each active-set size, which positions are recompute candidates)
+        # (0 shifts nothing) and its K mass cap, for the check layers the prompt's slots, the positions
+        # always kept and the question's length, and for a pass replaying from layer 0 what it reads
+        # itself (its tokens' ids, the bounds of each active-set size, which positions are candidates)
         self.staged = StagedInputs({
             "state": ((len(STATE_PAD), rows), torch.int64), "table": ((1, self.max_blocks), torch.int32),
-            "bounds": ((3,), torch.int32), "share": ((2,), torch.float32),
+            "bounds": ((3,), torch.int32), "share": ((2,), torch.float32), "mass_cap": ((1,), torch.float32),
             "prompt_slots": ((positions,), torch.int64), "must_keep": ((positions,), torch.bool),
             "tail": ((), torch.int64), "ids": ((rows,), torch.int64),
             "sizes_bounds": ((model.config.num_layers + 1, 3), torch.int32), "fusable": ((positions,), torch.bool),
@@ -216,6 +218,7 @@ class FusionGraphs:
         self.state.copy_(self.state_pad.expand(-1, rows))
         self.positions, self.slots, self.rows, self.segment = self.state.unbind(0)
         self.table, self.bounds, self.share = staged["table"], staged["bounds"], staged["share"]
+        self.mass_cap = staged["mass_cap"]
         self.prompt_slots, self.must_keep, self.tail = staged["prompt_slots"], staged["must_keep"], staged["tail"]
         self.stored_inputs: dict[int, _Stored] = {}  # by stored capacity
         self.capacities: dict[tuple[int, int], _Capacity] = {}
@@ -230,10 +233,12 @@ class FusionGraphs:
         return (capacity(active, stored) is not None and num_blocks <= self.max_blocks
                 and segments <= MAX_SEGMENTS)
 
-    def prepare(self, active: int, stored: int, layers: range, checks: list[CheckShape | FirstShape]) -> _Capacity:
+    def prepare(self, active: int, stored: int, layers: range, checks: list[CheckShape | FirstShape],
+                mass_cap: bool = False) -> _Capacity:
         """The capacity for these counts with the steady ``layers`` and the early ``checks`` (check
         layers and the layers before them) captured (what is missing now, before any input is loaded:
-        the capture runs are inert)."""
+        the capture runs are inert); the steady layers with the K shift's mass cap where ``mass_cap``
+        (its work is captured only where a pass asks for it)."""
         key = capacity(active, stored)
         assert key is not None, "accepts() first"
         cap = self.capacities.get(key)
@@ -242,15 +247,15 @@ class FusionGraphs:
             if inputs is None:
                 inputs = self.stored_inputs[key[1]] = _Stored(key[1], self.kv_caches[0], self.device)
             cap = self.capacities[key] = _Capacity(*key, inputs)
-        missing = [li for li in layers if li not in cap.graphs]
+        missing = [(li, mass_cap) for li in layers if (li, mass_cap) not in cap.graphs]
         todo = [c for c in checks if (c, cap.stored) not in self.checks]
         for c in checks:
             if (c, cap.stored) in self.checks:
                 self.checks.move_to_end((c, cap.stored))
         if missing or todo:
             self._make_inert(cap)
-            for li in missing:
-                cap.graphs[li], _ = capture_call(self._step, (li, cap), self.pool)
+            for key in missing:
+                cap.graphs[key], _ = capture_call(self._step, (*key, cap), self.pool)
             for c in todo:
                 fn = self._check if isinstance(c, CheckShape) else self._first
                 self.checks[(c, cap.stored)], _ = capture_call(fn, (c, cap), self.pool)
@@ -272,6 +277,7 @@ class FusionGraphs:
         h["table"][...] = 0
         h["table"][0, : len(inputs.table)] = inputs.table
         h["share"][...] = inputs.share if inputs.share is not None else 0.0
+        h["mass_cap"][...] = inputs.mass_cap
         h["tail"][...] = inputs.tail
         h["prompt_slots"][...] = 0
         h["prompt_slots"][: len(inputs.prompt_slots)] = inputs.prompt_slots
@@ -333,18 +339,18 @@ class FusionGraphs:
         self.checks[(shape, cap.stored)].replay()
         self.replays += 1
 
-    def replay(self, cap: _Capacity, layer: int) -> None:
-        cap.graphs[layer].replay()
+    def replay(self, cap: _Capacity, layer: int, mass_cap: bool = False) -> None:
+        cap.graphs[(layer, mass_cap)].replay()
         self.replays += 1
 
     def output(self, active: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(hidden, residual, positions) of the real rows after the last replayed layer."""
         return self.hidden[:active], self.residual[:active], self.positions[:active]
 
-    def _step(self, layer: int, cap: _Capacity) -> None:
+    def _step(self, layer: int, mass_cap: bool, cap: _Capacity) -> None:
         """One steady layer over the static buffers; its outputs overwrite its inputs."""
         rows = cap.rows
-        q, _, _, residual, _ = self._front_call(layer, rows, cap, keep=False)
+        q, _, _, residual, _ = self._front_call(layer, rows, cap, keep=False, mass_cap=mass_cap)
         self._back_call(layer, rows, q, residual)
 
     def _first(self, shape: FirstShape, cap: _Capacity) -> None:
@@ -355,7 +361,7 @@ class FusionGraphs:
     def _check(self, shape: CheckShape, cap: _Capacity) -> None:
         """One check layer over the static buffers, narrowing the active rows' state in place."""
         rows_in, rows_out = shape.rows_in, shape.rows_out
-        q, k_raw, v, residual, written = self._front_call(shape.layer, rows_in, cap)
+        q, k_raw, v, residual, written = self._front_call(shape.layer, rows_in, cap, mass_cap=shape.mass_cap)
         assert written is not None
         positions, slots = self.positions[:rows_in], self.slots[:rows_in]
         valid = slots >= 0  # every real active token has a slot: padding has -1
@@ -379,23 +385,35 @@ class FusionGraphs:
         """The question's attention per prompt position [shape.prompt], as the eager pass computes it
         for its last ``tail`` active rows, here with the counts on the device: padded query rows
         see every real key and count for nothing, padded key positions are hidden from all."""
-        device = q.device
-        last = valid.sum() - 1
-        ar = torch.arange(shape.tail, device=device)
-        q_ok = ar < self.tail
-        idx = torch.minimum(last + 1 - self.tail + ar, last).clamp(min=0)  # (no real row at all in a capture run)
+        idx, q_ok = self._question_rows(valid, self.tail, shape.tail)
         n = self.bounds[2]
         q_pos = torch.where(q_ok, positions.index_select(0, idx), n - 1)
         scale = self.model.model.layers[shape.layer].self_attn.attn.scale
         return ops.question_attention(q.index_select(0, idx), self.kv_caches[shape.layer][0],
                                       self.prompt_slots[: shape.prompt], q_pos, n, scale, q_ok)
 
+    @staticmethod
+    def _question_rows(valid: torch.Tensor, count: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The active rows of the question's last ``count`` tokens (a device count), padded to
+        ``width`` rows (the last real row again), and which of them are real: the question's tokens
+        are the last real rows."""
+        last = valid.sum() - 1
+        ar = torch.arange(width, device=valid.device)
+        idx = torch.minimum(last + 1 - count + ar, last).clamp(min=0)  # (no real row at all in a capture run)
+        return idx, ar < count
+
     def _front_call(self, layer: int, rows: int, cap: _Capacity, keep: bool = True,
-                    shift: bool = True) -> tuple[torch.Tensor, ...]:
+                    shift: bool = True, mass_cap: bool = False) -> tuple[torch.Tensor, ...]:
         block, slot = self.model.model, layer % RING_SLOTS
         inputs = cap.inputs
         stored = (inputs.ring[0][slot], inputs.ring[1][slot], inputs.at, inputs.slots)
-        index = ShiftIndex(self.share, self.rows[:rows], self.segment[:rows], inputs.segment, inputs.spare + 1)
+        question = None
+        if mass_cap:
+            idx, ok = self._question_rows(self.slots[:rows] >= 0, self.tail.clamp(max=QUESTION_WINDOW),
+                                          QUESTION_WINDOW)
+            question = MassCap(self.mass_cap, idx, ok)
+        index = ShiftIndex(self.share, self.rows[:rows], self.segment[:rows], inputs.segment, inputs.spare + 1,
+                           question)
         q, k_raw, v, residual, written = front(block.layers[layer], self.kv_caches[layer], block.rotary, stored,
                                                self.hidden[:rows], self.residual[:rows], self.positions[:rows],
                                                self.slots[:rows], index if shift else None, keep)

@@ -15,7 +15,7 @@ from torch import nn
 from .. import ops
 from ..attention import RelayMetadata
 from ..layers import RotaryEmbedding
-from .stale_shift import ShiftIndex, segment_shift
+from .stale_shift import ShiftIndex, cap_k_mass, segment_shift
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -38,19 +38,25 @@ def front(
 
     ``stored`` = (K before RoPE, V, model positions, cache slots) of the stored tokens: written
     first, so the active tokens' fresh KV, written after, overwrites theirs. With ``shift`` the
-    stored KV is first moved by its segment's mean deviation on the active tokens (``stale_shift``)."""
+    stored KV is first moved by its segment's mean deviation on the active tokens (``stale_shift``),
+    its K part capped by the question's queries where ``shift.cap`` is set."""
     attn = layer.self_attn.attn
     if residual is None:
         residual, h = hidden, layer.input_layernorm(hidden)
     else:
         h, residual = layer.input_layernorm(hidden, residual)
     q, k_raw, v = layer.self_attn.project(h)
+    q, k = ops.apply_rope_qk(q, k_raw, positions, rotary.cos, rotary.sin)
     written = None
     if stored is not None:
         k_st, v_st, at, st_slots = stored
-        moved = segment_shift(shift, k_raw, v, k_st, v_st) if shift is not None else None
+        moved = None
+        if shift is not None:
+            mk, mv, segment = segment_shift(shift, k_raw, v, k_st, v_st)
+            if shift.cap is not None:  # the question's queries bound how far the K shift moves its attention
+                mk = cap_k_mass(mk, shift, q, k_st, at, rotary, attn.scale)
+            moved = (mk, mv, segment)
         written = ops.write_stored_kv(k_st, v_st, at, rotary.cos, rotary.sin, kv_cache, st_slots, moved, keep)
-    q, k = ops.apply_rope_qk(q, k_raw, positions, rotary.cos, rotary.sin)
     attn.store(k, v, kv_cache, slots)
     return q, k_raw, v, residual, written
 

@@ -25,6 +25,7 @@ class SelectionPolicy:
     revert_dropped: bool = False  # a check layer puts the stored KV back for the candidates it drops
     stale_shift: float = 0.0  # stale KV moves by this share of its segment's mean deviation (``stale_shift.py``)
     stale_shift_k: float | None = None  # K's own share of that shift; None: the same as ``stale_shift``
+    k_mass_cap: float = 0.0  # nats the K shift may move the question's attention mass on a passage (0: no cap)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
@@ -34,6 +35,8 @@ class SelectionPolicy:
         for name, share in (("stale shift", self.stale_shift), ("K stale shift", self.stale_shift_k)):
             if share is not None and not 0.0 <= share <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {share}")
+        if not 0.0 <= self.k_mass_cap < float("inf"):
+            raise ValueError(f"K mass cap must be a finite number of nats >= 0, got {self.k_mass_cap}")
         if not self.check_layers or min(self.check_layers) < 1:
             raise ValueError("check layers must be >= 1 (layer 0 never deviates)")
 
@@ -72,9 +75,16 @@ class SelectionPolicy:
         0.0411 vs 0.0430, better on 22/30; 2WikiMQA 20-39 0.0153 vs 0.0159, 14/20;
         results/fusion-quality/metric-with-shift.md), but not on every case: MuSiQue all 75 0.0495 vs
         0.0486 (case 54's K-shift failure grows), 2WikiMQA all 51 0.0152 vs 0.0162, and f1_full drops on
-        both (0.816 vs 0.820, 0.890 vs 0.901; results/fusion-quality/metric-kv-all-cases.md), so V stays."""
+        both (0.816 vs 0.820, 0.890 vs 0.901; results/fusion-quality/metric-kv-all-cases.md), so V stays.
+
+        The K shift's move of the question's attention mass on a passage is capped at 2 nats
+        (``k_mass_cap``, ``stale_shift.cap_k_mass``): all 75 MuSiQue cases kl_tf 0.0486 -> 0.0425
+        (gap_closed 0.582 -> 0.634, f1_full 0.820 -> 0.817), all 51 2WikiMQA 0.0162 -> 0.0160 (0.767
+        -> 0.769, f1_full 0.901 both; results/fusion-quality/k-mass-cap-engine). On MuSiQue 20-49 a cap
+        of 1.5 did as well (0.0403 vs 0.0404, better on fewer cases), 3 worse (0.0416), 1 worse on the
+        cases it ran (results/fusion-quality/k-shift-mass-cap.md)."""
         return cls(ratio=0.15, check_layers=(1, 2, 3, 4, 5), first_factor=3.0, metric="v", attention_weight=0.1,
-                   revert_dropped=True, stale_shift=0.5)
+                   revert_dropped=True, stale_shift=0.5, k_mass_cap=2.0)
 
     @classmethod
     def paper(cls, ratio: float) -> SelectionPolicy:
@@ -85,6 +95,10 @@ class SelectionPolicy:
         """(K share, V share) of the stale shift: K's own where set, since a K shift moves the scores
         of a whole passage and so attention between passages, where a V shift only nudges what is read."""
         return (self.stale_shift if self.stale_shift_k is None else self.stale_shift_k), self.stale_shift
+
+    def caps_k_mass(self) -> bool:
+        """Whether the K shift is capped (``stale_shift.cap_k_mass``): only a K shift has a move to cap."""
+        return self.k_mass_cap > 0 and self.shift_shares()[0] > 0
 
     def with_ratio(self, ratio: float) -> SelectionPolicy:
         return replace(self, ratio=ratio)

@@ -15,6 +15,15 @@ pass over the stored rows) are ``ops.segment_shift`` and ``ops.write_stored_kv``
 index tensors of fixed size (stored row and segment per active row, segment per
 stored row; rows with no stored KV count toward a spare last segment whose shift is zero), so the
 same code runs eagerly and inside the fused prefill's CUDA graphs.
+
+Adding one vector to all of a passage's K (before RoPE) moves the question's log attention mass on
+that passage, to first order by ``scale * u . delta``, where ``u`` is the question's query
+rotated back through RoPE and averaged with its softmax weights over the passage's tokens. On a few
+passages that move overshoots the truth by several nats (MuSiQue case 54, a passage at layer 18:
+-4.6 where the fresh KV moves -1.3), and the question then reads the wrong passage. ``cap_k_mass``
+caps the move: per passage and KV head, where ``|scale * mean(u) . delta|`` exceeds the policy's
+``k_mass_cap``, just enough of ``delta`` along ``mean(u)`` is removed to bring it to the cap, and the
+rest of the shift is kept (results/fusion-quality/k-shift-mass-cap.md).
 """
 
 from __future__ import annotations
@@ -24,6 +33,20 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
+from ..layers import RotaryEmbedding
+
+QUESTION_WINDOW = 64  # the question's last tokens whose queries measure the K shift's mass move
+
+
+@dataclass
+class MassCap:
+    """What ``cap_k_mass`` reads besides the shift: ``limit`` [1] the cap in nats (a tensor, so a
+    captured graph reads the policy's value at replay), ``rows`` [W] the active rows of the question's
+    last tokens, ``ok`` [W] which of them are real (a graph pads them to ``QUESTION_WINDOW``)."""
+
+    limit: torch.Tensor
+    rows: torch.Tensor
+    ok: torch.Tensor
 
 
 @dataclass
@@ -40,6 +63,7 @@ class ShiftIndex:
     active_segment: torch.Tensor
     stored_segment: torch.Tensor
     num_segments: int
+    cap: MassCap | None = None  # cap the K shift's move of the question's attention mass (None: no cap)
 
 
 def segment_shift(
@@ -51,3 +75,22 @@ def segment_shift(
     mk, mv = ops.segment_shift(k_new, v_new, k_st, v_st, index.active_rows, index.active_segment, index.share,
                                index.num_segments)
     return mk, mv, index.stored_segment
+
+
+def cap_k_mass(
+    mk: torch.Tensor, index: ShiftIndex, q: torch.Tensor, k_st: torch.Tensor, at: torch.Tensor,
+    rotary: RotaryEmbedding, scale: float,
+) -> torch.Tensor:
+    """The K shift ``mk`` [segments, KVH, D] with each segment's first-order move of the question's
+    log attention mass capped at ``index.cap.limit`` nats per KV head.
+
+    ``q`` [active, H, D]: the active rows' queries, rotated; ``k_st`` [stored, KVH, D] the stored K
+    before RoPE and ``at`` its model positions (``ops.cap_k_shift``: ``ub`` is the mean over the
+    question's tokens and the KV head's query heads of the direction in which adding delta to a
+    segment's K moves the query's log attention mass on it, the move ``m = scale * ub . delta``;
+    where ``|m| > limit``, ``(|m| - limit) * sign(m) / (scale * |ub|^2) * ub`` comes off delta).
+    Fixed shapes and no host reads: it runs inside the fused prefill's CUDA graphs."""
+    cap = index.cap
+    assert cap is not None
+    return ops.cap_k_shift(mk, q.index_select(0, cap.rows), cap.ok, k_st, at, rotary.cos, rotary.sin,
+                           index.stored_segment, cap.limit, scale)

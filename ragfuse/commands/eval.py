@@ -63,10 +63,13 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="share of its segment's mean fresh-minus-stored deviation added to each stale token's KV")
     p.add_argument("--stale-shift-k", type=float,
                    help="K's own share of that shift (default: the policy's; unset, the same as --stale-shift)")
+    p.add_argument("--k-mass-cap", type=float,
+                   help="nats the K shift may move the question's attention mass on a passage, per layer and KV "
+                        "head (0: no cap; default: the policy's)")
 
 
 POLICY_ARGS = ("metric", "check_layers", "first_factor", "sink_tokens", "attention_weight", "revert_dropped",
-               "stale_shift", "stale_shift_k")
+               "stale_shift", "stale_shift_k", "k_mass_cap")
 
 
 def policy_from_args(args: argparse.Namespace, ratio: float, num_layers: int | None = None) -> Any:
