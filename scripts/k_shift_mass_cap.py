@@ -33,15 +33,12 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from study_cases import study_cases
 
 import ragfuse.engine.fusion.layer_step as layer_step
-from ragfuse.engine import EngineConfig, LLMEngine
 from ragfuse.engine.fusion import SelectionPolicy
-from ragfuse.eval_qa import load_dataset
 from ragfuse.kernels.rope import apply_rope_ref
-from ragfuse.prompt import RagPromptBuilder
-from ragfuse.quality import build_case, mode_kl
-from ragfuse.shared_data import shared_data
+from ragfuse.quality import mode_kl
 
 STATE: dict[str, Any] = {"cfg": None, "layer": 0, "diag": None, "record": None, "fullk": None}
 SHIPPED = {"front": layer_step.front, "shift": layer_step.segment_shift}
@@ -194,17 +191,14 @@ def main() -> None:
     ap.add_argument("--diag", default="", help="write diagnostics of the shipped run to this file")
     ap.add_argument("--ratio", type=float, default=0.15)
     args = ap.parse_args()
-    picks = [int(x) for x in args.cases.split(",")]
-    examples = load_dataset(shared_data(args.dataset), max(picks) + 1, 6)
-    engine = LLMEngine(EngineConfig(model="smollm2-135m-instruct", device="cpu"))
-    builder = RagPromptBuilder(engine.tokenizer)
+    engine, cases = study_cases(args.dataset, args.cases)
+    picks = args.cases.split(",")
     install()
     # the engine's own cap (``SelectionPolicy.k_mass_cap``) off: the variants here replace it
     policy = replace(SelectionPolicy.default(), k_mass_cap=0.0).with_ratio(args.ratio)
     variants = args.variants.split(",")
     totals = dict.fromkeys(variants, 0.0)
-    for i in picks:
-        case = build_case(engine, builder, examples[i].passages, examples[i].question, 16)
+    for i, case in cases:
         row = {}
         if args.diag:
             STATE.update(record=[], layer=0, cfg="shipped", diag=None)

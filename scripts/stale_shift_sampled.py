@@ -18,15 +18,12 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from study_cases import study_cases
 
 import ragfuse.engine.fusion.fusor as fusor
 import ragfuse.engine.fusion.layer_step as layer_step
-from ragfuse.engine import EngineConfig, LLMEngine
 from ragfuse.engine.fusion import SelectionPolicy
-from ragfuse.eval_qa import load_dataset
-from ragfuse.prompt import RagPromptBuilder
-from ragfuse.quality import build_case, mode_kl
-from ragfuse.shared_data import shared_data
+from ragfuse.quality import mode_kl
 
 STATE: dict[str, Any] = {"cfg": None, "first": True, "sample": None, "positions": None}
 SHIPPED = {"front": layer_step.front, "shift": layer_step.segment_shift, "check": fusor.check_keep}
@@ -72,19 +69,17 @@ def main() -> None:
     ap.add_argument("--variants", default="0.2:0.5,0.2:0.75,0.2:1,0.33:0.5,0.33:0.75,0.33:1",
                     help="comma-separated FRAC:SHARE (budget share sampled, shift share)")
     args = ap.parse_args()
-    picks = [int(x) for x in args.cases.split(",")]
-    examples = load_dataset(shared_data(args.dataset), max(picks) + 1, 6)
-    engine = LLMEngine(EngineConfig(model="smollm2-135m-instruct", device="cpu"))
-    builder = RagPromptBuilder(engine.tokenizer)
+    engine, cases = study_cases(args.dataset, args.cases)
+    picks = args.cases.split(",")
     layer_step.front, layer_step.segment_shift, fusor.check_keep = front, shift, check
     variants: dict[str, dict[str, float] | None] = {"shipped": None}
     for spec in args.variants.split(","):
         frac, share = (float(x) for x in spec.split(":"))
         variants[f"sample{frac:g}-share{share:g}"] = {"frac": frac, "ratio": args.ratio, "share": share}
-    policy = SelectionPolicy.default().with_ratio(args.ratio)
+    # the K shift's mass cap off, as when this study's figures were taken
+    policy = replace(SelectionPolicy.default(), k_mass_cap=0.0).with_ratio(args.ratio)
     totals = dict.fromkeys(variants, 0.0)
-    for i in picks:
-        case = build_case(engine, builder, examples[i].passages, examples[i].question, 16)
+    for i, case in cases:
         row = {}
         for name, cfg in variants.items():
             STATE.update(cfg=cfg, first=True, sample=None)
