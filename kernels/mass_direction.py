@@ -29,25 +29,27 @@ def mass_direction_ref(
     are padding); ``k`` [T, KVH, D]: the stored K before RoPE, at model positions ``at`` [T];
     ``segment`` [T]: each stored row's segment, in ascending order (the Triton kernel reads each
     segment as one run of rows). The mean is over the real queries and the KV head's query heads; a
-    segment without rows gets zeros. Float32 throughout: the scores, a per-segment softmax (its max
-    and sum by scatter), the weighted queries per stored token, and their rotation back."""
+    segment without rows gets zeros. Float32 throughout: the scores, a per-segment softmax, the
+    weighted queries per stored token, and their rotation back."""
     w_rows, heads, dim = q.shape
     kv_heads, half = k.shape[1], dim // 2
     group = heads // kv_heads
     qs = q.float() * ok[:, None, None]
     qs = qs.view(w_rows, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, w_rows * group, dim)
     k_rot = apply_rope_ref(k.float(), at, cos, sin).permute(1, 2, 0)  # [KVH, D, T]
-    scores = torch.bmm(qs, k_rot) * scale  # [KVH, W * group, T]
-    seg = segment.expand_as(scores)
-    top = torch.full((*scores.shape[:2], num_segments), float("-inf"), device=scores.device)
-    top = top.scatter_reduce(-1, seg, scores, "amax")
-    e = (scores - top.gather(-1, seg)).exp()
-    z = torch.zeros_like(top).scatter_add_(-1, seg, e)
-    a = torch.bmm((e / z.gather(-1, seg)).transpose(1, 2), qs)  # [KVH, T, D]: softmax-weighted queries per token
+    one_hot = (segment[None] == torch.arange(num_segments, device=q.device)[:, None]).float()  # [S, T]
+    # the score tensor [KVH, W * group, T] is the one big operand: made once, then changed in place
+    # into the softmax within each segment (each segment's max by scatter, its sum by a product)
+    w = torch.bmm(qs * scale, k_rot)
+    seg = segment.expand_as(w)
+    top = torch.full((*w.shape[:2], num_segments), float("-inf"), device=w.device)
+    top = top.scatter_reduce(-1, seg, w, "amax")
+    w.sub_(top.gather(-1, seg)).exp_()
+    w.div_(torch.matmul(w, one_hot.t()).gather(-1, seg))
+    a = torch.bmm(w.transpose(1, 2), qs)  # [KVH, T, D]: softmax-weighted queries per token
     c, s = cos[at].float(), sin[at].float()
     a1, a2 = a[..., :half], a[..., half:]
     u = torch.cat((a1 * c + a2 * s, a2 * c - a1 * s), dim=-1)
-    one_hot = (segment[None] == torch.arange(num_segments, device=u.device)[:, None]).float()
     count = (ok.sum() * group).clamp(min=1)
     return torch.einsum("st,gtd->sgd", one_hot, u) / count
 
