@@ -17,9 +17,11 @@ fresh queries at that layer (the active rows after the last stored position):
   qnlast  qn1 for the passage next to the question only.
   capC    cap the K shift's first-order change of the question's mean log mass to the passage at C nats
           (per passage and KV head): where |scale * mean(u) . delta| > C, remove just enough of delta along
-          mean(u) to bring it to +-C; the rest of delta is kept (cap2: C = 2).
+          mean(u) to bring it to +-C; the rest of delta is kept (cap2: C = 2). cap2 is now the engine's
+          own (``SelectionPolicy.k_mass_cap``, on by default); this study turns that off, so "shipped" here is
+          the shift without it.
 
-Results: results/fusion-quality/k-shift-mass-cap.md.
+Results: results/fusion-quality/k-shift-mass-cap.md (the engine's: k-mass-cap-engine/).
 
     OMP_NUM_THREADS=1 nice .venv/bin/python scripts/k_shift_mass_cap.py --cases 54,20,21 --variants shipped,cap2
     (--dataset wikimqa_dev.json for 2WikiMQA; --diag FILE writes the shipped run's per-layer mass figures)

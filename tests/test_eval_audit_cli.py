@@ -100,6 +100,7 @@ def test_kl_of_a_masked_vocabulary_entry_is_not_nan():
     (["--sink-tokens", "-2"], "--sink-tokens must be at least 0"),  # recomputed everything, silently
     (["--first-factor", "0.5"], "--first-factor must be a finite number of at least 1"),
     (["--attention-weight", "nan"], "--attention-weight must be a finite number"),
+    (["--k-mass-cap", "-1"], "K mass cap must be a finite number of nats >= 0"),
     (["--out", "FILE"], "a file is in the way"),  # was a FileExistsError traceback after the whole run
 ])
 def test_eval_arguments_are_checked_before_the_model_loads(tmp_path, capsys, extra, needle):
