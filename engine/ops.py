@@ -138,8 +138,7 @@ def cap_k_shift(
     """The stale K shift with each segment's move of the question's attention mass capped
     (``kernels.mass_direction.cap_k_shift_ref``): two launches on CUDA, where the torch ops took half
     of a fused pass."""
-    half = q.shape[-1] // 2
-    if _triton(q) and half >= 16 and half & (half - 1) == 0:
+    if _triton(q):
         return cap_k_shift_triton(mk, q, ok, k, at, cos, sin, segment, limit, scale)
     return cap_k_shift_ref(mk, q, ok, k, at, cos, sin, segment, limit, scale)
 

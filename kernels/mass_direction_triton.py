@@ -1,6 +1,6 @@
 """The K shift's mass direction per segment and its cap, in Triton (contract: ``mass_direction.py``).
 
-One program per (KV head, block of query rows, segment) walks its segment's stored rows once:
+One program per (KV head, block of 64 query rows, segment) walks its segment's stored rows once, 32 a step:
 rotates their K to their positions, scores the rows' queries against them, and keeps a running
 (online-softmax) max, sum and softmax-weighted sums of the rows' cos and sin, so no score tensor is
 ever in memory. Each program writes its rows' sum of ``u`` to its own slot; a torch sum over the row
@@ -8,7 +8,9 @@ blocks finishes (no atomics: a CUDA graph and the eager pass get the same values
 program per (segment, KV head) sums them and caps the shift (one launch for ~20 torch ops). The torch ops
 this replaces were ~0.6 ms a layer on an H200 (Mistral-7B shape, 6 x 512 stored tokens, 64 question
 rows), half the fused pass's time; scattering the segments' max and sum hit a few addresses with
-thousands of atomics each.
+thousands of atomics each. Tiles of a segment's rows as programs of their own, in two passes (each row's
+max and sum per tile, then its softmax over the segment), took longer than this walk: many short programs,
+each one latency chain (kernels/NOTES.md, Round 10).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import triton.language as tl
 
 from .paged_attention_triton import _LOG2E, _dot_precision
 
-_BLOCK_R = 32  # query rows (question tokens x the group's heads) a program holds
-_BLOCK_T = 64  # stored rows a step
+# 64 rows x 32-row steps: 49 us a layer in a CUDA graph on an H200 at the Mistral-7B shape, 32 x 64 took 65
+_BLOCK_R = 64  # query rows (question tokens x the group's heads) a program holds
+_BLOCK_T = 32  # stored rows a step
 _WARPS = 4
 
 
@@ -28,7 +31,8 @@ _WARPS = 4
 def _mass_direction_kernel(
     q_ptr, ok_ptr, k_ptr, at_ptr, cos_ptr, sin_ptr, bounds_ptr, out_ptr, W, scale_log2,
     stride_qw, stride_qh, stride_kt, stride_kh, stride_cos,
-    GROUP: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, PREC: tl.constexpr,
+    GROUP: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     g = tl.program_id(0)
     rb = tl.program_id(1)
@@ -41,27 +45,29 @@ def _mass_direction_kernel(
     j = offs_r // GROUP
     row_ok = j < W
     row_ok = row_ok & (tl.load(ok_ptr + j, mask=row_ok, other=0) != 0)
-    f = tl.arange(0, HALF)
+    f = tl.arange(0, BLOCK_H)  # a head_dim / 2 short of a power of two is padded with zeros
+    f_ok = f < HALF
     q_at = q_ptr + j[:, None] * stride_qw + (g * GROUP + offs_r % GROUP)[:, None] * stride_qh + f[None, :]
     # the products run in the model's dtype (float32 ones stay exact: PREC is "ieee" for them)
     dt = q_ptr.dtype.element_ty
-    q1 = tl.load(q_at, mask=row_ok[:, None], other=0.0)
-    q2 = tl.load(q_at + HALF, mask=row_ok[:, None], other=0.0)
+    q1 = tl.load(q_at, mask=row_ok[:, None] & f_ok[None, :], other=0.0)
+    q2 = tl.load(q_at + HALF, mask=row_ok[:, None] & f_ok[None, :], other=0.0)
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
-    acc_c = tl.zeros([BLOCK_R, HALF], tl.float32)
-    acc_s = tl.zeros([BLOCK_R, HALF], tl.float32)
+    acc_c = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
+    acc_s = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
     # a block of padding rows only (a graph's question window past the real question) skips the walk
     stop = tl.where(tl.max(row_ok.to(tl.int32), 0) > 0, end, start)
     for t0 in range(start, stop, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         t_ok = t < end
+        tf_ok = t_ok[:, None] & f_ok[None, :]
         pos = tl.load(at_ptr + t, mask=t_ok, other=0).to(tl.int64)
-        c = tl.load(cos_ptr + pos[:, None] * stride_cos + f[None, :], mask=t_ok[:, None], other=0.0)
-        sn = tl.load(sin_ptr + pos[:, None] * stride_cos + f[None, :], mask=t_ok[:, None], other=0.0)
+        c = tl.load(cos_ptr + pos[:, None] * stride_cos + f[None, :], mask=tf_ok, other=0.0)
+        sn = tl.load(sin_ptr + pos[:, None] * stride_cos + f[None, :], mask=tf_ok, other=0.0)
         k_at = k_ptr + t.to(tl.int64)[:, None] * stride_kt + g * stride_kh + f[None, :]
-        k1 = tl.load(k_at, mask=t_ok[:, None], other=0.0).to(tl.float32)
-        k2 = tl.load(k_at + HALF, mask=t_ok[:, None], other=0.0).to(tl.float32)
+        k1 = tl.load(k_at, mask=tf_ok, other=0.0).to(tl.float32)
+        k2 = tl.load(k_at + HALF, mask=tf_ok, other=0.0).to(tl.float32)
         r1 = (k1 * c - k2 * sn).to(dt)  # K rotated to its position, as the cache holds it
         r2 = (k2 * c + k1 * sn).to(dt)
         sc = tl.dot(q1, tl.trans(r1), input_precision=PREC) + tl.dot(q2, tl.trans(r2), input_precision=PREC)
@@ -81,8 +87,8 @@ def _mass_direction_kernel(
     u1 = tl.where(row_ok[:, None], q1 * cw + q2 * sw, 0.0)
     u2 = tl.where(row_ok[:, None], q2 * cw - q1 * sw, 0.0)
     out = out_ptr + ((rb * segments + s) * kv_heads + g) * (2 * HALF) + f
-    tl.store(out, tl.sum(u1, 0))
-    tl.store(out + HALF, tl.sum(u2, 0))
+    tl.store(out, tl.sum(u1, 0), mask=f_ok)
+    tl.store(out + HALF, tl.sum(u2, 0), mask=f_ok)
 
 
 def _mass_parts(
@@ -103,7 +109,8 @@ def _mass_parts(
     _mass_direction_kernel[(kv_heads, row_blocks, num_segments)](
         q, ok, k, at, cos, sin, bounds, parts, w_rows, scale * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-        GROUP=group, HALF=half, BLOCK_R=_BLOCK_R, BLOCK_T=_BLOCK_T, PREC=_dot_precision(q.dtype), num_warps=_WARPS,
+        GROUP=group, HALF=half, BLOCK_H=max(16, triton.next_power_of_2(half)), BLOCK_R=_BLOCK_R, BLOCK_T=_BLOCK_T,
+        PREC=_dot_precision(q.dtype), num_warps=_WARPS,
     )
     return parts
 
@@ -112,8 +119,8 @@ def mass_direction_triton(
     q: torch.Tensor, ok: torch.Tensor, k: torch.Tensor, at: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     segment: torch.Tensor, num_segments: int, scale: float,
 ) -> torch.Tensor:
-    """Same contract as ``mass_direction.mass_direction_ref`` (head_dim / 2 a power of two of at least
-    16). Launch sizes depend on the shapes alone: CUDA-graph safe."""
+    """Same contract as ``mass_direction.mass_direction_ref``, any even head_dim. Launch sizes depend on
+    the shapes alone and nothing is read on the host: CUDA-graph safe."""
     parts = _mass_parts(q, ok, k, at, cos, sin, segment, num_segments, scale)
     return parts.sum(0) / (ok.sum() * (q.shape[1] // k.shape[1])).clamp(min=1)
 
@@ -121,22 +128,23 @@ def mass_direction_triton(
 @triton.jit
 def _cap_kernel(
     parts_ptr, mk_ptr, ok_ptr, limit_ptr, out_ptr, W, row_blocks, per_block, group, scale,
-    DIM: tl.constexpr, BLOCK_W: tl.constexpr,
+    DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     sg = tl.program_id(0)  # segment x KV head
-    d = tl.arange(0, DIM)
-    acc = tl.zeros([DIM], tl.float32)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < DIM
+    acc = tl.zeros([BLOCK_D], tl.float32)
     for rb in range(0, row_blocks):
-        acc += tl.load(parts_ptr + rb * per_block + sg * DIM + d)
+        acc += tl.load(parts_ptr + rb * per_block + sg * DIM + d, mask=d_ok, other=0.0)
     w = tl.arange(0, BLOCK_W)
     real = (tl.load(ok_ptr + w, mask=w < W, other=0) != 0).to(tl.float32)
     ub = acc / tl.maximum(tl.sum(real, 0) * group, 1.0)
-    delta = tl.load(mk_ptr + sg * DIM + d)
+    delta = tl.load(mk_ptr + sg * DIM + d, mask=d_ok, other=0.0)
     move = scale * tl.sum(ub * delta, 0)
     over = tl.abs(move) - tl.load(limit_ptr)
     norm = tl.maximum(scale * tl.sum(ub * ub, 0), 1e-30)
     cut = tl.where(over > 0, over * tl.where(move > 0, 1.0, -1.0) / norm, 0.0)
-    tl.store(out_ptr + sg * DIM + d, delta - cut * ub)
+    tl.store(out_ptr + sg * DIM + d, delta - cut * ub, mask=d_ok)
 
 
 def cap_k_shift_triton(
@@ -149,6 +157,7 @@ def cap_k_shift_triton(
     out = torch.empty_like(mk)
     _cap_kernel[(segments * kv_heads,)](
         parts, mk.contiguous(), ok, limit, out, q.shape[0], parts.shape[0], segments * kv_heads * dim,
-        q.shape[1] // kv_heads, scale, DIM=dim, BLOCK_W=max(16, triton.next_power_of_2(q.shape[0])), num_warps=1,
+        q.shape[1] // kv_heads, scale, DIM=dim, BLOCK_D=triton.next_power_of_2(dim),
+        BLOCK_W=max(16, triton.next_power_of_2(q.shape[0])), num_warps=1,
     )
     return out

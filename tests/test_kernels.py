@@ -353,12 +353,15 @@ def test_segment_shift_matches_reference(kern) -> None:
         assert not mk[3:].any() and not mv[3:].any()
 
 
-def test_mass_direction_and_its_cap_match_reference(kern) -> None:
+@pytest.mark.parametrize("odd_dim", [False, True])
+def test_mass_direction_and_its_cap_match_reference(kern, odd_dim: bool) -> None:
     """Per segment and KV head, the question's mean mass direction, and the shift capped along it:
     grouped query heads, padded question rows (they count for nothing), segments longer than a step,
-    one without rows (zeros) and a spare one at the end, scattered positions; the reference's
-    scattered softmax and the kernel's online one agree, and so do the capped shifts."""
-    heads, kv_heads, head_dim = 8, 2, (128 if kern.big else 32)
+    one without rows (zeros) and a spare one at the end, scattered positions, and a head_dim whose
+    half is no power of two (the kernel pads it); the reference's per-segment softmax and the
+    kernel's online one agree, and so do the capped shifts."""
+    heads, kv_heads = 8, 2
+    head_dim = (80 if odd_dim else 128) if kern.big else (48 if odd_dim else 32)
     lengths = (150, 0, 37, 90, 5) if kern.big else (70, 0, 9, 20, 3)
     w_rows = 12 if kern.big else 5
     g = torch.Generator().manual_seed(7)
