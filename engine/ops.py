@@ -133,14 +133,13 @@ def write_stored_kv(
 
 def cap_k_shift(
     mk: torch.Tensor, q: torch.Tensor, ok: torch.Tensor, k: torch.Tensor, at: torch.Tensor, cos: torch.Tensor,
-    sin: torch.Tensor, segment: torch.Tensor, limit: torch.Tensor, scale: float,
+    sin: torch.Tensor, bounds: torch.Tensor, limit: torch.Tensor, scale: float,
 ) -> torch.Tensor:
     """The stale K shift with each segment's move of the question's attention mass capped
     (``kernels.mass_direction.cap_k_shift_ref``): two launches on CUDA, where the torch ops took half
     of a fused pass."""
-    if _triton(q):
-        return cap_k_shift_triton(mk, q, ok, k, at, cos, sin, segment, limit, scale)
-    return cap_k_shift_ref(mk, q, ok, k, at, cos, sin, segment, limit, scale)
+    fn = cap_k_shift_triton if _triton(q) else cap_k_shift_ref
+    return fn(mk, q, ok, k, at, cos, sin, bounds, limit, scale)
 
 
 def question_attention(

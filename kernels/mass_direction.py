@@ -19,13 +19,14 @@ import torch
 
 def mass_direction_ref(
     q: torch.Tensor, ok: torch.Tensor, k: torch.Tensor, at: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    segment: torch.Tensor, num_segments: int, scale: float,
+    bounds: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """Mean ``u`` [num_segments, KVH, D] float32 per stored segment and KV head.
+    """Mean ``u`` [segments, KVH, D] float32 per stored segment and KV head.
 
     ``q`` [W, H, D]: the question's queries, rotated; ``ok`` [W] bool: which of them count (the rest
     are padding); ``k`` [T, KVH, D]: the stored K before RoPE, at model positions ``at`` [T];
-    ``segment`` [T]: each stored row's segment, in ascending order (each segment is one run of rows).
+    ``bounds`` [segments + 1]: segment ``s`` is the rows ``bounds[s]:bounds[s + 1]`` (the fused pass
+    knows them on the host: they are made once a pass, not found again in every layer).
     The mean is over the real queries and the KV head's query heads; a segment without rows gets
     zeros. Float32 throughout.
 
@@ -33,8 +34,8 @@ def mass_direction_ref(
     no pass touches a score tensor of the whole prompt (the CPU runs this in every shifted layer of a
     fused pass: the default model's pass at 6 x 512 stored tokens takes ~1.6 ms a layer longer with the
     cap than without, where one score tensor with scattered per-segment max and sum took ~6.3 longer;
-    results/fusion-cpu/2026-11-30-cap-ref). The segments' bounds are read on the host: the
-    Triton backend, whose CUDA graphs cannot sync, runs ``mass_direction_triton`` instead."""
+    results/fusion-cpu/2026-11-30-cap-ref). The bounds are read on the host: the Triton backend,
+    whose CUDA graphs cannot sync, runs ``mass_direction_triton`` instead."""
     w_rows, heads, dim = q.shape
     kv_heads, half = k.shape[1], dim // 2
     group = heads // kv_heads
@@ -49,9 +50,9 @@ def mass_direction_ref(
     torch.mul(kt[..., half:], c, out=k_rot[..., half:]).addcmul_(kt[..., :half], s)
     cs = torch.cat((c, s), dim=-1)
     qk = qs * scale
-    cw = torch.zeros(num_segments, kv_heads, w_rows * group, dim, device=q.device)  # per row: (C, S)
-    ends = torch.bincount(segment, minlength=num_segments).cumsum(0).tolist()
-    for i, (a, b) in enumerate(zip([0, *ends[:-1]], ends)):
+    ends = bounds.tolist()
+    cw = torch.zeros(len(ends) - 1, kv_heads, w_rows * group, dim, device=q.device)  # per row: (C, S)
+    for i, (a, b) in enumerate(zip(ends[:-1], ends[1:])):
         if b > a:
             w = torch.softmax(torch.bmm(qk, k_rot[:, a:b].transpose(1, 2)), dim=-1)
             torch.matmul(w, cs[a:b], out=cw[i])
@@ -64,13 +65,13 @@ def mass_direction_ref(
 
 def cap_k_shift_ref(
     mk: torch.Tensor, q: torch.Tensor, ok: torch.Tensor, k: torch.Tensor, at: torch.Tensor, cos: torch.Tensor,
-    sin: torch.Tensor, segment: torch.Tensor, limit: torch.Tensor, scale: float,
+    sin: torch.Tensor, bounds: torch.Tensor, limit: torch.Tensor, scale: float,
 ) -> torch.Tensor:
     """The K shift ``mk`` [segments, KVH, D] float32 with each segment's move ``m = scale * ub . delta``
     of the question's log attention mass (``ub`` from ``mass_direction_ref``) capped at ``limit`` [1]
     nats: where ``|m| > limit``, ``(|m| - limit) * sign(m) / (scale * |ub|^2) * ub`` comes off delta,
     the rest of it stays."""
-    ub = mass_direction_ref(q, ok, k, at, cos, sin, segment, mk.shape[0], scale)
+    ub = mass_direction_ref(q, ok, k, at, cos, sin, bounds, scale)
     move = scale * (ub * mk).sum(-1)
     over = move.abs() - limit
     cut = torch.where(over > 0, over * move.sign() / (scale * (ub * ub).sum(-1)).clamp(min=1e-30), 0.0)

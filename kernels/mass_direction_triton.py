@@ -93,20 +93,19 @@ def _mass_direction_kernel(
 
 def _mass_parts(
     q: torch.Tensor, ok: torch.Tensor, k: torch.Tensor, at: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    segment: torch.Tensor, num_segments: int, scale: float,
+    bounds: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """Each row block's sum of ``u`` [row blocks, num_segments, KVH, D] float32."""
+    """Each row block's sum of ``u`` [row blocks, segments, KVH, D] float32."""
     w_rows, heads, dim = q.shape
     kv_heads, half = k.shape[1], dim // 2
     group = heads // kv_heads
     q = q.contiguous()
     if k.stride(-1) != 1:
         k = k.contiguous()
-    # segment s is rows bounds[s]..bounds[s + 1] (the rows come in segment order)
-    bounds = torch.searchsorted(segment, torch.arange(num_segments + 1, device=q.device, dtype=segment.dtype))
+    segments = bounds.shape[0] - 1
     row_blocks = triton.cdiv(w_rows * group, _BLOCK_R)
-    parts = torch.empty(row_blocks, num_segments, kv_heads, dim, dtype=torch.float32, device=q.device)
-    _mass_direction_kernel[(kv_heads, row_blocks, num_segments)](
+    parts = torch.empty(row_blocks, segments, kv_heads, dim, dtype=torch.float32, device=q.device)
+    _mass_direction_kernel[(kv_heads, row_blocks, segments)](
         q, ok, k, at, cos, sin, bounds, parts, w_rows, scale * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
         GROUP=group, HALF=half, BLOCK_H=max(16, triton.next_power_of_2(half)), BLOCK_R=_BLOCK_R, BLOCK_T=_BLOCK_T,
@@ -117,11 +116,11 @@ def _mass_parts(
 
 def mass_direction_triton(
     q: torch.Tensor, ok: torch.Tensor, k: torch.Tensor, at: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    segment: torch.Tensor, num_segments: int, scale: float,
+    bounds: torch.Tensor, scale: float,
 ) -> torch.Tensor:
     """Same contract as ``mass_direction.mass_direction_ref``, any even head_dim. Launch sizes depend on
     the shapes alone and nothing is read on the host: CUDA-graph safe."""
-    parts = _mass_parts(q, ok, k, at, cos, sin, segment, num_segments, scale)
+    parts = _mass_parts(q, ok, k, at, cos, sin, bounds, scale)
     return parts.sum(0) / (ok.sum() * (q.shape[1] // k.shape[1])).clamp(min=1)
 
 
@@ -149,11 +148,11 @@ def _cap_kernel(
 
 def cap_k_shift_triton(
     mk: torch.Tensor, q: torch.Tensor, ok: torch.Tensor, k: torch.Tensor, at: torch.Tensor, cos: torch.Tensor,
-    sin: torch.Tensor, segment: torch.Tensor, limit: torch.Tensor, scale: float,
+    sin: torch.Tensor, bounds: torch.Tensor, limit: torch.Tensor, scale: float,
 ) -> torch.Tensor:
     """Same contract as ``mass_direction.cap_k_shift_ref``: two launches."""
     segments, kv_heads, dim = mk.shape
-    parts = _mass_parts(q, ok, k, at, cos, sin, segment, segments, scale)
+    parts = _mass_parts(q, ok, k, at, cos, sin, bounds, scale)
     out = torch.empty_like(mk)
     _cap_kernel[(segments * kv_heads,)](
         parts, mk.contiguous(), ok, limit, out, q.shape[0], parts.shape[0], segments * kv_heads * dim,

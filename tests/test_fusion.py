@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from ragfuse.engine import SamplingParams
 from ragfuse.engine.config import RopeConfig
 from ragfuse.engine.fusion import Segment, SelectionPolicy, TensorKV
-from ragfuse.engine.fusion.stale_shift import MassCap, ShiftIndex, cap_k_mass, segment_shift
+from ragfuse.engine.fusion.stale_shift import (
+    QUESTION_WINDOW,
+    MassCap,
+    ShiftIndex,
+    cap_k_mass,
+    question_rows,
+    segment_bounds,
+    segment_shift,
+)
 from ragfuse.engine.layers import RotaryEmbedding
 from ragfuse.kernels.paged_attention import attention_with_lse
 from ragfuse.kernels.question_attention import question_attention_ref
@@ -208,7 +217,8 @@ def test_k_mass_cap_bounds_the_question_mass_move_of_each_segment_and_head(limit
     direction of the move: the shift's component across it is untouched."""
     rotary, at, segment, k_st, q, mk = _mass_case(0)
     scale = 8 ** -0.5
-    cap = MassCap(torch.tensor([limit]), torch.arange(2, 6), torch.ones(4, dtype=torch.bool))  # last 4 rows
+    bounds = torch.from_numpy(segment_bounds(segment.numpy(), 4))
+    cap = MassCap(torch.tensor([limit]), torch.arange(2, 6), torch.ones(4, dtype=torch.bool), bounds)  # last 4 rows
     index = ShiftIndex(torch.tensor([0.5, 0.5]), torch.zeros(6, dtype=torch.long), torch.full((6,), 3),
                        segment, 4, cap)
     capped = cap_k_mass(mk, index, q, k_st, at, rotary, scale)
@@ -239,13 +249,27 @@ def test_k_mass_cap_reads_only_the_real_question_rows():
     share = torch.tensor([0.5, 0.5])
 
     def capped(rows, ok):
-        cap = MassCap(torch.tensor([0.1]), torch.tensor(rows), torch.tensor(ok))
+        cap = MassCap(torch.tensor([0.1]), torch.tensor(rows), torch.tensor(ok),
+                      torch.from_numpy(segment_bounds(segment.numpy(), 4)))
         index = ShiftIndex(share, torch.zeros(6, dtype=torch.long), torch.full((6,), 3), segment, 4, cap)
         return cap_k_mass(mk, index, q, k_st, at, rotary, 8 ** -0.5)
 
     exact = capped([3, 4, 5], [True, True, True])
     padded = capped([3, 4, 5, 5, 0], [True, True, True, False, False])
     assert torch.allclose(exact, padded, atol=1e-6) and not torch.allclose(exact, mk)
+
+
+def test_k_mass_cap_host_indices():
+    """What a pass makes once on the host for the cap: each segment's run of stored rows (a segment
+    without rows, here the second and the spare, gets an empty one), and per layer the question's
+    last rows padded to the window by repeating the last row, the padding not counted."""
+    assert segment_bounds(np.array([0, 0, 2, 2, 2, 3]), 5).tolist() == [0, 2, 2, 5, 6, 6]
+    rows, ok = question_rows(np.array([10, 6]), 3)
+    assert rows.shape == (2, QUESTION_WINDOW) and ok.tolist() == [True] * 3 + [False] * (QUESTION_WINDOW - 3)
+    assert rows[0, :4].tolist() == [7, 8, 9, 9] and rows[1, :3].tolist() == [3, 4, 5] and (rows[1, 3:] == 5).all()
+    long_rows, long_ok = question_rows(np.array([200]), 150)  # only the question's last QUESTION_WINDOW tokens
+    assert long_ok.all() and long_rows[0].tolist() == list(range(200 - QUESTION_WINDOW, 200))
+    assert question_rows(np.array([0]), 2)[0].min() == 0  # no row at all (a capture run): still a valid index
 
 
 def test_policy_k_mass_cap_is_checked_and_needs_a_k_shift():

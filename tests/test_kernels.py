@@ -12,6 +12,7 @@ element the kernel fails to write shows up as NaN instead of a stale correct val
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 from types import SimpleNamespace
 
@@ -365,29 +366,28 @@ def test_mass_direction_and_its_cap_match_reference(kern, odd_dim: bool) -> None
     lengths = (150, 0, 37, 90, 5) if kern.big else (70, 0, 9, 20, 3)
     w_rows, real = 40, 14  # 160 query rows, the last 104 padding: the kernel's row blocks past 64 are padding alone
     g = torch.Generator().manual_seed(7)
-    segment = torch.cat([torch.full((n,), s) for s, n in enumerate(lengths)])
-    t = segment.shape[0]
+    t = sum(lengths)
+    bounds = torch.tensor([0, *itertools.accumulate(lengths), t])  # the last segment is the spare: no rows
     at = torch.sort(torch.randperm(2 * t, generator=g)[:t]).values
     cos, sin = cos_sin_table(inv_frequencies(head_dim, 10000.0), 4 * t)
     ok = torch.arange(w_rows) < real
     for dtype in kern.dtypes:
         q = (torch.randn(w_rows, heads, head_dim, generator=g) * 2).to(dtype)
         k = torch.randn(t, kv_heads, head_dim, generator=g).to(dtype)
-        ref = mass_direction_ref(q.float(), ok, k.float(), at, cos, sin, segment, len(lengths) + 1, 0.3)
-        dev = [x.to(kern.device) for x in (q, ok, k, at, cos, sin, segment)]
-        got = kern.mass_direction_triton(*dev, len(lengths) + 1, 0.3).cpu()
+        ref = mass_direction_ref(q.float(), ok, k.float(), at, cos, sin, bounds, 0.3)
+        dev = [x.to(kern.device) for x in (q, ok, k, at, cos, sin, bounds)]
+        got = kern.mass_direction_triton(*dev, 0.3).cpu()
         assert got.dtype == torch.float32 and got.shape == (len(lengths) + 1, kv_heads, head_dim)
         assert rel_err(got, ref) < TOL[dtype]
         assert not got[1].any() and not got[-1].any()  # no rows: zeros
-        padded = mass_direction_ref(q.float()[:real], ok[:real], k.float(), at, cos, sin, segment, len(lengths) + 1,
-                                    0.3)
+        padded = mass_direction_ref(q.float()[:real], ok[:real], k.float(), at, cos, sin, bounds, 0.3)
         assert rel_err(ref, padded) < 1e-6
         # the cap: a shift per segment, a limit that some segments' moves pass and some do not
         mk = torch.randn(len(lengths) + 1, kv_heads, head_dim, generator=g)
         mk[-1] = 0.0
         moves = 0.3 * (ref * mk).sum(-1)
         limit = moves.abs()[moves != 0].median().reshape(1)
-        capped = cap_k_shift_ref(mk, q.float(), ok, k.float(), at, cos, sin, segment, limit, 0.3)
+        capped = cap_k_shift_ref(mk, q.float(), ok, k.float(), at, cos, sin, bounds, limit, 0.3)
         assert not torch.equal(capped, mk) and torch.equal(capped[moves.abs() < limit], mk[moves.abs() < limit])
         got = kern.cap_k_shift_triton(mk.to(kern.device), *dev, limit.to(kern.device), 0.3).cpu()
         assert rel_err(got, capped) < TOL[dtype]

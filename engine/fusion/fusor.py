@@ -46,7 +46,7 @@ from .graphs import CheckShape, FirstInputs, FirstShape, FusionGraphs, PassInput
 from .prefetch import LayerPrefetcher
 from .segments import Segment
 from .selection import SelectionPolicy, check_keep, keep_count, true_indices
-from .stale_shift import QUESTION_WINDOW, MassCap, ShiftIndex
+from .stale_shift import QUESTION_WINDOW, MassCap, ShiftIndex, segment_bounds
 
 
 class FusionMode(str, Enum):
@@ -250,6 +250,7 @@ def fuse_prefill(
                 "rows": rows_h, "active_segment": lay.segment[lay.active],
                 "stored_segment": lay.segment[lay.stored], "table": table_h.astype(np.int32)[None],
                 "must_keep": must_keep_h, "share": share_h, "mass_cap": np.array([policy.k_mass_cap], np.float32),
+                "stored_bounds": segment_bounds(lay.segment[lay.stored], lay.num_segments),
                 "tail_pos": np.arange(n - lay.tail, n),  # the question's positions (it ranks by its attention)
             }
         dev = _to_device(device, host) if host else {}
@@ -259,11 +260,14 @@ def fuse_prefill(
             # itself (no system prompt behind a graphed pass: prompt positions are model positions)
             first = (FirstInputs(lay.active, slots_h[lay.active], rows_h, lay.segment[lay.active], ids[lay.active],
                                  bounds, lay.fusable) if graph_from == 0 else None)
+            # each layer's active rows coming in: the sizes before the first check, then after each check
+            check_at = np.array([li for li, _ in checks], dtype=np.int64)
+            active_in = np.array(sizes)[np.searchsorted(check_at, np.arange(num_layers))]
             graphs.send(cap, PassInputs(
                 table=table_h, stored_at=lay.stored, stored_slots=slots_h[lay.stored],
                 stored_segment=lay.segment[lay.stored] if shifting else None, prompt_slots=slots_h,
                 must_keep=must_keep_h, share=share_h if shifting else None, mass_cap=policy.k_mass_cap, tail=lay.tail,
-                num_segments=lay.num_segments, first=first))
+                active_in=active_in, num_segments=lay.num_segments, first=first))
             if first is not None:
                 dev["ids"], dev["bounds"], dev["fusable"] = graphs.first_inputs(first)
         bounds_all, fusable = dev["bounds"], dev["fusable"]
@@ -293,7 +297,7 @@ def fuse_prefill(
                 if capped:
                     width, a = min(lay.tail, QUESTION_WINDOW), pos.shape[0]
                     mass_cap = MassCap(dev["mass_cap"], torch.arange(a - width, a, device=device),
-                                       torch.ones(width, dtype=torch.bool, device=device))
+                                       torch.ones(width, dtype=torch.bool, device=device), dev["stored_bounds"])
                 return ShiftIndex(share, rows, active_segment, stored_segment, lay.num_segments, mass_cap)
 
             shift = shift_index()

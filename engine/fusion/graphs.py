@@ -43,7 +43,7 @@ from ..staged_inputs import StagedInputs
 from .layer_step import KVCache, back, front, revert
 from .prefetch import RING_SLOTS
 from .selection import SelectionPolicy, check_keep
-from .stale_shift import QUESTION_WINDOW, MassCap, ShiftIndex
+from .stale_shift import QUESTION_WINDOW, MassCap, ShiftIndex, question_rows, segment_bounds
 
 STORED_STEP = 512  # stored-token capacities are multiples of this: few captures, little padding
 # the steady layers' active rows: the prefill buckets up to 512, then every 64 up to their last. The
@@ -136,6 +136,7 @@ class PassInputs:
     share: np.ndarray | None  # the stale shift's (K, V) shares (None: no shift)
     mass_cap: float  # nats the K shift may move the question's attention mass (graphs captured with the cap)
     tail: int  # the question's length
+    active_in: np.ndarray  # each layer's active rows coming in (the K mass cap's question is their last ``tail``)
     num_segments: int  # the fusor's segments, its spare (the last) becoming the graphs'
     first: FirstInputs | None = None  # when layer 0 replays
 
@@ -165,9 +166,11 @@ class _Stored:
         self.ring = (torch.zeros(shape, dtype=kv_cache[0].dtype, device=device),
                      torch.zeros(shape, dtype=kv_cache[0].dtype, device=device))
         self.spare = MAX_SEGMENTS
-        # positions, slots, segments: one tensor, sent from the host by one copy a pass (``FusionGraphs.send``)
-        self.staged = StagedInputs({"state": ((len(STORED_PAD), stored), torch.int64)}, device)
-        self.state = self.staged.device["state"]
+        # positions, slots, segments: one tensor, and the segments' bounds (``MassCap.bounds``; the
+        # spare's run is empty), sent from the host by one copy a pass (``FusionGraphs.send``)
+        self.staged = StagedInputs({"state": ((len(STORED_PAD), stored), torch.int64),
+                                    "bounds": ((MAX_SEGMENTS + 2,), torch.int64)}, device)
+        self.state, self.bounds = self.staged.device["state"], self.staged.device["bounds"]
         self.state.copy_(torch.tensor(STORED_PAD, device=device)[:, None].expand(-1, stored))
         self.at, self.slots, self.segment = self.state.unbind(0)
 
@@ -204,13 +207,16 @@ class FusionGraphs:
         # narrows all four with one gather), the block table, ``bounds``, the stale shift's (K, V) shares
         # (0 shifts nothing) and its K mass cap, for the check layers the prompt's slots, the positions
         # always kept and the question's length, and for a pass replaying from layer 0 what it reads
-        # itself (its tokens' ids, the bounds of each active-set size, which positions are candidates)
+        # itself (its tokens' ids, the bounds of each active-set size, which positions are candidates);
+        # the K mass cap's question rows for every layer (made on the host: ~10 small launches a layer)
         self.staged = StagedInputs({
             "state": ((len(STATE_PAD), rows), torch.int64), "table": ((1, self.max_blocks), torch.int32),
             "bounds": ((3,), torch.int32), "share": ((2,), torch.float32), "mass_cap": ((1,), torch.float32),
             "prompt_slots": ((positions,), torch.int64), "must_keep": ((positions,), torch.bool),
             "tail": ((), torch.int64), "ids": ((rows,), torch.int64),
             "sizes_bounds": ((model.config.num_layers + 1, 3), torch.int32), "fusable": ((positions,), torch.bool),
+            "question_rows": ((model.config.num_layers, QUESTION_WINDOW), torch.int64),
+            "question_ok": ((QUESTION_WINDOW,), torch.bool),
         }, device)
         staged = self.staged.device
         self.state_pad = torch.tensor(STATE_PAD, device=device)[:, None]
@@ -220,6 +226,7 @@ class FusionGraphs:
         self.table, self.bounds, self.share = staged["table"], staged["bounds"], staged["share"]
         self.mass_cap = staged["mass_cap"]
         self.prompt_slots, self.must_keep, self.tail = staged["prompt_slots"], staged["must_keep"], staged["tail"]
+        self.question_rows, self.question_ok = staged["question_rows"], staged["question_ok"]
         self.stored_inputs: dict[int, _Stored] = {}  # by stored capacity
         self.capacities: dict[tuple[int, int], _Capacity] = {}
         # least recent first
@@ -271,9 +278,13 @@ class FusionGraphs:
         stored[...] = np.array(STORED_PAD)[:, None]
         s = len(inputs.stored_at)
         stored[0, :s], stored[1, :s] = inputs.stored_at, inputs.stored_slots
+        stored_bounds = cap.inputs.staged.host()["bounds"]
+        stored_bounds[...] = 0
         if inputs.stored_segment is not None:
             stored[2, :s] = inputs.stored_segment
+            stored_bounds[...] = segment_bounds(inputs.stored_segment, MAX_SEGMENTS + 1)
         h = self.staged.host()
+        h["question_rows"][...], h["question_ok"][...] = question_rows(inputs.active_in, inputs.tail)
         h["table"][...] = 0
         h["table"][0, : len(inputs.table)] = inputs.table
         h["share"][...] = inputs.share if inputs.share is not None else 0.0
@@ -409,9 +420,7 @@ class FusionGraphs:
         stored = (inputs.ring[0][slot], inputs.ring[1][slot], inputs.at, inputs.slots)
         question = None
         if mass_cap:
-            idx, ok = self._question_rows(self.slots[:rows] >= 0, self.tail.clamp(max=QUESTION_WINDOW),
-                                          QUESTION_WINDOW)
-            question = MassCap(self.mass_cap, idx, ok)
+            question = MassCap(self.mass_cap, self.question_rows[layer], self.question_ok, inputs.bounds)
         index = ShiftIndex(self.share, self.rows[:rows], self.segment[:rows], inputs.segment, inputs.spare + 1,
                            question)
         q, k_raw, v, residual, written = front(block.layers[layer], self.kv_caches[layer], block.rotary, stored,
@@ -436,6 +445,8 @@ class FusionGraphs:
         self.bounds.zero_()
         self.share.zero_()
         self.tail.zero_()
+        self.question_ok.zero_()
         cap.inputs.slots.fill_(-1)
+        cap.inputs.bounds.zero_()
         cap.inputs.segment.fill_(cap.inputs.spare)
         self.segment.fill_(cap.inputs.spare)

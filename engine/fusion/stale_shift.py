@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .. import ops
@@ -42,11 +43,31 @@ QUESTION_WINDOW = 64  # the question's last tokens whose queries measure the K s
 class MassCap:
     """What ``cap_k_mass`` reads besides the shift: ``limit`` [1] the cap in nats (a tensor, so a
     captured graph reads the policy's value at replay), ``rows`` [W] the active rows of the question's
-    last tokens, ``ok`` [W] which of them are real (a graph pads them to ``QUESTION_WINDOW``)."""
+    last tokens, ``ok`` [W] which of them are real (a graph pads them to ``QUESTION_WINDOW``),
+    ``bounds`` [segments + 1] the stored rows of each segment (``bounds[s]:bounds[s + 1]``). The pass
+    makes all of them on the host, once: found again on the device in every capped layer they were
+    ~12 small launches a layer."""
 
     limit: torch.Tensor
     rows: torch.Tensor
     ok: torch.Tensor
+    bounds: torch.Tensor
+
+
+def segment_bounds(stored_segment: np.ndarray, segments: int) -> np.ndarray:
+    """``MassCap.bounds`` of the stored rows' segments ``stored_segment`` (ascending: each segment is
+    one run of rows), for ``segments`` segments."""
+    return np.searchsorted(stored_segment, np.arange(segments + 1)).astype(np.int64)
+
+
+def question_rows(active: np.ndarray, tail: int) -> tuple[np.ndarray, np.ndarray]:
+    """``MassCap.rows`` [len(active), QUESTION_WINDOW] and ``ok`` [QUESTION_WINDOW] for active sets of
+    ``active`` rows each: the question is the last ``tail`` active rows, of which the last
+    ``QUESTION_WINDOW`` count; padding repeats the last row and counts for nothing."""
+    width = min(tail, QUESTION_WINDOW)
+    ar = np.arange(QUESTION_WINDOW)
+    last = np.maximum(active - 1, 0)[:, None]
+    return np.minimum(np.maximum(last + 1 - width + ar, 0), last), ar < width
 
 
 @dataclass
@@ -92,5 +113,5 @@ def cap_k_mass(
     Fixed shapes and no host reads: it runs inside the fused prefill's CUDA graphs."""
     cap = index.cap
     assert cap is not None
-    return ops.cap_k_shift(mk, q.index_select(0, cap.rows), cap.ok, k_st, at, rotary.cos, rotary.sin,
-                           index.stored_segment, cap.limit, scale)
+    return ops.cap_k_shift(mk, q.index_select(0, cap.rows), cap.ok, k_st, at, rotary.cos, rotary.sin, cap.bounds,
+                           cap.limit, scale)
