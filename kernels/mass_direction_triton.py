@@ -27,26 +27,27 @@ _BLOCK_R = 64  # query rows (question tokens x the group's heads) a program hold
 _BLOCK_T = 32  # stored rows a step
 _WARPS = 4
 _STAGES = 1
+# programs per (KV head, row block) sharing out the segments: a graph's 64 segments as 64 programs each cost
+# about as much as the real walks (22 of 34 us with no segment to walk); a pass seldom has more real ones
+_SEGMENT_PROGRAMS = 16
 
 
 @triton.jit
 def _mass_direction_kernel(
-    q_ptr, ok_ptr, k_ptr, at_ptr, cos_ptr, sin_ptr, bounds_ptr, out_ptr, W, scale_log2,
+    q_ptr, ok_ptr, k_ptr, at_ptr, cos_ptr, sin_ptr, bounds_ptr, out_ptr, W, segments, scale_log2,
     stride_qw, stride_qh, stride_kt, stride_kh, stride_cos,
     GROUP: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
     PREC: tl.constexpr,
 ):
     g = tl.program_id(0)
     rb = tl.program_id(1)
-    s = tl.program_id(2)
     kv_heads = tl.num_programs(0)
-    segments = tl.num_programs(2)
-    start = tl.load(bounds_ptr + s)
-    end = tl.load(bounds_ptr + s + 1)
     offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     j = offs_r // GROUP
     row_ok = j < W
     row_ok = row_ok & (tl.load(ok_ptr + j, mask=row_ok, other=0) != 0)
+    # a block of padding rows only (a graph's question window past the real question) walks nothing
+    any_row = tl.max(row_ok.to(tl.int32), 0) > 0
     f = tl.arange(0, BLOCK_H)  # a head_dim / 2 short of a power of two is padded with zeros
     f_ok = f < HALF
     q_at = q_ptr + j[:, None] * stride_qw + (g * GROUP + offs_r % GROUP)[:, None] * stride_qh + f[None, :]
@@ -54,43 +55,50 @@ def _mass_direction_kernel(
     dt = q_ptr.dtype.element_ty
     q1 = tl.load(q_at, mask=row_ok[:, None] & f_ok[None, :], other=0.0)
     q2 = tl.load(q_at + HALF, mask=row_ok[:, None] & f_ok[None, :], other=0.0)
-    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_R], tl.float32)
-    acc_c = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
-    acc_s = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
-    # a block of padding rows only (a graph's question window past the real question) skips the walk
-    stop = tl.where(tl.max(row_ok.to(tl.int32), 0) > 0, end, start)
-    for t0 in range(start, stop, BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T)
-        t_ok = t < end
-        tf_ok = t_ok[:, None] & f_ok[None, :]
-        pos = tl.load(at_ptr + t, mask=t_ok, other=0).to(tl.int64)
-        c = tl.load(cos_ptr + pos[:, None] * stride_cos + f[None, :], mask=tf_ok, other=0.0)
-        sn = tl.load(sin_ptr + pos[:, None] * stride_cos + f[None, :], mask=tf_ok, other=0.0)
-        k_at = k_ptr + t.to(tl.int64)[:, None] * stride_kt + g * stride_kh + f[None, :]
-        k1 = tl.load(k_at, mask=tf_ok, other=0.0).to(tl.float32)
-        k2 = tl.load(k_at + HALF, mask=tf_ok, other=0.0).to(tl.float32)
-        r1 = (k1 * c - k2 * sn).to(dt)  # K rotated to its position, as the cache holds it
-        r2 = (k2 * c + k1 * sn).to(dt)
-        sc = tl.dot(q1, tl.trans(r1), input_precision=PREC) + tl.dot(q2, tl.trans(r2), input_precision=PREC)
-        sc = tl.where(t_ok[None, :], sc * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))  # finite: every step has a real row
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc_c = acc_c * alpha[:, None] + tl.dot(p.to(dt), c.to(dt), input_precision=PREC)
-        acc_s = acc_s * alpha[:, None] + tl.dot(p.to(dt), sn.to(dt), input_precision=PREC)
-        m_i = m_new
-    q1 = q1.to(tl.float32)
-    q2 = q2.to(tl.float32)
-    inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)  # a segment without rows: zeros
-    cw = acc_c * inv[:, None]
-    sw = acc_s * inv[:, None]
-    u1 = tl.where(row_ok[:, None], q1 * cw + q2 * sw, 0.0)
-    u2 = tl.where(row_ok[:, None], q2 * cw - q1 * sw, 0.0)
-    out = out_ptr + ((rb * segments + s) * kv_heads + g) * (2 * HALF) + f
-    tl.store(out, tl.sum(u1, 0), mask=f_ok)
-    tl.store(out + HALF, tl.sum(u2, 0), mask=f_ok)
+    q1f = q1.to(tl.float32)
+    q2f = q2.to(tl.float32)
+    # the segments s = this program's index + a multiple of the programs (a graph's 64 segments are
+    # mostly empty: one program each, with its own q, cost more than the real walks)
+    for s in range(tl.program_id(2), segments, tl.num_programs(2)):
+        start = tl.load(bounds_ptr + s)
+        end = tl.load(bounds_ptr + s + 1)
+        stop = tl.where(any_row, end, start)
+        su1 = tl.zeros([BLOCK_H], tl.float32)  # a segment without rows, or no real row: zeros
+        su2 = tl.zeros([BLOCK_H], tl.float32)
+        if stop > start:
+            m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_R], tl.float32)
+            acc_c = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
+            acc_s = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
+            for t0 in range(start, stop, BLOCK_T):
+                t = t0 + tl.arange(0, BLOCK_T)
+                t_ok = t < end
+                tf_ok = t_ok[:, None] & f_ok[None, :]
+                pos = tl.load(at_ptr + t, mask=t_ok, other=0).to(tl.int64)
+                c = tl.load(cos_ptr + pos[:, None] * stride_cos + f[None, :], mask=tf_ok, other=0.0)
+                sn = tl.load(sin_ptr + pos[:, None] * stride_cos + f[None, :], mask=tf_ok, other=0.0)
+                k_at = k_ptr + t.to(tl.int64)[:, None] * stride_kt + g * stride_kh + f[None, :]
+                k1 = tl.load(k_at, mask=tf_ok, other=0.0).to(tl.float32)
+                k2 = tl.load(k_at + HALF, mask=tf_ok, other=0.0).to(tl.float32)
+                r1 = (k1 * c - k2 * sn).to(dt)  # K rotated to its position, as the cache holds it
+                r2 = (k2 * c + k1 * sn).to(dt)
+                sc = tl.dot(q1, tl.trans(r1), input_precision=PREC) + tl.dot(q2, tl.trans(r2), input_precision=PREC)
+                sc = tl.where(t_ok[None, :], sc * scale_log2, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, 1))  # finite: every step has a real row
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(sc - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc_c = acc_c * alpha[:, None] + tl.dot(p.to(dt), c.to(dt), input_precision=PREC)
+                acc_s = acc_s * alpha[:, None] + tl.dot(p.to(dt), sn.to(dt), input_precision=PREC)
+                m_i = m_new
+            inv = 1.0 / l_i
+            cw = acc_c * inv[:, None]
+            sw = acc_s * inv[:, None]
+            su1 = tl.sum(tl.where(row_ok[:, None], q1f * cw + q2f * sw, 0.0), 0)
+            su2 = tl.sum(tl.where(row_ok[:, None], q2f * cw - q1f * sw, 0.0), 0)
+        out = out_ptr + ((rb * segments + s) * kv_heads + g) * (2 * HALF) + f
+        tl.store(out, su1, mask=f_ok)
+        tl.store(out + HALF, su2, mask=f_ok)
 
 
 def _mass_parts(
@@ -107,8 +115,8 @@ def _mass_parts(
     segments = bounds.shape[0] - 1
     row_blocks = triton.cdiv(w_rows * group, _BLOCK_R)
     parts = torch.empty(row_blocks, segments, kv_heads, dim, dtype=torch.float32, device=q.device)
-    _mass_direction_kernel[(kv_heads, row_blocks, segments)](
-        q, ok, k, at, cos, sin, bounds, parts, w_rows, scale * _LOG2E,
+    _mass_direction_kernel[(kv_heads, row_blocks, min(segments, _SEGMENT_PROGRAMS))](
+        q, ok, k, at, cos, sin, bounds, parts, w_rows, segments, scale * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
         GROUP=group, HALF=half, BLOCK_H=max(16, triton.next_power_of_2(half)), BLOCK_R=_BLOCK_R, BLOCK_T=_BLOCK_T,
         PREC=_dot_precision(q.dtype), num_warps=_WARPS, num_stages=_STAGES,

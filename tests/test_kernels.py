@@ -355,12 +355,13 @@ def test_segment_shift_matches_reference(kern) -> None:
 
 
 @pytest.mark.parametrize("odd_dim", [False, True])
-def test_mass_direction_and_its_cap_match_reference(kern, odd_dim: bool) -> None:
+def test_mass_direction_and_its_cap_match_reference(kern, odd_dim: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Per segment and KV head, the question's mean mass direction, and the shift capped along it:
     grouped query heads, padded question rows (they count for nothing, whole blocks of them skip the
     walk), segments longer than a step, one without rows (zeros) and a spare one at the end,
     scattered positions, and a head_dim whose half is no power of two (the kernel pads it); the
-    reference's per-segment softmax and the kernel's online one agree, and so do the capped shifts."""
+    reference's per-segment softmax and the kernel's online one agree, and so do the capped shifts.
+    With fewer programs than segments, each walks several: the same sums."""
     heads, kv_heads = 8, 2
     head_dim = (80 if odd_dim else 128) if kern.big else (48 if odd_dim else 32)
     lengths = (150, 0, 37, 90, 5) if kern.big else (70, 0, 9, 20, 3)
@@ -380,6 +381,9 @@ def test_mass_direction_and_its_cap_match_reference(kern, odd_dim: bool) -> None
         assert got.dtype == torch.float32 and got.shape == (len(lengths) + 1, kv_heads, head_dim)
         assert rel_err(got, ref) < TOL[dtype]
         assert not got[1].any() and not got[-1].any()  # no rows: zeros
+        with monkeypatch.context() as m:
+            m.setattr(importlib.import_module("ragfuse.kernels.mass_direction_triton"), "_SEGMENT_PROGRAMS", 2)
+            assert torch.equal(kern.mass_direction_triton(*dev, 0.3).cpu(), got)
         padded = mass_direction_ref(q.float()[:real], ok[:real], k.float(), at, cos, sin, bounds, 0.3)
         assert rel_err(ref, padded) < 1e-6
         # the cap: a shift per segment, a limit that some segments' moves pass and some do not
