@@ -1,16 +1,16 @@
 """The K shift's mass direction per segment and its cap, in Triton (contract: ``mass_direction.py``).
 
-One program per (KV head, block of 64 query rows, segment) walks its segment's stored rows once, 32 a step:
-rotates their K to their positions, scores the rows' queries against them, and keeps a running
-(online-softmax) max, sum and softmax-weighted sums of the rows' cos and sin, so no score tensor is
-ever in memory. Each program writes its rows' sum of ``u`` to its own slot; a torch sum over the row
-blocks finishes (no atomics: a CUDA graph and the eager pass get the same values); for the cap, one
+A program per (KV head, block of 64 query rows) and share of the segments walks each of its segments'
+stored rows once, 32 a step: rotates their K to their positions, scores the rows' queries against them, and
+keeps a running (online-softmax) max, sum and softmax-weighted sums of the rows' cos and sin, so no score
+tensor is ever in memory. It writes its rows' sum of ``u`` per segment to its own slot; a torch sum over the
+row blocks finishes (no atomics: a CUDA graph and the eager pass get the same values); for the cap, one
 program per (segment, KV head) sums them and caps the shift (one launch for ~20 torch ops). The torch ops
 this replaces were ~0.6 ms a layer on an H200 (Mistral-7B shape, 6 x 512 stored tokens, 64 question
 rows), half the fused pass's time; scattering the segments' max and sum hit a few addresses with
 thousands of atomics each. Tiles of a segment's rows as programs of their own, in two passes (each row's
 max and sum per tile, then its softmax over the segment), took longer than this walk: many short programs,
-each one latency chain (kernels/NOTES.md, Round 10).
+each one latency chain (kernels/NOTES.md, Round 10); how the launch was tuned: Round 11.
 """
 
 from __future__ import annotations
