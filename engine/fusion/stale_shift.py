@@ -44,9 +44,10 @@ class MassCap:
     """What ``cap_k_mass`` reads besides the shift: ``limit`` [1] the cap in nats (a tensor, so a
     captured graph reads the policy's value at replay), ``rows`` [W] the active rows of the question's
     last tokens, ``ok`` [W] which of them are real (a graph pads them to ``QUESTION_WINDOW``),
-    ``bounds`` [segments + 1] the stored rows of each segment (``bounds[s]:bounds[s + 1]``). The pass
-    makes all of them on the host, once: found again on the device in every capped layer they were
-    ~12 small launches a layer."""
+    ``bounds`` [segments + 1] the stored rows of each segment (``bounds[s]:bounds[s + 1]``). The bounds
+    come from the host once a pass, and a graphed pass's rows too, one row set per layer
+    (``question_rows``): found again on the device in every capped layer they were ~12 small
+    launches a layer. The eager pass makes its rows when a check narrows the active set."""
 
     limit: torch.Tensor
     rows: torch.Tensor
