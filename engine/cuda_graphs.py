@@ -37,6 +37,7 @@ from torch import nn
 from ragfuse.kernels.relay import max_system_tiles, system_tiles
 from ragfuse.kernels.two_phase import TwoPhasePlan
 
+from . import gemm_library
 from .attention import AttentionMetadata, RelayMetadata
 from .staged_inputs import StagedInputs
 
@@ -90,12 +91,13 @@ class _Captured:
 def capture_call(fn: Callable[..., Any], args: tuple, pool: tuple) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Capture ``fn(*args)`` into a graph drawing on ``pool``; returns the graph and the output.
 
-    The first run happens outside the graph on a side stream: it compiles the Triton kernels and
-    lets cuBLAS pick its algorithms, none of which may happen during capture.
+    The first run happens outside the graph on a side stream: it compiles the Triton kernels, lets
+    cuBLAS pick its algorithms and ``gemm_library`` its library for each product's sizes, none of
+    which may happen during capture.
     """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream), gemm_library.measuring():
         fn(*args)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()

@@ -13,7 +13,6 @@ import importlib.util
 import os
 
 import torch
-import torch.nn.functional as F
 
 from ragfuse.kernels.activation import silu_mul_ref
 from ragfuse.kernels.mass_direction import cap_k_shift_ref
@@ -21,6 +20,8 @@ from ragfuse.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from ragfuse.kernels.question_attention import question_attention_ref
 from ragfuse.kernels.rope import apply_rope_ref
 from ragfuse.kernels.stored_kv import segment_shift_ref, write_stored_kv_ref
+
+from . import gemm_library
 
 KERNELS_ENV = "RAGFUSE_KERNELS"
 BACKENDS = ("auto", "triton", "torch")
@@ -78,14 +79,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """``nn.Linear``'s product. Without bias, on CUDA: a single row (decode at batch 1) through the
     Triton GEMV, and 2-64 rows (batched decode) through the Triton few-row matmul where its measured
     tiles beat cuBLAS on this shape (``skinny_tiles``): both stream the weights faster than cuBLAS's
-    kernels for so few rows (kernels/NOTES.md)."""
+    kernels for so few rows (kernels/NOTES.md). More rows on CUDA: cuBLAS or cuBLASLt, whichever was
+    measured faster for these sizes (``gemm_library``)."""
     if bias is None and _triton(x):
         if x.numel() == x.shape[-1]:
             return gemv_triton(x, weight)
         tiles = skinny_tiles(x, weight)
         if tiles is not None:
             return skinny_gemm_triton(x, weight, tiles)
-    return F.linear(x, weight, bias)
+    return gemm_library.linear(x, weight, bias)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ case "$part" in
       tests/test_kernels.py tests/test_kernels_dispatch.py tests/test_cuda_graphs.py tests/test_fusion_gpu.py \
       tests/test_fusion_graphs.py tests/test_fusion_prefetch.py tests/test_relay.py tests/test_relay_engine.py \
       tests/test_two_phase.py tests/test_sessions_gpu.py tests/test_kvstore_tiers.py tests/test_swap_preemption.py \
-      tests/test_staged_inputs.py | tail -60 ;;&
+      tests/test_staged_inputs.py tests/test_gemm_library.py | tail -60 ;;&
   engine|all)
     run python3 -m ragfuse.cli bench engine --device cuda --shape mistral-7b --out "$out/engine" | tail -12 ;;&
   store|all)

@@ -1,0 +1,107 @@
+"""Which of PyTorch's two BLAS libraries runs a matmul of given sizes on CUDA: cuBLAS or cuBLASLt,
+chosen by timing both once for those sizes.
+
+cuBLAS's heuristics choose poorly at some row counts that are not a multiple of their tiles. On an
+H200, a fused prefill's steady layers (416 rows: 15% of 6 x 512 stored tokens plus a 32-token
+question) through Mistral-7B's o and down projections took 27.7 and 80.1 us with cuBLAS and 24.8 and
+72.8 us with cuBLASLt, while cuBLAS won the gate_up projection at the same rows, and at 448 rows
+cuBLAS took 274 us for gate_up where cuBLASLt took 160. No fixed rule holds across shapes, row
+counts and devices, so the choice is measured: while a CUDA graph's warm-up run executes
+(``cuda_graphs.capture_call``, inside ``measuring``), every product of more than ``MIN_ROWS`` rows
+whose sizes have no choice yet is timed with both libraries, weights evicted from L2 before each
+timed call as they are in a real forward (the other layers' weights pass through L2 in between), and
+cuBLASLt is kept for those sizes only where it is faster by ``MARGIN``. Later calls of those sizes,
+replayed from graphs or eager, use the choice; sizes never measured use PyTorch's default (cuBLAS).
+Measuring only at graph captures keeps it off the serving path: an eager prefill meets a new row
+count with nearly every prompt.
+
+The choice is applied by switching ``torch.backends.cuda.preferred_blas_library`` around the one
+call. That setting is process-wide: a matmul another thread issues at that moment would go to the
+same library, which changes its speed, not its result (both libraries compute the same product; their
+roundings differ in the last bits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import threading
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+MIN_ROWS = 64  # up to here the few-row Triton kernels or cuBLAS's own small-matrix paths serve
+MARGIN = 0.97  # cuBLASLt is kept where it takes at most this share of cuBLAS's time
+_REPEATS = 7  # timed calls per library, alternating, median kept
+_L2_FLUSH_BYTES = 256 << 20  # written between timed calls: larger than any current GPU's L2
+
+_Key = tuple[int, int, int, int, torch.dtype, bool]
+_lt: dict[_Key, bool] = {}  # sizes -> cuBLASLt chosen
+_state = threading.local()  # ``measuring`` is per thread: only the capturing thread measures
+_flush: dict[int, torch.Tensor] = {}  # per device, allocated at the first measurement
+
+
+@contextlib.contextmanager
+def measuring() -> Iterator[None]:
+    """Products run in this block measure both libraries for sizes not yet chosen (outside graph
+    capture: timing synchronises)."""
+    before = getattr(_state, "on", False)
+    _state.on = True
+    try:
+        yield
+    finally:
+        _state.on = before
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` through the library chosen for these sizes (on CUDA, more than ``MIN_ROWS`` rows)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not x.is_cuda or rows <= MIN_ROWS:
+        return F.linear(x, weight, bias)
+    key = (x.device.index or 0, rows, weight.shape[0], weight.shape[1], x.dtype, bias is not None)
+    lt = _lt.get(key)
+    if lt is None:
+        if not getattr(_state, "on", False) or torch.cuda.is_current_stream_capturing():
+            return F.linear(x, weight, bias)
+        lt = _lt[key] = _measure(x, weight, bias)
+    if not lt:
+        return F.linear(x, weight, bias)
+    with _library("cublaslt"):
+        return F.linear(x, weight, bias)
+
+
+def chosen() -> dict[_Key, str]:
+    """The choices made so far, by (device, rows, out features, in features, dtype, has bias)."""
+    return {k: "cublaslt" if v else "cublas" for k, v in _lt.items()}
+
+
+@contextlib.contextmanager
+def _library(name: str) -> Iterator[None]:
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+def _measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether cuBLASLt beats cuBLAS by ``MARGIN`` on this product, each timed L2-cold, alternating."""
+    device = x.device
+    flush = _flush.get(device.index or 0)
+    if flush is None:
+        flush = _flush[device.index or 0] = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
+    times: dict[str, list[float]] = {"cublas": [], "cublaslt": []}
+    for i in range(_REPEATS + 1):
+        for name in times:
+            with _library(name):
+                flush.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                F.linear(x, weight, bias)
+                end.record()
+                end.synchronize()
+            if i:  # the first call of each picks its algorithm and warms up
+                times[name].append(start.elapsed_time(end))
+    return statistics.median(times["cublaslt"]) <= MARGIN * statistics.median(times["cublas"])
