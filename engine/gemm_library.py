@@ -1,19 +1,19 @@
 """Which of PyTorch's two BLAS libraries runs a matmul of given sizes on CUDA: cuBLAS or cuBLASLt,
 chosen by timing both once for those sizes.
 
-cuBLAS's heuristics choose poorly at some row counts that are not a multiple of their tiles. On an
-H200, a fused prefill's steady layers (416 rows: 15% of 6 x 512 stored tokens plus a 32-token
-question) through Mistral-7B's o and down projections took 27.7 and 80.1 us with cuBLAS and 24.8 and
-72.8 us with cuBLASLt, while cuBLAS won the gate_up projection at the same rows, and at 448 rows
-cuBLAS took 274 us for gate_up where cuBLASLt took 160. No fixed rule holds across shapes, row
-counts and devices, so the choice is measured: while a CUDA graph's warm-up run executes
-(``cuda_graphs.capture_call``, inside ``measuring``), every product of more than ``MIN_ROWS`` rows
-whose sizes have no choice yet is timed with both libraries, weights evicted from L2 before each
-timed call as they are in a real forward (the other layers' weights pass through L2 in between), and
-cuBLASLt is kept for those sizes only where it is faster by ``MARGIN``. Later calls of those sizes,
-replayed from graphs or eager, use the choice; sizes never measured use PyTorch's default (cuBLAS).
-Measuring only at graph captures keeps it off the serving path: an eager prefill meets a new row
-count with nearly every prompt.
+cuBLAS's heuristics choose poorly at some row counts that are not a multiple of their tiles. On an H200,
+a fused prefill's steady layers (416 rows: 15% of 6 x 512 stored tokens plus a 32-token question)
+through Mistral-7B's o and down projections took 30.7 and 101.2 us with cuBLAS and 24.8 and 72.8 us with
+cuBLASLt, while cuBLAS won the gate_up projection at the same rows (150 vs 161 us); at 448 rows gate_up
+took 313 us with cuBLAS and 288 with cuBLASLt, twice its time at 416 or 512. No fixed rule holds across
+shapes, row counts and devices, so the choice is measured: while a CUDA graph's warm-up run executes
+(``cuda_graphs.capture_call``, inside ``measuring``), every product of more than ``MIN_ROWS`` rows whose
+sizes have no choice yet is timed with both libraries, its weights evicted from L2 before each timed
+call (by writing a buffer of twice the L2's size) as in a real forward, where the other layers' weights
+pass through L2 in between; cuBLASLt is kept for those sizes only where it is faster by ``MARGIN``.
+Later calls of those sizes, replayed from graphs or eager, use the choice; sizes never measured use
+PyTorch's default (cuBLAS). Measuring only at graph captures keeps it off the serving path: an eager
+prefill meets a new row count with nearly every prompt.
 
 The choice is applied by switching ``torch.backends.cuda.preferred_blas_library`` around the one
 call. That setting is process-wide: a matmul another thread issues at that moment would go to the
@@ -34,12 +34,10 @@ import torch.nn.functional as F
 MIN_ROWS = 64  # up to here the few-row Triton kernels or cuBLAS's own small-matrix paths serve
 MARGIN = 0.97  # cuBLASLt is kept where it takes at most this share of cuBLAS's time
 _REPEATS = 7  # timed calls per library, alternating, median kept
-_L2_FLUSH_BYTES = 256 << 20  # written between timed calls: larger than any current GPU's L2
 
 _Key = tuple[int, int, int, int, torch.dtype, bool]
 _lt: dict[_Key, bool] = {}  # sizes -> cuBLASLt chosen
 _state = threading.local()  # ``measuring`` is per thread: only the capturing thread measures
-_flush: dict[int, torch.Tensor] = {}  # per device, allocated at the first measurement
 
 
 @contextlib.contextmanager
@@ -52,6 +50,8 @@ def measuring() -> Iterator[None]:
         yield
     finally:
         _state.on = before
+        if not before:  # the L2-evicting buffer (twice the L2) lives only while measuring
+            _state.flush = None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -88,10 +88,10 @@ def _library(name: str) -> Iterator[None]:
 
 def _measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether cuBLASLt beats cuBLAS by ``MARGIN`` on this product, each timed L2-cold, alternating."""
-    device = x.device
-    flush = _flush.get(device.index or 0)
-    if flush is None:
-        flush = _flush[device.index or 0] = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
+    flush = getattr(_state, "flush", None)
+    if flush is None or flush.device != x.device:
+        size = 2 * torch.cuda.get_device_properties(x.device).L2_cache_size
+        flush = _state.flush = torch.empty(size, dtype=torch.uint8, device=x.device)
     times: dict[str, list[float]] = {"cublas": [], "cublaslt": []}
     for i in range(_REPEATS + 1):
         for name in times:
