@@ -36,7 +36,7 @@ MARGIN = 0.97  # cuBLASLt is kept where it takes at most this share of cuBLAS's 
 _REPEATS = 7  # timed calls per library, alternating, median kept
 
 _Key = tuple[int, int, int, int, torch.dtype, bool]
-_lt: dict[_Key, bool] = {}  # sizes -> cuBLASLt chosen
+_chosen: dict[_Key, str] = {}  # sizes -> "cublas" or "cublaslt"
 _state = threading.local()  # ``measuring`` is per thread: only the capturing thread measures
 
 
@@ -60,20 +60,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if not x.is_cuda or rows <= MIN_ROWS:
         return F.linear(x, weight, bias)
     key = (x.device.index or 0, rows, weight.shape[0], weight.shape[1], x.dtype, bias is not None)
-    lt = _lt.get(key)
-    if lt is None:
+    name = _chosen.get(key)
+    if name is None:
         if not getattr(_state, "on", False) or torch.cuda.is_current_stream_capturing():
             return F.linear(x, weight, bias)
-        lt = _lt[key] = _measure(x, weight, bias)
-    if not lt:
-        return F.linear(x, weight, bias)
-    with _library("cublaslt"):
+        name = _chosen[key] = _measure(x, weight, bias)
+    # named even for cuBLAS: TORCH_BLAS_PREFER_CUBLASLT=1 makes cuBLASLt the process's default
+    with _library(name):
         return F.linear(x, weight, bias)
 
 
 def chosen() -> dict[_Key, str]:
     """The choices made so far, by (device, rows, out features, in features, dtype, has bias)."""
-    return {k: "cublaslt" if v else "cublas" for k, v in _lt.items()}
+    return dict(_chosen)
 
 
 @contextlib.contextmanager
@@ -86,15 +85,21 @@ def _library(name: str) -> Iterator[None]:
         torch.backends.cuda.preferred_blas_library(before)
 
 
-def _measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether cuBLASLt beats cuBLAS by ``MARGIN`` on this product, each timed L2-cold, alternating."""
+def _measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    """"cublaslt" where it beats cuBLAS by ``MARGIN`` on this product, each timed L2-cold, alternating;
+    "cublas" otherwise, also where cuBLASLt refuses the product (a build or dtype without it)."""
     flush = getattr(_state, "flush", None)
     if flush is None or flush.device != x.device:
         size = 2 * torch.cuda.get_device_properties(x.device).L2_cache_size
         flush = _state.flush = torch.empty(size, dtype=torch.uint8, device=x.device)
+    try:
+        with _library("cublaslt"):
+            F.linear(x, weight, bias)
+    except RuntimeError:  # cuBLASLt refused it (cuBLAS failing would raise again below, not be hidden)
+        return "cublas"
     times: dict[str, list[float]] = {"cublas": [], "cublaslt": []}
     for i in range(_REPEATS + 1):
-        for name in times:
+        for name, taken in times.items():
             with _library(name):
                 flush.zero_()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -103,5 +108,6 @@ def _measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
                 end.record()
                 end.synchronize()
             if i:  # the first call of each picks its algorithm and warms up
-                times[name].append(start.elapsed_time(end))
-    return statistics.median(times["cublaslt"]) <= MARGIN * statistics.median(times["cublas"])
+                taken.append(start.elapsed_time(end))
+    lt = statistics.median(times["cublaslt"]) <= MARGIN * statistics.median(times["cublas"])
+    return "cublaslt" if lt else "cublas"
