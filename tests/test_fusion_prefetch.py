@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from ragfuse.engine.fusion.prefetch import LayerPrefetcher, _covered
+from ragfuse.engine.fusion.prefetch import DEPTH, LayerPrefetcher, _covered, drain, start_reads
 from ragfuse.engine.kvstore import DiskTier, MemoryTier, TieredKVStore, open_source
 
 from .kvstore_helpers import LAYERS, make_entry
@@ -137,3 +137,46 @@ def test_a_failed_pass_leaves_no_read_running_and_the_readers_serve_the_next():
     assert src.running == 0
     with LayerPrefetcher([_SlowDiskSource(0.0)], 6, torch.device("cpu")) as loader:
         assert [loader.get(layer)[0].shape for layer in range(6)] == [torch.Size([4, 2, 8])] * 6
+
+
+class _CountingDiskSource(_SlowDiskSource):
+    """Counts the reads of each layer and notes when the first began."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(seconds)
+        self.reads: dict[int, int] = {}
+        self.first_read_at: float | None = None
+        self.lock = threading.Lock()
+
+    def load_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        with self.lock:
+            self.reads[layer] = self.reads.get(layer, 0) + 1
+            if self.first_read_at is None:
+                self.first_read_at = time.perf_counter()
+        return super().load_layer(layer)
+
+
+def test_reads_started_before_the_loader_are_its_own():
+    """A fused pass starts a disk's first reads before setting itself up (``start_reads``); its loader
+    takes them over: they began before the loader existed, and no layer is read twice."""
+    src = _CountingDiskSource(0.02)
+    reads = start_reads([src], 6)
+    assert sorted(reads) == list(range(DEPTH + 1))
+    time.sleep(0.01)  # the host setting the pass up
+    made = time.perf_counter()
+    with LayerPrefetcher([src], 6, torch.device("cpu"), reads=reads) as loader:
+        shapes = [loader.get(layer)[0].shape for layer in range(6)]
+    assert shapes == [torch.Size([4, 2, 8])] * 6
+    assert src.first_read_at is not None and src.first_read_at < made
+    assert src.reads == dict.fromkeys(range(6), 1)
+
+
+def test_early_reads_drained_when_the_pass_fails_before_its_loader():
+    """In-memory sources start nothing; a blocking source's early reads are all finished or cancelled once
+    ``drain`` returns (the fusor calls it when its set-up fails, before closing the sources)."""
+    assert start_reads([], 6) == {}
+    src = _FailingDiskSource(0.05)
+    reads = start_reads([src], 6)
+    drain(reads)
+    assert src.running == 0
+    assert all(f.done() for f in reads.values())

@@ -43,7 +43,7 @@ from ..errors import RequestError
 from ..models import LlamaForCausalLM
 from . import layer_step
 from .graphs import CheckShape, FirstInputs, FirstShape, FusionGraphs, PassInputs
-from .prefetch import LayerPrefetcher
+from .prefetch import LayerPrefetcher, drain, start_reads
 from .segments import Segment
 from .selection import SelectionPolicy, check_keep, keep_count, true_indices
 from .stale_shift import QUESTION_WINDOW, MassCap, ShiftIndex, segment_bounds
@@ -189,41 +189,47 @@ def fuse_prefill(
         raise RequestError(f"fused prompt of {n} tokens (after a system prompt of "
                            f"{system.num_tokens if system is not None else 0}) exceeds the context of {limit}")
     used = _stored_segments(segments, run, policy, system is not None)
-    lay = _Layout.build(segments, used, run, policy, system is not None)
-    num_stored, num_fusable, num_active = len(lay.stored), lay.num_fusable, len(lay.active)
-    # the attention kernel's [0, queries, keys] for each active-set size of the pass, made at once
-    # checks narrow only the candidates: after one, the active set is the non-candidates plus what it kept
-    sizes = [num_active, *(num_active - lay.candidates + k for _, k in lay.check_sizes)]
-    bounds = np.array([[0, a, n] for a in sizes], dtype=np.int32)
-    checks = list(zip(policy.check_layers, lay.check_sizes, strict=False))
-    block = model.model
-    rotary = block.rotary
     sources = [segments[i].kv for i in sorted(used)]
     num_layers = model.config.num_layers
-    # past the last check layer every layer runs the same active set: replayed from CUDA graphs, as are
-    # the check layers (check c narrows sizes[c] to sizes[c + 1]) when they run back to back and all fit
-    steady = policy.check_layers[len(checks) - 1] + 1 if checks else 0
-    use_graphs = (graphs is not None and system is None and bool(sources) and steady < num_layers
-                  and graphs.accepts(sizes[-1], num_stored, len(block_table), len(used)))
-    shifting = run is FusionMode.FUSE and max(policy.shift_shares()) > 0 and bool(sources)
-    capped = shifting and policy.caps_k_mass() and lay.tail > 0
-    check_shapes: list[CheckShape] = []
-    first_shapes: list[FirstShape] = []  # the layers before the first check, when every later one replays
-    if use_graphs and checks and [li for li, _ in checks] == list(range(checks[0][0], steady)):
-        shapes = [CheckShape.of(li, sizes[c], sizes[c + 1], n, lay.tail, policy, capped)
-                  for c, (li, _) in enumerate(checks)]
-        check_shapes = [s for s in shapes if s is not None] if None not in shapes else []
-        firsts = [FirstShape.of(li, sizes[0]) for li in range(checks[0][0])]
-        first_shapes = [s for s in firsts if s is not None] if check_shapes and None not in firsts else []
-    cap = (graphs.prepare(sizes[-1], num_stored, range(steady, num_layers), [*first_shapes, *check_shapes], capped)
-           if use_graphs else None)
-    # layer 0's stored KV is on its way while the host sets the pass up; later layers' loads are
-    # issued once each layer's work is launched (``ahead``). Before the first check every fusable
-    # token is active: its stored KV is overwritten unread there, so it is not copied
-    first_read = checks[0][0] if run is FusionMode.FUSE and checks else 0
-    skip = [first_read if start < n and lay.fusable[start] else 0 for start in _starts(segments, used)]
-    loader = LayerPrefetcher(sources, num_layers, device, ring=cap.ring if cap is not None else None, lazy=True,
-                             skip=skip)
+    # a disk or Redis tier's first reads start now, not once the host has set the pass up
+    reads = start_reads(sources, num_layers)
+    try:
+        lay = _Layout.build(segments, used, run, policy, system is not None)
+        num_stored, num_fusable, num_active = len(lay.stored), lay.num_fusable, len(lay.active)
+        # the attention kernel's [0, queries, keys] for each active-set size of the pass, made at once
+        # checks narrow only the candidates: after one, the active set is the non-candidates plus what it kept
+        sizes = [num_active, *(num_active - lay.candidates + k for _, k in lay.check_sizes)]
+        bounds = np.array([[0, a, n] for a in sizes], dtype=np.int32)
+        checks = list(zip(policy.check_layers, lay.check_sizes, strict=False))
+        block = model.model
+        rotary = block.rotary
+        # past the last check layer every layer runs the same active set: replayed from CUDA graphs, as are
+        # the check layers (check c narrows sizes[c] to sizes[c + 1]) when they run back to back and all fit
+        steady = policy.check_layers[len(checks) - 1] + 1 if checks else 0
+        use_graphs = (graphs is not None and system is None and bool(sources) and steady < num_layers
+                      and graphs.accepts(sizes[-1], num_stored, len(block_table), len(used)))
+        shifting = run is FusionMode.FUSE and max(policy.shift_shares()) > 0 and bool(sources)
+        capped = shifting and policy.caps_k_mass() and lay.tail > 0
+        check_shapes: list[CheckShape] = []
+        first_shapes: list[FirstShape] = []  # the layers before the first check, when every later one replays
+        if use_graphs and checks and [li for li, _ in checks] == list(range(checks[0][0], steady)):
+            shapes = [CheckShape.of(li, sizes[c], sizes[c + 1], n, lay.tail, policy, capped)
+                      for c, (li, _) in enumerate(checks)]
+            check_shapes = [s for s in shapes if s is not None] if None not in shapes else []
+            firsts = [FirstShape.of(li, sizes[0]) for li in range(checks[0][0])]
+            first_shapes = [s for s in firsts if s is not None] if check_shapes and None not in firsts else []
+        cap = (graphs.prepare(sizes[-1], num_stored, range(steady, num_layers), [*first_shapes, *check_shapes], capped)
+               if use_graphs else None)
+        # layer 0's stored KV is on its way while the host sets the pass up; later layers' loads are
+        # issued once each layer's work is launched (``ahead``). Before the first check every fusable
+        # token is active: its stored KV is overwritten unread there, so it is not copied
+        first_read = checks[0][0] if run is FusionMode.FUSE and checks else 0
+        skip = [first_read if start < n and lay.fusable[start] else 0 for start in _starts(segments, used)]
+        loader = LayerPrefetcher(sources, num_layers, device, ring=cap.ring if cap is not None else None, lazy=True,
+                                 skip=skip, reads=reads)
+    except BaseException:
+        drain(reads)  # their sources are closed by the caller next
+        raise
     # the first layer replayed from a graph: every later one is too (the rest run eagerly)
     graph_from = num_layers if cap is None else 0 if first_shapes else checks[0][0] if check_shapes else steady
     with loader, torch.inference_mode():

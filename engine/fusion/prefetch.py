@@ -49,10 +49,37 @@ def _readers() -> ThreadPoolExecutor:
         return _reader_pool[1]
 
 
+def start_reads(sources: list[LayerSource], num_layers: int) -> dict[int, Future[tuple[_Parts, tuple[float, float]]]]:
+    """The reads a ``LayerPrefetcher`` over ``sources`` starts on entering (its first ``DEPTH + 1``
+    layers), started now where they block (disk, Redis; none otherwise). A fused pass works out its
+    layout, graphs and skips on the host before its loader exists (~0.5 ms on an H200 host), time a
+    disk read can use. Hand them to the loader (``reads=``); a caller that fails before then
+    ``drain``s them."""
+    if not any(s.blocking for s in sources):
+        return {}
+    pool = _readers()
+    return {i: pool.submit(_read_layer, sources, i) for i in range(min(DEPTH + 1, num_layers))}
+
+
+def drain(reads: dict[int, Future[tuple[_Parts, tuple[float, float]]]]) -> None:
+    """Cancel the reads not yet started and wait for the rest: their sources are closed next."""
+    for f in reads.values():
+        f.cancel()
+    wait(list(reads.values()))
+
+
+def _read_layer(sources: list[LayerSource], layer: int) -> tuple[_Parts, tuple[float, float]]:
+    """Every source's KV of ``layer``, and the (start, end) of the reads."""
+    t = time.perf_counter()
+    parts = [s.load_layer(layer) for s in sources]
+    return parts, (t, time.perf_counter())
+
+
 class LayerPrefetcher:
     def __init__(
         self, sources: list[LayerSource], num_layers: int, device: torch.device,
         ring: tuple[torch.Tensor, torch.Tensor] | None = None, lazy: bool = False, skip: list[int] | None = None,
+        reads: dict[int, Future[tuple[_Parts, tuple[float, float]]]] | None = None,
     ) -> None:
         """``ring``: the device buffers to load into, [RING_SLOTS, rows, kv_heads, head_dim] each (a CUDA
         graph reads them at fixed addresses); by default made to fit the sources. ``lazy``: start
@@ -62,7 +89,8 @@ class LayerPrefetcher:
         device (on CUDA; their rows then hold anything): the fusor's layers before its first check
         overwrite every fusable token's stored KV with its fresh one, so only an exact prefix's is read
         there, and the others' copies would only hold up the host before layer 0 (and the copy engine).
-        They are still read, so a tier that promotes an entry once every layer was read still does."""
+        They are still read, so a tier that promotes an entry once every layer was read still does.
+        ``reads``: those of ``start_reads`` over the same sources, already under way."""
         self.sources = sources
         self._skip = skip or [0] * len(sources)
         self.num_layers = num_layers
@@ -70,7 +98,7 @@ class LayerPrefetcher:
         self.depth = DEPTH
         blocking = any(s.blocking for s in sources)
         self._pool = _readers() if blocking else None
-        self._reads: dict[int, Future[tuple[_Parts, tuple[float, float]]]] = {}
+        self._reads: dict[int, Future[tuple[_Parts, tuple[float, float]]]] = dict(reads or {})
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ring = ring  # [RING_SLOTS, tokens, kv_heads, head_dim] each
         self._issued: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> its KV on the device
@@ -89,20 +117,16 @@ class LayerPrefetcher:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
         if self._pool is not None:
             for i in range(min(self.depth + 1, self.num_layers)):
-                self._reads[i] = self._pool.submit(self._read, i)
+                if i not in self._reads:
+                    self._reads[i] = self._pool.submit(self._read, i)
         self._issue_ready(0 if self._lazy else self.depth)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for f in self._reads.values():
-            f.cancel()
-        # a read still running (the pass failed midway) uses sources its caller closes next
-        wait(list(self._reads.values()))
+        drain(self._reads)  # a read still running (the pass failed midway) uses sources its caller closes next
 
     def _read(self, layer: int) -> tuple[_Parts, tuple[float, float]]:
-        t = time.perf_counter()
-        parts = [s.load_layer(layer) for s in self.sources]
-        return parts, (t, time.perf_counter())
+        return _read_layer(self.sources, layer)
 
     def _parts(self, layer: int, wait: bool) -> _Parts | None:
         """Layer ``layer``'s host (or device) parts, or None while a blocking read is still running."""
