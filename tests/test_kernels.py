@@ -22,7 +22,7 @@ import torch
 from ragfuse.kernels.activation import silu_mul_ref
 from ragfuse.kernels.gemv import gemv_ref
 from ragfuse.kernels.history import write_history_ref
-from ragfuse.kernels.mass_direction import cap_k_shift_ref, mass_direction_ref
+from ragfuse.kernels.mass_direction import cap_k_shift_ref, mass_direction_ref, may_bind
 from ragfuse.kernels.merge import merge_attention_ref
 from ragfuse.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from ragfuse.kernels.paged_attention import (
@@ -395,6 +395,53 @@ def test_mass_direction_and_its_cap_match_reference(kern, odd_dim: bool, monkeyp
         assert not torch.equal(capped, mk) and torch.equal(capped[moves.abs() < limit], mk[moves.abs() < limit])
         got = kern.cap_k_shift_triton(mk.to(kern.device), *dev, limit.to(kern.device), 0.3).cpu()
         assert rel_err(got, capped) < TOL[dtype]
+
+
+def test_cap_walks_only_segments_that_may_bind() -> None:
+    """The reference cap skips the segments whose shift provably stays under the limit (``may_bind``):
+    none of them would have been cut, a small shift is cleared and a large one walked, and the capped
+    shifts equal, bit for bit, those of walking every segment, at limits from none binding to all."""
+    heads, kv_heads, head_dim, scale = 6, 2, 32, 0.2
+    lengths = (40, 25, 0, 60, 33)
+    g = torch.Generator().manual_seed(11)
+    t = sum(lengths)
+    bounds = torch.tensor([0, *itertools.accumulate(lengths), t])
+    at = torch.sort(torch.randperm(3 * t, generator=g)[:t]).values
+    cos, sin = cos_sin_table(inv_frequencies(head_dim, 10000.0), 4 * t)
+    w_rows, real = 20, 13
+    ok = torch.arange(w_rows) < real
+    q = torch.randn(w_rows, heads, head_dim, generator=g)
+    k = torch.randn(t, kv_heads, head_dim, generator=g)
+    mk = torch.randn(len(lengths) + 1, kv_heads, head_dim, generator=g)
+    mk[0] *= 1e-4  # a tiny shift: cleared at any limit that binds something
+    mk[-1] = 0.0  # the spare
+    ub = mass_direction_ref(q, ok, k, at, cos, sin, bounds, scale)  # every segment walked
+    moves = scale * (ub * mk).sum(-1)
+    levels = sorted(moves.abs()[moves != 0].tolist())
+    for limit in (0.5 * levels[0], levels[len(levels) // 2], 2 * levels[-1]):
+        lim = torch.tensor([limit])
+        walk = may_bind(mk, q, ok, lim, scale)
+        assert not (moves.abs()[~walk] > limit).any()  # what is skipped would not have been cut
+        over = moves.abs() - lim
+        cut = torch.where(over > 0, over * moves.sign() / (scale * (ub * ub).sum(-1)).clamp(min=1e-30), 0.0)
+        assert torch.equal(cap_k_shift_ref(mk, q, ok, k, at, cos, sin, bounds, lim, scale), mk - cut[..., None] * ub)
+    lim = torch.tensor([levels[len(levels) // 2]])
+    walk = may_bind(mk, q, ok, lim, scale)
+    assert not walk[0] and not walk[-1] and walk.any()
+    # where the bound is tight (one query for every row and head, a segment's rows all at one position,
+    # its shift along the direction it moves the mass), a move just past the limit is walked and cut
+    q_one = q[:1, :1].expand(w_rows, heads, head_dim).contiguous()
+    at_one = at.clone()
+    at_one[bounds[1] : bounds[2]] = at[bounds[1]]
+    ub = mass_direction_ref(q_one, ok, k, at_one, cos, sin, bounds, scale)
+    tight = mk.clone()
+    tight[1] = ub[1] * 3.0
+    move = scale * (ub[1] * tight[1]).sum(-1)  # the bound itself, up to rounding
+    lim = (0.99 * move.min()).reshape(1)
+    assert may_bind(tight, q_one, ok, lim, scale)[1]
+    got = cap_k_shift_ref(tight, q_one, ok, k, at_one, cos, sin, bounds, lim, scale)
+    assert (got[1] - tight[1]).abs().max() > 1e-4  # cut
+    assert torch.allclose(scale * (ub[1] * got[1]).sum(-1), lim.expand(kv_heads), rtol=1e-4)
 
 
 @pytest.mark.parametrize("padded", [False, True])
