@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import itertools
 import json
-import statistics
+import sys
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, "results/fusion-h200-1130k")
+from gemm_libraries import COPIES, bench, dev, shapes  # noqa: E402
 
 
 @triton.jit
@@ -46,26 +49,6 @@ def mm(a, w, out, bm, bn, bk, group, warps, stages):
     _mm[grid](a, w, out, M, N, K, a.stride(0), w.stride(0), out.stride(0), BM=bm, BN=bn, BK=bk, GROUP=group,
               num_warps=warps, num_stages=stages)
     return out
-
-
-dev = torch.device("cuda")
-shapes = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
-COPIES = 4
-
-
-def bench(fn, n=20):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for i in range(n):
-            fn(i % COPIES)
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) / n * 1e3)
-    return statistics.median(ts)
 
 
 for name, (K, N) in shapes.items():
