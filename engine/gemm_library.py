@@ -12,8 +12,10 @@ sizes have no choice yet is timed with both libraries, its weights evicted from 
 call (by writing a buffer of twice the L2's size) as in a real forward, where the other layers' weights
 pass through L2 in between; cuBLASLt is kept for those sizes only where it is faster by ``MARGIN``.
 Later calls of those sizes, replayed from graphs or eager, use the choice; sizes never measured use
-PyTorch's default (cuBLAS). Measuring only at graph captures keeps it off the serving path: an eager
-prefill meets a new row count with nearly every prompt.
+PyTorch's default (cuBLAS). Measuring happens only where a graph is captured, once per size (a prefill
+bucket or a fusion capacity met for the first time, a capture that already takes tens of ms; each product
+adds its 17 timed calls, a few ms), not in eager calls: an eager prefill meets a new row count with nearly
+every prompt.
 
 The choice is applied by switching ``torch.backends.cuda.preferred_blas_library`` around the one
 call. That setting is process-wide: a matmul another thread issues at that moment would go to the
