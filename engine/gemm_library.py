@@ -56,20 +56,36 @@ def measuring() -> Iterator[None]:
             _state.flush = None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` through the library chosen for these sizes (on CUDA, more than ``MIN_ROWS`` rows)."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear`` through the library chosen for these sizes (on CUDA, more than ``MIN_ROWS`` rows).
+    ``out`` [rows, out features], contiguous: the product is written there (and returned)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not x.is_cuda or rows <= MIN_ROWS:
-        return F.linear(x, weight, bias)
+        return _product(x, weight, bias, out)
     key = (x.device.index or 0, rows, weight.shape[0], weight.shape[1], x.dtype, bias is not None)
     name = _chosen.get(key)
     if name is None:
         if not getattr(_state, "on", False) or torch.cuda.is_current_stream_capturing():
-            return F.linear(x, weight, bias)
+            return _product(x, weight, bias, out)
         name = _chosen[key] = _measure(x, weight, bias)
     # named even for cuBLAS: TORCH_BLAS_PREFER_CUBLASLT=1 makes cuBLASLt the process's default
     with _library(name):
+        return _product(x, weight, bias, out)
+
+
+def _product(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.linear``, or the same product (the same BLAS call, ``mm``/``addmm`` of the transposed
+    weight) written into ``out``, so a graph's output needs no copy into its static buffer."""
+    if out is None:
         return F.linear(x, weight, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    if bias is None:
+        return torch.mm(x2, weight.t(), out=out)
+    return torch.addmm(bias, x2, weight.t(), out=out)
 
 
 def chosen() -> dict[_Key, str]:

@@ -17,8 +17,8 @@ from .errors import ModelError
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same checkpoint names) whose product goes through ``ops.linear``."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias, out)
 
 
 class RMSNorm(nn.Module):
@@ -28,12 +28,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, in_place: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without ``residual``: the normed ``x``. With it: (normed ``x + residual``, ``x + residual``)."""
+        """Without ``residual``: the normed ``x``. With it: (normed ``x + residual``, ``x + residual``),
+        the sum written over ``residual`` where ``in_place``."""
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps)
-        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, in_place)
 
 
 class RotaryEmbedding(nn.Module):
@@ -79,5 +80,5 @@ class SwiGLUMLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)), out)

@@ -68,26 +68,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, in_place: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if _triton(x):
-        return fused_add_rms_norm_triton(x, residual, weight, eps)
-    return fused_add_rms_norm_ref(x, residual, weight, eps)
+        return fused_add_rms_norm_triton(x, residual, weight, eps, in_place)
+    return fused_add_rms_norm_ref(x, residual, weight, eps, in_place)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``nn.Linear``'s product. Without bias, on CUDA: a single row (decode at batch 1) through the
     Triton GEMV, and 2-64 rows (batched decode) through the Triton few-row matmul where its measured
     tiles beat cuBLAS on this shape (``skinny_tiles``): both stream the weights faster than cuBLAS's
     kernels for so few rows (kernels/NOTES.md). More rows on CUDA: cuBLAS or cuBLASLt, whichever was
-    measured faster for these sizes (``gemm_library``)."""
+    measured faster for these sizes (``gemm_library``). ``out``: where the product goes (a CUDA
+    graph's static buffer, which the next replay reads), written by the matmul itself where it can be."""
     if bias is None and _triton(x):
+        y = None
         if x.numel() == x.shape[-1]:
-            return gemv_triton(x, weight)
-        tiles = skinny_tiles(x, weight)
-        if tiles is not None:
-            return skinny_gemm_triton(x, weight, tiles)
-    return gemm_library.linear(x, weight, bias)
+            y = gemv_triton(x, weight)
+        else:
+            tiles = skinny_tiles(x, weight)
+            if tiles is not None:
+                y = skinny_gemm_triton(x, weight, tiles)
+        if y is not None:
+            return y if out is None else out.copy_(y)
+    return gemm_library.linear(x, weight, bias, out)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

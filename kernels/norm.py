@@ -14,8 +14,10 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 
 def fused_add_rms_norm_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, in_place: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(rms_norm(x + residual), x + residual)``: the normed input and the new residual."""
-    residual = x + residual
+    """Return ``(rms_norm(x + residual), x + residual)``: the normed input and the new residual.
+    ``in_place``: the new residual is written over ``residual`` (and returned), so a CUDA graph whose
+    next replay reads the residual at a fixed address needs no copy into it."""
+    residual = torch.add(x, residual, out=residual) if in_place else x + residual
     return rms_norm_ref(residual, weight, eps), residual

@@ -19,6 +19,10 @@ def test_cpu_products_are_f_linear_and_choose_nothing() -> None:
         assert torch.equal(gemm_library.linear(x, w, b), F.linear(x, w, b))
         assert torch.equal(gemm_library.linear(x, w, None), F.linear(x, w))
     assert gemm_library.chosen() == before
+    for bias in (b, None):  # into a given buffer (a graph's static output): the same values, there
+        buf = torch.full((300, 40), float("nan"))
+        assert gemm_library.linear(x, w, bias, out=buf) is buf
+        assert torch.equal(buf, F.linear(x, w, bias))
 
 
 @pytest.mark.gpu
@@ -52,3 +56,7 @@ def test_choice_made_at_capture_and_kept() -> None:
     assert torch.equal(captured, eager)
     torch.testing.assert_close(captured.float(), torch.flip(ref, [0]), rtol=2e-2, atol=2e-2)
     assert gemm_library.chosen()[key] == choice  # kept, not measured again
+    # written into a given buffer by the chosen library's own product: the same bits as returned
+    buf = torch.full_like(eager, float("nan"))
+    assert gemm_library.linear(static, w, None, out=buf) is buf
+    assert torch.equal(buf, eager)

@@ -526,6 +526,12 @@ def test_rms_norm_matches_reference(kern, shape) -> None:
         ref_normed, ref_res = fused_add_rms_norm_ref(x, res, w, eps)
         assert torch.equal(new_res, ref_res)  # the residual sum rounds exactly like torch's add
         assert rel_err(normed, ref_normed) < TOL[dtype] / 4
+        # in place (a CUDA graph's static residual): the same values, written over the residual given
+        for fn in (kern.fused_add_rms_norm_triton, fused_add_rms_norm_ref):
+            res_in = res.clone()
+            normed_in, sum_in = fn(x, res_in, w, eps, in_place=True)
+            assert sum_in.data_ptr() == res_in.data_ptr()
+            assert torch.equal(res_in, ref_res) and torch.equal(normed_in, fn(x, res, w, eps)[0])
 
 
 @pytest.mark.parametrize("shape", [(1, 2 * 96), (5, 2 * 1000), (2, 3, 2 * 64)])

@@ -361,13 +361,13 @@ class FusionGraphs:
     def _step(self, layer: int, mass_cap: bool, cap: _Capacity) -> None:
         """One steady layer over the static buffers; its outputs overwrite its inputs."""
         rows = cap.rows
-        q, _, _, residual, _ = self._front_call(layer, rows, cap, keep=False, mass_cap=mass_cap)
-        self._back_call(layer, rows, q, residual)
+        q, *_ = self._front_call(layer, rows, cap, keep=False, mass_cap=mass_cap)
+        self._back_call(layer, rows, q)
 
     def _first(self, shape: FirstShape, cap: _Capacity) -> None:
         """A layer before the first check over the static buffers: every token active, no shift."""
-        q, _, _, residual, _ = self._front_call(shape.layer, shape.rows, cap, keep=False, shift=False)
-        self._back_call(shape.layer, shape.rows, q, residual)
+        q, *_ = self._front_call(shape.layer, shape.rows, cap, keep=False, shift=False)
+        self._back_call(shape.layer, shape.rows, q)
 
     def _check(self, shape: CheckShape, cap: _Capacity) -> None:
         """One check layer over the static buffers, narrowing the active rows' state in place."""
@@ -386,10 +386,12 @@ class FusionGraphs:
             revert(self.kv_caches[shape.layer], self.model.model.rotary, written,
                    (cap.inputs.at, cap.inputs.slots),
                    (k_raw.index_select(0, take), v.index_select(0, take), kept_state[0], kept_state[1]))
-        q_kept, residual_kept = q.index_select(0, take), residual.index_select(0, take)
+        q_kept = q.index_select(0, take)
+        # the kept rows' residual into the static one (gathered first: ``residual`` is that buffer)
+        self.residual[:rows_out].copy_(residual.index_select(0, take))
         self.state[:, :rows_out].copy_(kept_state)
         self.state[:, rows_out:].copy_(self.state_pad.expand(-1, self.state.shape[1] - rows_out))
-        self._back_call(shape.layer, rows_out, q_kept, residual_kept)
+        self._back_call(shape.layer, rows_out, q_kept)
 
     def _question_weight(self, shape: CheckShape, q: torch.Tensor, positions: torch.Tensor,
                          valid: torch.Tensor) -> torch.Tensor:
@@ -428,12 +430,12 @@ class FusionGraphs:
                                                self.slots[:rows], index if shift else None, keep)
         return q, k_raw, v, residual, written
 
-    def _back_call(self, layer: int, rows: int, q: torch.Tensor, residual: torch.Tensor) -> None:
+    def _back_call(self, layer: int, rows: int, q: torch.Tensor) -> None:
+        """The layer's second half over the static residual, its outputs left in the static buffers (the
+        residual updated in place, the hidden state written there by the last matmul)."""
         # seq_len and the sequence's slots are read by the torch attention only; Triton reads bounds
-        hidden, residual = back(self.model.model.layers[layer], self.kv_caches[layer], q, residual,
-                                self.positions[:rows], self.table, 0, self.slots, self.bounds, None)
-        self.hidden[:rows].copy_(hidden)
-        self.residual[:rows].copy_(residual)
+        back(self.model.model.layers[layer], self.kv_caches[layer], q, self.residual[:rows], self.positions[:rows],
+             self.table, 0, self.slots, self.bounds, None, out=self.hidden[:rows])
 
     def _make_inert(self, cap: _Capacity) -> None:
         """Inputs that write and attend to nothing, for the capture runs. Positions and stored rows

@@ -43,8 +43,8 @@ def front(
     attn = layer.self_attn.attn
     if residual is None:
         residual, h = hidden, layer.input_layernorm(hidden)
-    else:
-        h, residual = layer.input_layernorm(hidden, residual)
+    else:  # the sum over the residual itself: a graph's static residual stays where the next layer reads it
+        h, residual = layer.input_layernorm(hidden, residual, in_place=True)
     q, k_raw, v = layer.self_attn.project(h)
     q, k = ops.apply_rope_qk(q, k_raw, positions, rotary.cos, rotary.sin)
     written = None
@@ -88,9 +88,12 @@ def back(
     seq_slots: torch.Tensor | slice,
     bounds: torch.Tensor,
     relay: RelayMetadata | None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The active tokens' attention over the fused prompt, then the MLP: (hidden, residual)."""
-    out, _ = layer.self_attn.attn.attend(q, q_positions, kv_cache, table, seq_len, seq_slots, bounds, relay)
-    h = layer.self_attn.o_proj(out.reshape(q.shape[0], -1))
-    h, residual = layer.post_attention_layernorm(h, residual)
-    return layer.mlp(h), residual
+    """The active tokens' attention over the fused prompt, then the MLP: (hidden, residual). The new
+    residual is written over ``residual`` and the hidden state into ``out`` where given: a graph's
+    static buffers, which the next layer's replay reads (a copy into each was ~3 us a layer)."""
+    o, _ = layer.self_attn.attn.attend(q, q_positions, kv_cache, table, seq_len, seq_slots, bounds, relay)
+    h = layer.self_attn.o_proj(o.reshape(q.shape[0], -1))
+    h, residual = layer.post_attention_layernorm(h, residual, in_place=True)
+    return layer.mlp(h, out), residual
