@@ -16,7 +16,8 @@ def test_capacity_pads_active_to_buckets_and_stored_to_steps():
     assert capacity(416, 3073) == (416, 3072 + STORED_STEP)
     assert capacity(417, 1) == (448, STORED_STEP)
     assert capacity(646, 3072) == (704, 3072) and capacity(1024, 3072) == (1024, 3072)  # every 64 past 512
-    assert capacity(1025, 3072) is None
+    assert capacity(1312, 3072) == (1344, 3072) and capacity(2592, 3072) == (2624, 3072)
+    assert capacity(CHECK_MAX_ROWS, 3072) == (CHECK_MAX_ROWS, 3072)
 
 
 def test_check_layers_pad_rows_to_32_up_to_their_cap_and_prompts_to_steps():
@@ -31,8 +32,8 @@ def test_check_layers_pad_rows_to_32_up_to_their_cap_and_prompts_to_steps():
     assert unweighted is not None and (unweighted.prompt, unweighted.tail) == (0, 0)  # no question attention
 
 
-def test_large_active_sets_and_passes_without_stored_kv_run_eagerly():
-    assert capacity(2592, 3072) is None  # matmul-bound: launching hides behind the GPU work
+def test_larger_active_sets_than_check_layers_and_passes_without_stored_kv_run_eagerly():
+    assert capacity(CHECK_MAX_ROWS + 1, 3072) is None
     assert capacity(32, 0) is None
 
 

@@ -46,14 +46,17 @@ from .selection import SelectionPolicy, check_keep
 from .stale_shift import QUESTION_WINDOW, MassCap, ShiftIndex, question_rows, segment_bounds
 
 STORED_STEP = 512  # stored-token capacities are multiples of this: few captures, little padding
-# the steady layers' active rows: the prefill buckets up to 512, then every 64 up to their last. The
-# prefill buckets' 768 and 1024 padded the 646 rows of r = 20% over 6 x 512 stored tokens to 768: a
-# fifth more rows of matmuls in each of 26 layers, ~3 ms of a ~23 ms pass (H200, Mistral-7B shape)
-ACTIVE_BUCKETS = (*(b for b in PREFILL_BUCKETS if b <= 512), *range(576, PREFILL_BUCKETS[-1] + 1, 64))
 # a check layer runs 400-2600 tokens (6 x 512 at r = 15%: 2592 down to 416): captured at multiples of
 # 32 rows, since padding 800 rows to the next prefill bucket (1024) costs ~0.2 ms
 CHECK_STEP = 32
 CHECK_MAX_ROWS = 4096
+# the steady layers' active rows: the prefill buckets up to 512, then every 64 up to the check layers' cap.
+# The prefill buckets' 768 and 1024 padded the 646 rows of r = 20% over 6 x 512 stored tokens to 768: a
+# fifth more rows of matmuls in each of 26 layers, ~3 ms of a ~23 ms pass (H200, Mistral-7B shape). Past
+# 1024 rows the steady layers ran eagerly, on the view that launching hides behind so many rows' matmuls;
+# with the stale shift and its cap it did not: r = 50% of that prompt (1312 rows) took 43-75 ms eagerly
+# on H200s, as long as recomputing every token
+ACTIVE_BUCKETS = (*(b for b in PREFILL_BUCKETS if b <= 512), *range(576, CHECK_MAX_ROWS + 1, 64))
 PROMPT_STEP = 512  # the question's attention runs over the prompt's positions, padded to this
 MAX_CHECK_GRAPHS = 256  # check-layer and first-layer graphs kept (least recently used go first): many prompt sizes
 # stored segments a graphed pass may have: the stale shift's kernels work on all captured segments at
@@ -71,8 +74,8 @@ def check_rows(active: int) -> int | None:
 
 
 def capacity(active: int, stored: int) -> tuple[int, int] | None:
-    """(active rows, stored rows) of the graphs a pass with these counts replays, or None when its
-    active set is large enough to be matmul-bound (launched eagerly, launching hidden behind it)."""
+    """(active rows, stored rows) of the graphs a pass with these counts replays, or None (run eagerly)
+    past ``CHECK_MAX_ROWS`` active rows or without stored tokens."""
     rows = next((b for b in ACTIVE_BUCKETS if b >= active), None)
     if rows is None or stored < 1:
         return None
