@@ -53,9 +53,10 @@ CHECK_MAX_ROWS = 4096
 # the steady layers' active rows: the prefill buckets up to 512, then every 64 up to the check layers' cap.
 # The prefill buckets' 768 and 1024 padded the 646 rows of r = 20% over 6 x 512 stored tokens to 768: a
 # fifth more rows of matmuls in each of 26 layers, ~3 ms of a ~23 ms pass (H200, Mistral-7B shape). Past
-# 1024 rows the steady layers ran eagerly, on the view that launching hides behind so many rows' matmuls;
-# with the stale shift and its cap it did not: r = 50% of that prompt (1312 rows) took 43-75 ms eagerly
-# on H200s, as long as recomputing every token
+# 1024 rows the steady layers ran eagerly, on the view that launching hides behind so many rows' matmuls.
+# Mostly it does, not wholly: replayed, r = 50% of that prompt (1312 rows) took 43.2 vs 44.8 ms, r = 70%
+# 55.0 vs 55.9, prefix (2592 rows) 67.7 vs 68.3 (H200, one process, medians of 9; results/fusion-h200-1201),
+# and two of four earlier `bench fusion` runs had r = 50% eagerly at 73-75 ms, longer than recomputing all
 ACTIVE_BUCKETS = (*(b for b in PREFILL_BUCKETS if b <= 512), *range(576, CHECK_MAX_ROWS + 1, 64))
 PROMPT_STEP = 512  # the question's attention runs over the prompt's positions, padded to this
 MAX_CHECK_GRAPHS = 256  # check-layer and first-layer graphs kept (least recently used go first): many prompt sizes

@@ -34,6 +34,9 @@ _Parts = list[tuple[torch.Tensor, torch.Tensor]]
 DEPTH = 2  # layers loaded ahead of the one computed
 RING_SLOTS = DEPTH + 1  # layer i's KV lands in slot i % RING_SLOTS of the device ring
 READERS = 2  # reader threads of a process (a pass keeps DEPTH + 1 reads queued)
+# layers a blocking source is asked to fetch ahead of the reads (``LayerSource.read_ahead``): reads keep
+# DEPTH + 1 layers queued, one at a time per file, where the storage can have many in flight
+READ_AHEAD = 8
 _reader_pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, the process's reader threads)
 _reader_pool_lock = threading.Lock()
 
@@ -58,7 +61,7 @@ def start_reads(sources: list[LayerSource], num_layers: int) -> dict[int, Future
     if not any(s.blocking for s in sources):
         return {}
     pool = _readers()
-    return {i: pool.submit(_read_layer, sources, i) for i in range(min(DEPTH + 1, num_layers))}
+    return {i: pool.submit(_read_layer, sources, i, _hints(i, num_layers)) for i in range(min(DEPTH + 1, num_layers))}
 
 
 def drain(reads: dict[int, Future[tuple[_Parts, tuple[float, float]]]]) -> None:
@@ -68,9 +71,22 @@ def drain(reads: dict[int, Future[tuple[_Parts, tuple[float, float]]]]) -> None:
     wait(list(reads.values()))
 
 
-def _read_layer(sources: list[LayerSource], layer: int) -> tuple[_Parts, tuple[float, float]]:
-    """Every source's KV of ``layer``, and the (start, end) of the reads."""
+def _hints(layer: int, num_layers: int) -> range:
+    """The layers a blocking read of ``layer`` asks its sources to fetch ahead: the first read all up
+    to ``READ_AHEAD`` (itself first), each later one the layer ``READ_AHEAD`` past it, so the storage
+    always has that many layers coming."""
+    if layer == 0:
+        return range(min(READ_AHEAD + 1, num_layers))
+    return range(layer + READ_AHEAD, min(layer + READ_AHEAD + 1, num_layers))
+
+
+def _read_layer(sources: list[LayerSource], layer: int, hints: range = range(0)) -> tuple[_Parts, tuple[float, float]]:
+    """Every source's KV of ``layer``, and the (start, end) of the reads; first the ``hints``
+    (``LayerSource.read_ahead``), layer by layer."""
     t = time.perf_counter()
+    for ahead in hints:
+        for s in sources:
+            s.read_ahead(ahead)
     parts = [s.load_layer(layer) for s in sources]
     return parts, (t, time.perf_counter())
 
@@ -119,14 +135,19 @@ class LayerPrefetcher:
             for i in range(min(self.depth + 1, self.num_layers)):
                 if i not in self._reads:
                     self._reads[i] = self._pool.submit(self._read, i)
-        self._issue_ready(0 if self._lazy else self.depth)
+        try:
+            self._issue_ready(0 if self._lazy else self.depth)
+        except BaseException:  # a read that failed at once: ``__exit__`` never runs, so drain the others here
+            drain(self._reads)
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
         drain(self._reads)  # a read still running (the pass failed midway) uses sources its caller closes next
 
     def _read(self, layer: int) -> tuple[_Parts, tuple[float, float]]:
-        return _read_layer(self.sources, layer)
+        """Read inline (in-memory sources) or on a reader thread, with its read-ahead hints there."""
+        return _read_layer(self.sources, layer, _hints(layer, self.num_layers) if self._pool is not None else range(0))
 
     def _parts(self, layer: int, wait: bool) -> _Parts | None:
         """Layer ``layer``'s host (or device) parts, or None while a blocking read is still running."""
