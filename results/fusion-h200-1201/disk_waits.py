@@ -1,7 +1,8 @@
 """Where a disk-tier pass that loads only its exact prefix waits (fuse at r = 100%, the controller's choice for
 this disk, and prefix): per layer, when its read ran (host clock, ms from the pass's entry; the file read and the
-checksum apart), when the host asked for it, and how long the GPU then sat waiting for it; with the process's 2
-reader threads (shipped) and with 4. Random-weight SHAPE, 6 x 512 + 32 tokens, page cache dropped before each pass
+checksum apart), when the host asked for it, and how long the GPU then sat waiting for it; with and without the
+readers' read-ahead hints (``prefetch.READ_AHEAD``), with the process's 2 reader threads (shipped) and with 4; and
+fuse at 15% (every chunk loaded) with and without the hints. Random-weight SHAPE, 6 x 512 + 32 tokens, page cache dropped before each pass
 as in `bench fusion`. Usage: disk_waits.py [SHAPE] [PASSES]"""
 from __future__ import annotations
 
@@ -75,8 +76,12 @@ from ragfuse.engine import model_runner  # noqa: E402
 model_runner.fuse_prefill = fuse
 pol = SelectionPolicy.default()
 out = {}
-for readers, mode, ratio in ((2, "fuse", 1.0), (2, "prefix", 0.0), (4, "fuse", 1.0), (2, "fuse", 1.0)):
+shipped_hints = prefetch._hints
+for ahead, readers, mode, ratio in ((True, 2, "fuse", 1.0), (False, 2, "fuse", 1.0), (True, 2, "prefix", 0.0),
+                                    (False, 2, "prefix", 0.0), (True, 2, "fuse", 0.15), (False, 2, "fuse", 0.15),
+                                    (False, 4, "fuse", 1.0), (True, 2, "fuse", 1.0)):
     prefetch.READERS, prefetch._reader_pool = readers, None
+    prefetch._hints = shipped_hints if ahead else (lambda layer, num_layers: range(0))
     prompt.run("disk", mode, pol.with_ratio(ratio))  # warm-up (captures)
     runs = []
     for _ in range(passes):
@@ -93,9 +98,9 @@ for readers, mode, ratio in ((2, "fuse", 1.0), (2, "prefix", 0.0), (4, "fuse", 1
                      "wait_ms": round(st.load_wait_s * 1e3, 2), "waits_per_layer_ms": waits,
                      "io_ms": [round(e - s, 2) for w, _, _, s, e in EV if w == "io"],
                      "layers": {str(k): v for k, v in sorted(per.items())}})
-    out[f"{mode}@{ratio} readers={readers}"] = runs
+    out[f"{mode}@{ratio} readers={readers} read_ahead={ahead}"] = runs
     best = sorted(runs, key=lambda r: r["total_ms"])[len(runs) // 2]
-    print(mode, ratio, f"readers={readers}", "median pass:", best["total_ms"], "ms, load", best["load_ms"],
+    print(mode, ratio, f"readers={readers} read_ahead={ahead}", "median pass:", best["total_ms"], "ms, load", best["load_ms"],
           "wait", best["wait_ms"],
           "\n  waits per layer:", best["waits_per_layer_ms"],
           "\n  io ms:", best["io_ms"][:40], "\n  io median", statistics.median(best["io_ms"]), flush=True)
