@@ -2,8 +2,8 @@
 this disk, and prefix): per layer, when its read ran (host clock, ms from the pass's entry; the file read and the
 checksum apart), when the host asked for it, and how long the GPU then sat waiting for it; with and without the
 readers' read-ahead hints (``prefetch.READ_AHEAD``), with the process's 2 reader threads (shipped) and with 4; and
-fuse at 15% (every chunk loaded) with and without the hints. Random-weight SHAPE, 6 x 512 + 32 tokens, page cache dropped before each pass
-as in `bench fusion`. Usage: disk_waits.py [SHAPE] [PASSES]"""
+fuse at 15% (every chunk loaded) with and without the hints. Random-weight SHAPE, 6 x 512 + 32 tokens, page cache
+dropped before each pass as in `bench fusion`. Usage: disk_waits.py [SHAPE] [PASSES]"""
 from __future__ import annotations
 
 import argparse
@@ -100,7 +100,8 @@ for ahead, readers, mode, ratio in ((True, 2, "fuse", 1.0), (False, 2, "fuse", 1
                      "layers": {str(k): v for k, v in sorted(per.items())}})
     out[f"{mode}@{ratio} readers={readers} read_ahead={ahead}"] = runs
     best = sorted(runs, key=lambda r: r["total_ms"])[len(runs) // 2]
-    print(mode, ratio, f"readers={readers} read_ahead={ahead}", "median pass:", best["total_ms"], "ms, load", best["load_ms"],
+    print(mode, ratio, f"readers={readers} read_ahead={ahead}", "median pass:", best["total_ms"], "ms, load",
+          best["load_ms"],
           "wait", best["wait_ms"],
           "\n  waits per layer:", best["waits_per_layer_ms"],
           "\n  io ms:", best["io_ms"][:40], "\n  io median", statistics.median(best["io_ms"]), flush=True)
