@@ -83,6 +83,39 @@ def test_replayed_fusion_equals_the_eager_pass(mode, ratio, checks, extra, promp
 
 
 @pytest.mark.gpu
+def test_a_first_capture_after_a_larger_pass_stays_inside_its_rows():
+    """The graphs' static inputs keep the last pass's values until the next pass sends its own, which
+    it does after capturing what it lacks. The question's rows left by a pass with more active rows
+    pointed past a smaller capacity's, and that capacity's first capture indexed them: a device-side
+    assert (which ends the process's CUDA context). With the K shift's cap on, a pass at 60% then a
+    first one at 10% each equal their eager passes."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from .test_fusion_gpu import engine
+
+    eng = engine("triton")
+    runner = eng.runner
+    graphs = runner.fusion_graphs
+    assert graphs is not None
+    g = torch.Generator().manual_seed(3)
+    chunks = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in (300, 280, 310)]
+    segs = [Segment(c, TensorKV(*kv)) for c, kv in zip(chunks, eng.compute_kv(chunks), strict=True)]
+    segs.append(Segment([5, 6, 7, 8, 9]))
+    for ratio in (0.6, 0.1):
+        policy = SelectionPolicy(ratio=ratio, check_layers=(1, 2), first_factor=2.0, **SHIFTED, k_mass_cap=0.05)
+        runner.fusion_graphs = graphs
+        before = graphs.replays
+        replayed, st_g = eng.score_fused(segs, [11, 12], "fuse", policy)
+        assert graphs.replays > before
+        runner.fusion_graphs = None
+        eager, st_e = eng.score_fused(segs, [11, 12], "fuse", policy)
+        assert st_g.active_per_layer == st_e.active_per_layer
+        assert (replayed - eager).abs().max().item() < 1e-3 * eager.abs().max().item()
+    runner.fusion_graphs = graphs
+    assert len(graphs.capacities) == 2
+
+
+@pytest.mark.gpu
 def test_least_recently_used_check_graphs_are_dropped_past_the_cap():
     """A server fusing prompts of many sizes keeps at most ``max_checks`` check-layer graphs; a pass
     whose graphs were dropped captures them again and still equals the eager pass."""

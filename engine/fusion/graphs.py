@@ -442,12 +442,14 @@ class FusionGraphs:
              self.table, 0, self.slots, self.bounds, None, out=self.hidden[:rows])
 
     def _make_inert(self, cap: _Capacity) -> None:
-        """Inputs that write and attend to nothing, for the capture runs. Positions and stored rows
-        too: a larger pass may have left ones past this capacity's buffers, which a capture run would
-        index with."""
+        """Inputs that write and attend to nothing, for the capture runs. Positions, stored rows and
+        the question's rows too: a larger pass may have left ones past this capacity's buffers, which a
+        capture run would index with (the question's rows of a prefix pass over 2592 rows, then the
+        first capture of r = 15%'s 416: a device-side assert, the end of the process's CUDA context)."""
         self.slots.fill_(-1)
         self.positions.zero_()
         self.rows.zero_()
+        self.question_rows.zero_()
         self.bounds.zero_()
         self.share.zero_()
         self.tail.zero_()
