@@ -218,9 +218,11 @@ class _HintedDiskSource(_SlowDiskSource):
 @pytest.mark.parametrize("early", [False, True])
 def test_blocking_sources_are_asked_to_fetch_ahead_of_their_reads(early):
     """A disk read one layer at a time left the disk one request deep behind a cold start (the GPU waited
-    5-12 ms of a prefix-only pass on an H200): the readers ask each blocking source to fetch layers
-    ahead, each layer once and before its read, none past the last, the later ones as the reads go on. Also
-    when the first reads start before the loader (``start_reads``)."""
+    5-12 ms of a prefix-only pass on an H200): the readers ask each blocking source to fetch layers ahead,
+    each layer past the first once, none past the last. The first read goes first, then layers 1 to
+    READ_AHEAD are asked for; every later layer before its read (the first ``DEPTH + 1`` are read side by
+    side from the start), the later ones as the reads go on. Also when the first reads start before the
+    loader (``start_reads``)."""
     layers = READ_AHEAD + 6
     src = _HintedDiskSource()
     reads = start_reads([src], layers) if early else None
@@ -228,10 +230,10 @@ def test_blocking_sources_are_asked_to_fetch_ahead_of_their_reads(early):
         for layer in range(layers):
             loader.get(layer)
     hints = [layer for what, layer in src.events if what == "hint"]
-    assert sorted(hints) == list(range(layers))  # every layer once, none past the last
+    assert sorted(hints) == list(range(1, layers))  # every layer past the first once, none past the last
     order = src.events.index
-    assert order(("hint", 0)) < order(("read", 0))
-    for layer in range(1, layers):  # asked for before its read began, not before the first read's time
+    assert order(("read", 0)) < min(order(("hint", layer)) for layer in range(1, layers))
+    for layer in range(DEPTH + 1, layers):
         assert order(("hint", layer)) < order(("read", layer))
     # the layers past READ_AHEAD are asked for one by one as the reads go on, not all at the start
     assert order(("hint", layers - 1)) > order(("read", layers - 1 - READ_AHEAD - DEPTH - 1))

@@ -1,8 +1,8 @@
 """Where a disk-tier pass that loads only its exact prefix waits (fuse at r = 100%, the controller's choice for
 this disk, and prefix): per layer, when its read ran (host clock, ms from the pass's entry; the file read and the
 checksum apart), when the host asked for it, and how long the GPU then sat waiting for it; with and without the
-readers' read-ahead hints (``prefetch.READ_AHEAD``), with the process's 2 reader threads (shipped) and with 4; and
-fuse at 15% (every chunk loaded) with and without the hints. Random-weight SHAPE, 6 x 512 + 32 tokens, page cache
+readers' read-ahead hints (``prefetch.READ_AHEAD`` layers: 8 shipped, 4, none), and fuse at 15% (every chunk
+loaded) likewise. Random-weight SHAPE, 6 x 512 + 32 tokens, page cache
 dropped before each pass as in `bench fusion`. Usage: disk_waits.py [SHAPE] [PASSES]"""
 from __future__ import annotations
 
@@ -76,12 +76,12 @@ from ragfuse.engine import model_runner  # noqa: E402
 model_runner.fuse_prefill = fuse
 pol = SelectionPolicy.default()
 out = {}
-shipped_hints = prefetch._hints
-for ahead, readers, mode, ratio in ((True, 2, "fuse", 1.0), (False, 2, "fuse", 1.0), (True, 2, "prefix", 0.0),
-                                    (False, 2, "prefix", 0.0), (True, 2, "fuse", 0.15), (False, 2, "fuse", 0.15),
-                                    (False, 4, "fuse", 1.0), (True, 2, "fuse", 1.0)):
-    prefetch.READERS, prefetch._reader_pool = readers, None
-    prefetch._hints = shipped_hints if ahead else (lambda layer, num_layers: range(0))
+shipped_hints, shipped_ahead = prefetch._hints, prefetch.READ_AHEAD
+VARIANTS = [(8, 2, "fuse", 1.0), (0, 2, "fuse", 1.0), (4, 2, "fuse", 1.0), (8, 2, "prefix", 0.0), (0, 2, "prefix", 0.0),
+            (8, 2, "fuse", 0.15), (0, 2, "fuse", 0.15), (4, 2, "fuse", 0.15), (8, 2, "fuse", 1.0)]
+for ahead, readers, mode, ratio in VARIANTS:  # ahead: READ_AHEAD (0: no hints)
+    prefetch.READERS, prefetch._reader_pool, prefetch.READ_AHEAD = readers, None, ahead or shipped_ahead
+    prefetch._hints = shipped_hints if ahead else (lambda layer, num_layers: (range(0), range(0)))
     prompt.run("disk", mode, pol.with_ratio(ratio))  # warm-up (captures)
     runs = []
     for _ in range(passes):
