@@ -10,7 +10,7 @@ from concurrent.futures import wait
 import pytest
 import torch
 
-from ragfuse.engine.fusion.prefetch import DEPTH, READ_AHEAD, LayerPrefetcher, _covered, drain, start_reads
+from ragfuse.engine.fusion.prefetch import DEPTH, LayerPrefetcher, _covered, drain, start_reads
 from ragfuse.engine.kvstore import DiskTier, MemoryTier, TieredKVStore, open_source
 
 from .kvstore_helpers import LAYERS, make_entry
@@ -87,9 +87,6 @@ class _SlowDiskSource:
     def load_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         time.sleep(self.seconds)
         return self.kv[0], self.kv[1]
-
-    def read_ahead(self, layer: int) -> None:
-        """Nothing to fetch ahead here (``_HintedDiskSource`` notes the hints)."""
 
 
 def test_load_time_counts_reads_side_by_side_once():
@@ -195,84 +192,3 @@ def test_early_reads_drained_when_the_pass_fails_before_its_loader():
     drain(reads)
     assert src.running == 0
     assert all(f.done() for f in reads.values())
-
-
-class _HintedDiskSource(_SlowDiskSource):
-    """Notes, in order, each read-ahead hint and each read (as ("hint", layer) / ("read", layer))."""
-
-    def __init__(self) -> None:
-        super().__init__(0.002)
-        self.events: list[tuple[str, int]] = []
-        self.lock = threading.Lock()
-
-    def read_ahead(self, layer: int) -> None:
-        with self.lock:
-            self.events.append(("hint", layer))
-
-    def load_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        with self.lock:
-            self.events.append(("read", layer))
-        return super().load_layer(layer)
-
-
-@pytest.mark.parametrize("early", [False, True])
-def test_blocking_sources_are_asked_to_fetch_ahead_of_their_reads(early):
-    """A disk read one layer at a time left the disk one request deep behind a cold start (the GPU waited
-    5-12 ms of a prefix-only pass on an H200): the readers ask each blocking source to fetch layers ahead,
-    each layer past the first once, none past the last. The first read goes first, then layers 1 to
-    READ_AHEAD are asked for; every later layer before its read (the first ``DEPTH + 1`` are read side by
-    side from the start), the later ones as the reads go on. Also when the first reads start before the
-    loader (``start_reads``)."""
-    layers = READ_AHEAD + 6
-    src = _HintedDiskSource()
-    reads = start_reads([src], layers) if early else None
-    with LayerPrefetcher([src], layers, torch.device("cpu"), reads=reads) as loader:
-        for layer in range(layers):
-            loader.get(layer)
-    hints = [layer for what, layer in src.events if what == "hint"]
-    assert sorted(hints) == list(range(1, layers))  # every layer past the first once, none past the last
-    order = src.events.index
-    assert order(("read", 0)) < min(order(("hint", layer)) for layer in range(1, layers))
-    for layer in range(DEPTH + 1, layers):
-        assert order(("hint", layer)) < order(("read", layer))
-    # the layers past READ_AHEAD are asked for one by one as the reads go on, not all at the start
-    assert order(("hint", layers - 1)) > order(("read", layers - 1 - READ_AHEAD - DEPTH - 1))
-    mem = _MemorySource()
-    with LayerPrefetcher([mem], 4, torch.device("cpu")) as loader:
-        for layer in range(4):
-            loader.get(layer)
-    assert mem.hinted == []  # in memory: nothing to fetch, never asked
-
-
-class _MemorySource:
-    tier = "cpu"
-    blocking = False
-
-    def __init__(self) -> None:
-        self.hinted: list[int] = []
-        self.kv = torch.zeros(2, 4, 2, 8)
-
-    def load_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kv[0], self.kv[1]
-
-    def read_ahead(self, layer: int) -> None:
-        self.hinted.append(layer)
-
-
-def test_disk_entries_take_read_ahead_hints_in_range_and_after_close(tmp_path):
-    """The disk tier's hint is the kernel's (``POSIX_FADV_WILLNEED`` over the layer's bytes): layers read
-    after it are the stored ones, a layer number out of range is no hint, and a closed entry ignores it."""
-    entry = make_entry(3, tokens=40)
-    disk = DiskTier(tmp_path, 1 << 30)
-    disk.put(entry)
-    src = open_source(TieredKVStore([disk]), entry.key)
-    for layer in (-1, *range(LAYERS), LAYERS):
-        src.read_ahead(layer)
-    for layer in range(LAYERS):
-        k, v = src.load_layer(layer)
-        ek, ev = entry.layer(layer)
-        assert torch.equal(k, ek) and torch.equal(v, ev)
-    reader = src._reader
-    assert reader is not None
-    reader.close()
-    reader.will_need(0)  # closed (a failed pass): nothing, no error

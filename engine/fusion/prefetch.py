@@ -34,9 +34,6 @@ _Parts = list[tuple[torch.Tensor, torch.Tensor]]
 DEPTH = 2  # layers loaded ahead of the one computed
 RING_SLOTS = DEPTH + 1  # layer i's KV lands in slot i % RING_SLOTS of the device ring
 READERS = 2  # reader threads of a process (a pass keeps DEPTH + 1 reads queued)
-# layers a blocking source is asked to fetch ahead of the reads (``LayerSource.read_ahead``): reads keep
-# DEPTH + 1 layers queued, one at a time per file, where the storage can have many in flight
-READ_AHEAD = 8
 _reader_pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, the process's reader threads)
 _reader_pool_lock = threading.Lock()
 
@@ -61,7 +58,7 @@ def start_reads(sources: list[LayerSource], num_layers: int) -> dict[int, Future
     if not any(s.blocking for s in sources):
         return {}
     pool = _readers()
-    return {i: pool.submit(_read_layer, sources, i, _hints(i, num_layers)) for i in range(min(DEPTH + 1, num_layers))}
+    return {i: pool.submit(_read_layer, sources, i) for i in range(min(DEPTH + 1, num_layers))}
 
 
 def drain(reads: dict[int, Future[tuple[_Parts, tuple[float, float]]]]) -> None:
@@ -71,32 +68,11 @@ def drain(reads: dict[int, Future[tuple[_Parts, tuple[float, float]]]]) -> None:
     wait(list(reads.values()))
 
 
-def _hints(layer: int, num_layers: int) -> tuple[range, range]:
-    """The layers a blocking read of ``layer`` asks its sources to fetch ahead, (before, after) the read:
-    the first read layers 1 to ``READ_AHEAD`` once it has its own (hinted first, they held layer 0 up:
-    its read took 3.6-6.5 ms instead of 2.3-3.3 on an H200's disk), each later read the layer
-    ``READ_AHEAD`` past it first, so the storage always has that many layers coming."""
-    if layer == 0:
-        return range(0), range(1, min(READ_AHEAD + 1, num_layers))
-    return range(layer + READ_AHEAD, min(layer + READ_AHEAD + 1, num_layers)), range(0)
-
-
-def _read_layer(
-    sources: list[LayerSource], layer: int, hints: tuple[range, range] = (range(0), range(0))
-) -> tuple[_Parts, tuple[float, float]]:
-    """Every source's KV of ``layer``, and the (start, end) of the reads, with the read-ahead ``hints``
-    (``LayerSource.read_ahead``, layer by layer) before and after them."""
+def _read_layer(sources: list[LayerSource], layer: int) -> tuple[_Parts, tuple[float, float]]:
+    """Every source's KV of ``layer``, and the (start, end) of the reads."""
     t = time.perf_counter()
-    before, after = hints
-    for ahead in before:
-        for s in sources:
-            s.read_ahead(ahead)
     parts = [s.load_layer(layer) for s in sources]
-    end = time.perf_counter()
-    for ahead in after:
-        for s in sources:
-            s.read_ahead(ahead)
-    return parts, (t, end)
+    return parts, (t, time.perf_counter())
 
 
 class LayerPrefetcher:
@@ -154,9 +130,7 @@ class LayerPrefetcher:
         drain(self._reads)  # a read still running (the pass failed midway) uses sources its caller closes next
 
     def _read(self, layer: int) -> tuple[_Parts, tuple[float, float]]:
-        """Read inline (in-memory sources) or on a reader thread, with its read-ahead hints there."""
-        hints = _hints(layer, self.num_layers) if self._pool is not None else (range(0), range(0))
-        return _read_layer(self.sources, layer, hints)
+        return _read_layer(self.sources, layer)
 
     def _parts(self, layer: int, wait: bool) -> _Parts | None:
         """Layer ``layer``'s host (or device) parts, or None while a blocking read is still running."""

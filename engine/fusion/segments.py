@@ -22,11 +22,6 @@ class LayerSource(Protocol):
         """(K before RoPE, V) of ``layer``, each [tokens, kv_heads, head_dim]."""
         ...
 
-    def read_ahead(self, layer: int) -> None:
-        """Ask the storage to start fetching ``layer`` now, without waiting for it (a hint: nothing
-        where there is nothing to fetch). The loader's readers call it some layers ahead of their reads."""
-        ...
-
 
 @dataclass
 class TensorKV:
@@ -39,9 +34,6 @@ class TensorKV:
 
     def load_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer], self.v[layer]
-
-    def read_ahead(self, layer: int) -> None:
-        """In memory already."""
 
 
 @dataclass

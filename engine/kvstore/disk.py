@@ -123,17 +123,6 @@ class DiskEntryReader:
                 raise CorruptEntryError(f"entry {self.meta.key}: file ends inside {what}")
             got += n
 
-    def will_need(self, i: int) -> None:
-        """Have the kernel read layer ``i``'s bytes ahead (``POSIX_FADV_WILLNEED``: returns once the
-        reads are queued, so several layers are in flight where ``read_layer`` reads one). A hint: where
-        the platform or file system has none, or refuses it, the layer is simply read when asked for."""
-        if not hasattr(os, "posix_fadvise"):
-            return
-        start, end = self._offsets[i]
-        # ValueError: closed meanwhile (a pass that failed): nothing left to fetch for
-        with contextlib.suppress(OSError, ValueError):
-            os.posix_fadvise(self._f.fileno(), self._base + start, max(0, end - start), os.POSIX_FADV_WILLNEED)
-
     def read_layer(self, i: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Layer ``i`` as ``[2, tokens, heads, dim]`` on CPU (into ``out`` when given), verified."""
         start, end = self._offsets[i]

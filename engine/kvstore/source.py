@@ -35,9 +35,6 @@ class EntrySource:
     def load_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.entry.layer(layer)
 
-    def read_ahead(self, layer: int) -> None:
-        """In memory already."""
-
     def finish(self) -> None:
         """Nothing to promote: the entry is in memory already."""
 
@@ -74,14 +71,6 @@ class LayerwiseSource:
         )
         self._layers: list[torch.Tensor | None] = [None] * self.meta.num_layers
         self._lock = threading.Lock()  # the loader may read two layers at once; a file has one offset
-
-    def read_ahead(self, layer: int) -> None:
-        """On disk: the kernel starts reading the layer's bytes into its page cache (Redis: nothing).
-        Without it each layer was one 2 MB read at a time behind a cold start: on an H200's disk the first
-        reads took ~2 ms and one in ~8 took 4-9 ms (median 0.4), and the GPU waited 5-12 ms of a
-        prefix-only pass for them (results/fusion-h200-1201/disk-waits.log)."""
-        if self._reader is not None and 0 <= layer < self.meta.num_layers:
-            self._reader.will_need(layer)
 
     def load_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Raises ``CorruptEntryError`` when the layer fails its checksum: the caller drops the

@@ -139,9 +139,6 @@ class SessionSource:
             return t
         return t.index_select(dim, self._rows.to(t.device, non_blocking=True))
 
-    def read_ahead(self, layer: int) -> None:
-        """Nothing: a session's history is staged ahead by its own reader (``stage``, ``HistoryWriter``)."""
-
     def load_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._staged is not None and self._buffer is not None:
             self._staged[layer].synchronize()

@@ -3,7 +3,10 @@ this disk, and prefix): per layer, when its read ran (host clock, ms from the pa
 checksum apart), when the host asked for it, and how long the GPU then sat waiting for it; with and without the
 readers' read-ahead hints (``prefetch.READ_AHEAD`` layers: 8 shipped, 4, none), and fuse at 15% (every chunk
 loaded) likewise. Random-weight SHAPE, 6 x 512 + 32 tokens, page cache
-dropped before each pass as in `bench fusion`. Usage: disk_waits.py [SHAPE] [PASSES]"""
+dropped before each pass as in `bench fusion`. Usage: disk_waits.py [SHAPE] [PASSES]
+Ran at c8a008a and c8ca5a8, whose loader asked disk sources to fetch layers ahead (``prefetch.READ_AHEAD``,
+``prefetch._hints``, ``LayerSource.read_ahead``: POSIX_FADV_WILLNEED); that was measured and dropped (README.md in
+this folder), so this script needs one of those commits to run."""
 from __future__ import annotations
 
 import argparse
