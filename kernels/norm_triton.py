@@ -49,9 +49,10 @@ def _launch(
     out = torch.empty(shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     out2 = out.view(n_rows, n_cols)
     res2 = _rows(residual) if residual is not None else x2
-    # in place: each program reads its row of the residual before it writes the sum over it
     res_out = (residual if in_place else torch.empty_like(x)) if residual is not None else None
-    res_out2 = _rows(res_out) if res_out is not None else x2
+    # in place: each program reads its row of the residual before it writes the sum over it; a view (never
+    # a copy, whose sums would be lost), which a residual laid out otherwise refuses
+    res_out2 = res_out.view(n_rows, n_cols) if res_out is not None else x2
     block = triton.next_power_of_2(n_cols)
     if n_rows:
         _rms_norm_kernel[(n_rows,)](
@@ -72,8 +73,8 @@ def fused_add_rms_norm_triton(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, in_place: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``fused_add_rms_norm_ref``: ``(rms_norm(x + residual), x + residual)``."""
-    if in_place and (residual.stride(-1) != 1 or residual.shape != x.shape):
-        raise ValueError("an in-place residual must have x's shape and a unit last stride")
+    if in_place and (residual.shape != x.shape or residual.stride(-1) != 1):
+        raise ValueError(f"an in-place residual must have x's shape {tuple(x.shape)} and a unit last stride")
     out, res_out = _launch(x, residual, weight, eps, in_place)
     assert res_out is not None
     return out, res_out

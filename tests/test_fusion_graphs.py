@@ -7,8 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ragfuse.engine import LLMEngine
 from ragfuse.engine.fusion import Segment, SelectionPolicy, TensorKV
-from ragfuse.engine.fusion.graphs import CHECK_MAX_ROWS, PROMPT_STEP, STORED_STEP, CheckShape, capacity, check_rows
+from ragfuse.engine.fusion.graphs import (
+    CHECK_MAX_ROWS,
+    PROMPT_STEP,
+    STORED_STEP,
+    CheckShape,
+    FusionGraphs,
+    capacity,
+    check_rows,
+)
 
 
 def test_capacity_pads_active_to_buckets_and_stored_to_steps():
@@ -54,30 +63,11 @@ def test_replayed_fusion_equals_the_eager_pass(mode, ratio, checks, extra, promp
     layers: one check graph's kept rows feed the next in place), also with the stale shift (K's share
     its own or V's, or capped by the question's mass move) and the question's attention weight,
     selecting the same tokens as the eager pass."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    from .test_fusion_gpu import engine
-
-    eng = engine("triton")
-    runner = eng.runner
-    graphs = runner.fusion_graphs
-    assert graphs is not None
+    eng, graphs = _engine_with_graphs()
     g = torch.Generator().manual_seed(1)
     policy = SelectionPolicy(ratio=ratio, check_layers=checks, first_factor=2.0 if len(checks) > 1 else 1.0, **extra)
     for lengths in prompts:
-        chunks = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in lengths]
-        segs = [Segment(c, TensorKV(*kv)) for c, kv in zip(chunks, eng.compute_kv(chunks), strict=True)]
-        segs.append(Segment([5, 6, 7, 8, 9]))
-        runner.fusion_graphs = None
-        eager, st_e = eng.score_fused(segs, [11, 12], mode, policy)
-        runner.fusion_graphs = graphs
-        before = graphs.replays
-        replayed, st_g = eng.score_fused(segs, [11, 12], mode, policy)
-        assert graphs.replays > before
-        assert st_g.active_per_layer == st_e.active_per_layer
-        if st_e.recomputed_positions is not None and st_g.recomputed_positions is not None:
-            assert st_g.recomputed_positions.tolist() == st_e.recomputed_positions.tolist()
-        assert (replayed - eager).abs().max().item() < 1e-3 * eager.abs().max().item()
+        _replayed_equals_eager(eng, graphs, _prompt(eng, g, lengths), mode, policy)
     assert len(graphs.capacities) == 1
     assert bool(graphs.checks) == (mode == "fuse")
 
@@ -89,29 +79,11 @@ def test_a_first_capture_after_a_larger_pass_stays_inside_its_rows():
     pointed past a smaller capacity's, and that capacity's first capture indexed them: a device-side
     assert (which ends the process's CUDA context). With the K shift's cap on, a pass at 60% then a
     first one at 10% each equal their eager passes."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    from .test_fusion_gpu import engine
-
-    eng = engine("triton")
-    runner = eng.runner
-    graphs = runner.fusion_graphs
-    assert graphs is not None
-    g = torch.Generator().manual_seed(3)
-    chunks = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in (300, 280, 310)]
-    segs = [Segment(c, TensorKV(*kv)) for c, kv in zip(chunks, eng.compute_kv(chunks), strict=True)]
-    segs.append(Segment([5, 6, 7, 8, 9]))
+    eng, graphs = _engine_with_graphs()
+    segs = _prompt(eng, torch.Generator().manual_seed(3), (300, 280, 310))
     for ratio in (0.6, 0.1):
         policy = SelectionPolicy(ratio=ratio, check_layers=(1, 2), first_factor=2.0, **SHIFTED, k_mass_cap=0.05)
-        runner.fusion_graphs = graphs
-        before = graphs.replays
-        replayed, st_g = eng.score_fused(segs, [11, 12], "fuse", policy)
-        assert graphs.replays > before
-        runner.fusion_graphs = None
-        eager, st_e = eng.score_fused(segs, [11, 12], "fuse", policy)
-        assert st_g.active_per_layer == st_e.active_per_layer
-        assert (replayed - eager).abs().max().item() < 1e-3 * eager.abs().max().item()
-    runner.fusion_graphs = graphs
+        _replayed_equals_eager(eng, graphs, segs, "fuse", policy)
     assert len(graphs.capacities) == 2
 
 
@@ -119,6 +91,17 @@ def test_a_first_capture_after_a_larger_pass_stays_inside_its_rows():
 def test_least_recently_used_check_graphs_are_dropped_past_the_cap():
     """A server fusing prompts of many sizes keeps at most ``max_checks`` check-layer graphs; a pass
     whose graphs were dropped captures them again and still equals the eager pass."""
+    eng, graphs = _engine_with_graphs()
+    graphs.max_checks = 3  # one pass's worth: layer 0 and two check layers
+    g = torch.Generator().manual_seed(2)
+    policy = SelectionPolicy(ratio=0.15, check_layers=(1, 2), first_factor=2.0, **SHIFTED)
+    for lengths in ((130, 77, 200), (260, 150, 300), (130, 77, 200)):  # the third needs the first's again
+        _replayed_equals_eager(eng, graphs, _prompt(eng, g, lengths), "fuse", policy)
+        assert len(graphs.checks) <= 3
+
+
+def _engine_with_graphs() -> tuple[LLMEngine, FusionGraphs]:
+    """A small float32 engine on CUDA (skipped without) and its fusion graphs."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from .test_fusion_gpu import engine
@@ -126,17 +109,27 @@ def test_least_recently_used_check_graphs_are_dropped_past_the_cap():
     eng = engine("triton")
     graphs = eng.runner.fusion_graphs
     assert graphs is not None
-    graphs.max_checks = 3  # one pass's worth: layer 0 and two check layers
-    g = torch.Generator().manual_seed(2)
-    policy = SelectionPolicy(ratio=0.15, check_layers=(1, 2), first_factor=2.0, **SHIFTED)
-    for lengths in ((130, 77, 200), (260, 150, 300), (130, 77, 200)):  # the third needs the first's again
-        chunks = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in lengths]
-        segs = [Segment(c, TensorKV(*kv)) for c, kv in zip(chunks, eng.compute_kv(chunks), strict=True)]
-        segs.append(Segment([5, 6, 7, 8, 9]))
-        eng.runner.fusion_graphs = None
-        eager, _ = eng.score_fused(segs, [11, 12], "fuse", policy)
-        eng.runner.fusion_graphs = graphs
-        before = graphs.replays
-        replayed, _ = eng.score_fused(segs, [11, 12], "fuse", policy)
-        assert graphs.replays > before and len(graphs.checks) <= 3
-        assert (replayed - eager).abs().max().item() < 1e-3 * eager.abs().max().item()
+    return eng, graphs
+
+
+def _prompt(eng: LLMEngine, g: torch.Generator, lengths: tuple[int, ...]) -> list[Segment]:
+    """Random chunks of these lengths with their KV computed alone, then a 5-token question."""
+    chunks = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in lengths]
+    segs = [Segment(c, TensorKV(*kv)) for c, kv in zip(chunks, eng.compute_kv(chunks), strict=True)]
+    return [*segs, Segment([5, 6, 7, 8, 9])]
+
+
+def _replayed_equals_eager(eng: LLMEngine, graphs: FusionGraphs, segs: list[Segment], mode: str,
+                           policy: SelectionPolicy) -> None:
+    """The pass run eagerly, then replayed from ``graphs`` (capturing what they lack): the graphs
+    served layers, and the two kept the same tokens and gave the same logits within rounding."""
+    eng.runner.fusion_graphs = None
+    eager, st_e = eng.score_fused(segs, [11, 12], mode, policy)
+    eng.runner.fusion_graphs = graphs
+    before = graphs.replays
+    replayed, st_g = eng.score_fused(segs, [11, 12], mode, policy)
+    assert graphs.replays > before
+    assert st_g.active_per_layer == st_e.active_per_layer
+    if st_e.recomputed_positions is not None and st_g.recomputed_positions is not None:
+        assert st_g.recomputed_positions.tolist() == st_e.recomputed_positions.tolist()
+    assert (replayed - eager).abs().max().item() < 1e-3 * eager.abs().max().item()
