@@ -275,9 +275,10 @@ def fuse_prefill(
                 must_keep=must_keep_h, share=share_h if shifting else None, mass_cap=policy.k_mass_cap, tail=lay.tail,
                 active_in=active_in, num_segments=lay.num_segments, first=first))
             if first is not None:
-                dev["ids"], dev["bounds"], dev["fusable"] = graphs.first_inputs(first)
+                dev["bounds"], dev["fusable"] = graphs.first_inputs(first)
         bounds_all, fusable = dev["bounds"], dev["fusable"]
-        hidden = block.embed_tokens(dev["ids"])
+        # a pass replaying from layer 0 embeds its tokens in that layer's graph
+        hidden = block.embed_tokens(dev["ids"]) if graph_from > 0 else None
         residual: torch.Tensor | None = None
         size_i, candidates = 0, lay.candidates
         counts: list[int] = []
@@ -353,12 +354,10 @@ def fuse_prefill(
             loader.ahead(li)
         if cap is not None:  # the rest from graphs: the checks (and the layers before them), then the steady layers
             assert graphs is not None
-            if graph_from > 0:  # the active tokens' state from the last eager layer
-                assert residual is not None  # every eager layer leaves one
+            if graph_from > 0:  # the active tokens' state from the last eager layer (else sent with the inputs)
+                assert hidden is not None and residual is not None  # every eager layer leaves them
                 graphs.stage(cap, hidden, residual, pos_at, act_slots, rows, active_segment, bounds_all[size_i],
                              lay.num_segments)
-            else:  # sent with the pass's inputs; the hidden state from the embedding
-                graphs.begin(hidden)
             early = [*first_shapes, *check_shapes]  # one per layer from graph_from up to the steady ones
             for li in range(graph_from, num_layers):
                 loader.get(li, ahead=False)  # the compute stream waits for the layer's stored KV

@@ -313,18 +313,12 @@ class FusionGraphs:
         cap.inputs.staged.send()
         self.staged.send()
 
-    def first_inputs(self, first: FirstInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The device views of what ``send`` staged for a pass replaying from layer 0: its active
-        tokens' ids, the bounds of each active-set size, and which positions are candidates."""
+    def first_inputs(self, first: FirstInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device views of what ``send`` staged for a pass replaying from layer 0 that the pass
+        reads itself: the bounds of each active-set size, and which positions are candidates (its
+        token ids are embedded by layer 0's graph)."""
         d = self.staged.device
-        sizes, n = len(first.sizes_bounds), len(first.fusable)
-        return d["ids"][: len(first.ids)], d["sizes_bounds"][:sizes], d["fusable"][:n]
-
-    def begin(self, hidden: torch.Tensor) -> None:
-        """Stage the first layer's hidden state (sent with ``PassInputs.first``). No residual yet: a
-        zero one, as ``x + 0`` normed is ``x`` normed."""
-        self.hidden[: hidden.shape[0]].copy_(hidden)
-        self.residual[: hidden.shape[0]].zero_()
+        return d["sizes_bounds"][: len(first.sizes_bounds)], d["fusable"][: len(first.fusable)]
 
     def stage(self, cap: _Capacity, hidden: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
               slots: torch.Tensor, rows: torch.Tensor, segment: torch.Tensor, bounds: torch.Tensor,
@@ -369,7 +363,13 @@ class FusionGraphs:
         self._back_call(layer, rows, q)
 
     def _first(self, shape: FirstShape, cap: _Capacity) -> None:
-        """A layer before the first check over the static buffers: every token active, no shift."""
+        """A layer before the first check over the static buffers: every token active, no shift. Layer
+        0's graph embeds the staged token ids first (no residual yet: a zero one, as ``x + 0`` normed is
+        ``x`` normed), three launches fewer on the host while the GPU waits for its first work."""
+        if shape.layer == 0:
+            embed = self.model.model.embed_tokens.weight
+            torch.index_select(embed, 0, self.staged.device["ids"][: shape.rows], out=self.hidden[: shape.rows])
+            self.residual[: shape.rows].zero_()
         q, *_ = self._front_call(shape.layer, shape.rows, cap, keep=False, shift=False)
         self._back_call(shape.layer, shape.rows, q)
 
