@@ -38,8 +38,7 @@ from ragfuse.kernels.stored_kv import segment_shift_ref, write_stored_kv_ref
 
 pytest.importorskip("triton")
 
-KERNEL_MODULES = ("norm_triton", "rope_triton", "merge_triton", "paged_attention_triton", "balanced_prefill_triton",
-                  "activation_triton",
+KERNEL_MODULES = ("norm_triton", "rope_triton", "merge_triton", "paged_attention_triton", "activation_triton",
                   "gemv_triton", "skinny_gemm_triton", "history_triton", "stored_kv_triton",
                   "question_attention_triton", "mass_direction_triton")
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -204,83 +203,6 @@ def test_prefill_at_scattered_positions_matches_reference(kern, heads, kv_heads,
         )
         assert rel_err(out, ref_out) < TOL[dtype], dtype
         assert rel_err(lse, ref_lse) < 1e-4, dtype
-
-
-@pytest.mark.parametrize("heads,kv_heads,head_dim", ATTN_SHAPES)
-@pytest.mark.parametrize("window", [None, 6])
-@pytest.mark.parametrize("pack", [False, True])
-@pytest.mark.parametrize("scattered", [False, True])
-def test_balanced_prefill_matches_reference(kern, heads, kv_heads, head_dim, window, pack, scattered) -> None:
-    """One sequence's prefill with its key steps dealt out over the programs: queries at scattered
-    positions or the last ones after a cached prefix, with runs that cut tiles into two or many pieces,
-    hold several whole tiles, or are one program for everything; and a grid sized for more queries than
-    the device count says (a CUDA graph's capacity), whose extra rows stay untouched."""
-    if kern.big:
-        seq_len, picks = 6500, [0, 3, 63, 64, 65, 200, 511, 512, *range(3000, 3300), 6000, 6499]
-        runs = [(None, 4), (7, 1), (300, 2)]
-        window = None if window is None else 700
-    else:
-        seq_len, picks = 53, [0, 1, 5, 16, 17, 31, 32, 33, 40, 52]
-        runs = [(1, 1), (3, 1), (5, 2), (64, 1)]
-    positions = picks if scattered else list(range(seq_len - len(picks), seq_len))
-    for dtype in kern.dtypes:
-        k_cache, v_cache, tables = make_cache([seq_len], kv_heads, head_dim, 16, dtype, kern.device)
-        q = torch.randn(len(picks) + 5, heads, head_dim, dtype=dtype, device=kern.device)
-        pos = torch.tensor(positions + [0] * 5, device=kern.device)
-        scale = head_dim**-0.5
-        ref_out, ref_lse = paged_attention_at_positions_ref(
-            q[: len(picks)].float(), pos[: len(picks)], k_cache.float(), v_cache.float(), tables[0], seq_len, scale,
-            window)
-        cu = torch.tensor([0, len(picks)], dtype=torch.int32, device=kern.device)
-        lens = torch.tensor([seq_len], dtype=torch.int32, device=kern.device)
-        for programs, min_steps in runs:
-            poison(kern.device, (q.shape, dtype), (q.shape[:2], torch.float32))
-            out, lse = kern.sequence_prefill_attention_triton(
-                q, k_cache, v_cache, tables, lens, cu, scale, window, max_query_len=q.shape[0],
-                q_positions=pos if scattered else None, pack=pack, balance=True, num_programs=programs,
-                min_steps=min_steps)
-            assert rel_err(out[: len(picks)], ref_out) < TOL[dtype], (dtype, programs)
-            assert rel_err(lse[: len(picks)], ref_lse) < 1e-4, (dtype, programs)
-            if kern.big:  # the CUDA allocator hands the poisoned block back; the CPU one may not
-                assert torch.isnan(out[len(picks) :]).all(), "a row past the device's query count was written"
-
-
-def test_balanced_prefill_without_queries_writes_nothing(kern) -> None:
-    """A graph's capture run: the device says no queries, and every program exits without writing
-    (checked where the allocator hands the poisoned block back: CUDA)."""
-    k_cache, v_cache, tables = make_cache([40], 2, 64, 16, torch.float32, kern.device)
-    q = torch.randn(8, 4, 64, device=kern.device)
-    zero = torch.zeros(2, dtype=torch.int32, device=kern.device)
-    poison(kern.device, (q.shape, torch.float32), (q.shape[:2], torch.float32))
-    out, _ = kern.sequence_prefill_attention_triton(q, k_cache, v_cache, tables, zero[1:], zero, 0.125,
-                                                     max_query_len=8, q_positions=torch.zeros(8, dtype=torch.int64,
-                                                                                              device=kern.device),
-                                                     balance=True)
-    assert not kern.big or torch.isnan(out).all()
-
-
-def test_sequence_prefill_keeps_the_per_tile_grid_where_it_fills_the_device(kern) -> None:
-    """Enough query tiles to fill the device ``PER_TILE_FROM`` times: one program a tile, the very
-    kernel (same bits) the varlen prefill runs; fewer: balanced, the same attention within tolerance."""
-    from ragfuse.kernels import balanced_prefill_triton as bp
-
-    heads, kv_heads, head_dim, seq_len = 4, 2, 64, 300
-    block_q = bp._prefill_tiles(head_dim, kern.device, True, True)[0] // 2
-    per_tile = int(bp.PER_TILE_FROM * bp._sm_count(kern.device)) // kv_heads + 1  # tiles that fill it
-    k_cache, v_cache, tables = make_cache([seq_len], kv_heads, head_dim, 16, torch.float32, kern.device)
-    lens = torch.tensor([seq_len], dtype=torch.int32, device=kern.device)
-    for tiles in (per_tile, 1):
-        rows = min(tiles * block_q, seq_len)
-        q = torch.randn(rows, heads, head_dim, device=kern.device)
-        pos = torch.arange(seq_len - rows, seq_len, device=kern.device)
-        cu = torch.tensor([0, rows], dtype=torch.int32, device=kern.device)
-        got = kern.sequence_prefill_attention_triton(q, k_cache, v_cache, tables, lens, cu, 0.125, q_positions=pos)
-        tile = kern.paged_prefill_attention_triton(q, k_cache, v_cache, tables, lens, cu, 0.125, q_positions=pos,
-                                                   num_splits=1, pack=True)
-        if tiles == per_tile:
-            assert torch.equal(got[0], tile[0]) and torch.equal(got[1], tile[1])
-        else:
-            assert rel_err(got[0], tile[0]) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", ATTN_SHAPES)

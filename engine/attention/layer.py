@@ -27,7 +27,6 @@ from ..ops import HAVE_TRITON, resolve_backend
 from .metadata import AttentionMetadata, RelayMetadata
 
 if HAVE_TRITON:
-    from ragfuse.kernels.balanced_prefill_triton import sequence_prefill_attention_triton
     from ragfuse.kernels.merge_triton import merge_attention_triton
     from ragfuse.kernels.paged_attention_triton import (
         paged_decode_attention_triton,
@@ -185,11 +184,9 @@ class Attention(nn.Module):
             if bounds is None:
                 bounds = torch.tensor([0, n, seq_len], dtype=torch.int32, device=q.device)
             cu, lens = bounds[:2], bounds[2:]
-            # one sequence: its key steps dealt out evenly over the multiprocessors, since its later
-            # queries see more keys than its earlier ones (kernels/balanced_prefill_triton.py)
-            ctx = sequence_prefill_attention_triton(
+            ctx = paged_prefill_attention_triton(
                 q, k_cache, v_cache, block_table, lens, cu, self.scale, self.sliding_window,
-                max_query_len=n, q_positions=q_positions,
+                max_query_len=n, q_positions=q_positions, max_seq_len=seq_len,
             )
             if relay is None:
                 return ctx
