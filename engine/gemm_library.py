@@ -8,14 +8,15 @@ cuBLASLt, while cuBLAS won the gate_up projection at the same rows (150 vs 161 u
 took 313 us with cuBLAS and 288 with cuBLASLt, twice its time at 416 or 512. No fixed rule holds across
 shapes, row counts and devices, so the choice is measured: while a CUDA graph's warm-up run executes
 (``cuda_graphs.capture_call``, inside ``measuring``), every product of more than ``MIN_ROWS`` rows whose
-sizes have no choice yet is timed with both libraries, its weights evicted from L2 before each timed
-call (by writing a buffer of twice the L2's size) as in a real forward, where the other layers' weights
-pass through L2 in between; cuBLASLt is kept for those sizes only where it is faster by ``MARGIN``.
+sizes have no choice yet is timed with both libraries, each call captured in a graph of its own as it
+will run, its weights evicted from L2 before each timed replay (by writing a buffer of twice the L2's
+size) as in a real forward, where the other layers' weights pass through L2 in between; cuBLASLt is kept
+for those sizes only where it is faster by ``MARGIN``.
 Later calls of those sizes, replayed from graphs or eager, use the choice; sizes never measured use
 PyTorch's default (cuBLAS). Measuring happens only where a graph is captured, once per size (a prefill
 bucket or a fusion capacity met for the first time, a capture that already takes tens of ms; each product
-adds its 17 timed calls, a few ms), not in eager calls: an eager prefill meets a new row count with nearly
-every prompt.
+adds two captures and 16 replays, a few ms), not in eager calls: an eager prefill meets a new row count
+with nearly every prompt.
 
 The choice is applied by switching ``torch.backends.cuda.preferred_blas_library`` around the one
 call. That setting is process-wide: a matmul another thread issues at that moment would go to the
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 
 MIN_ROWS = 64  # up to here the few-row Triton kernels or cuBLAS's own small-matrix paths serve
 MARGIN = 0.97  # cuBLASLt is kept where it takes at most this share of cuBLAS's time
-_REPEATS = 7  # timed calls per library, alternating, median kept
+_REPEATS = 7  # timed replays per library, alternating, median kept
 
 _Key = tuple[int, int, int, int, torch.dtype, bool]
 _chosen: dict[_Key, str] = {}  # sizes -> "cublas" or "cublaslt"
@@ -104,8 +105,11 @@ def _library(name: str) -> Iterator[None]:
 
 
 def _measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
-    """"cublaslt" where it beats cuBLAS by ``MARGIN`` on this product, each timed L2-cold, alternating;
-    "cublas" otherwise, also where cuBLASLt refuses the product (a build or dtype without it)."""
+    """"cublaslt" where it beats cuBLAS by ``MARGIN`` on this product, "cublas" otherwise, also where
+    cuBLASLt refuses the product (a build or dtype without it). Each library's call is captured in a
+    graph of its own and the replays are timed L2-cold, alternating: the products run from graphs, where
+    some of cuBLASLt's algorithms cost more than their call did eagerly (a workspace memset before the
+    product is a graph node of its own, with ~6 us of idle GPU on each side of it)."""
     flush = getattr(_state, "flush", None)
     if flush is None or flush.device != x.device:
         size = 2 * torch.cuda.get_device_properties(x.device).L2_cache_size
@@ -115,17 +119,23 @@ def _measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
             F.linear(x, weight, bias)
     except RuntimeError:  # cuBLASLt refused it (cuBLAS failing would raise again below, not be hidden)
         return "cublas"
+    graphs: dict[str, torch.cuda.CUDAGraph] = {}
+    for name in ("cublas", "cublaslt"):
+        with _library(name):
+            F.linear(x, weight, bias)  # picks its algorithm outside the capture
+            graphs[name] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[name], capture_error_mode="thread_local"):
+                F.linear(x, weight, bias)
     times: dict[str, list[float]] = {"cublas": [], "cublaslt": []}
     for i in range(_REPEATS + 1):
         for name, taken in times.items():
-            with _library(name):
-                flush.zero_()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                F.linear(x, weight, bias)
-                end.record()
-                end.synchronize()
-            if i:  # the first call of each picks its algorithm and warms up
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs[name].replay()
+            end.record()
+            end.synchronize()
+            if i:  # the first replay of each warms up
                 taken.append(start.elapsed_time(end))
     lt = statistics.median(times["cublaslt"]) <= MARGIN * statistics.median(times["cublas"])
     return "cublaslt" if lt else "cublas"

@@ -357,21 +357,29 @@ class FusionGraphs:
         return self.hidden[:active], self.residual[:active], self.positions[:active]
 
     def _step(self, layer: int, mass_cap: bool, cap: _Capacity) -> None:
-        """One steady layer over the static buffers; its outputs overwrite its inputs."""
+        """One steady layer over the static buffers; its outputs overwrite its inputs (layer 0: a pass
+        without checks, replayed from its start, embeds its tokens first)."""
         rows = cap.rows
+        if layer == 0:
+            self._embed(rows)
         q, *_ = self._front_call(layer, rows, cap, keep=False, mass_cap=mass_cap)
         self._back_call(layer, rows, q)
 
     def _first(self, shape: FirstShape, cap: _Capacity) -> None:
-        """A layer before the first check over the static buffers: every token active, no shift. Layer
-        0's graph embeds the staged token ids first (no residual yet: a zero one, as ``x + 0`` normed is
-        ``x`` normed), three launches fewer on the host while the GPU waits for its first work."""
+        """A layer before the first check over the static buffers: every token active, no shift (layer 0
+        embeds the pass's tokens first)."""
         if shape.layer == 0:
-            embed = self.model.model.embed_tokens.weight
-            torch.index_select(embed, 0, self.staged.device["ids"][: shape.rows], out=self.hidden[: shape.rows])
-            self.residual[: shape.rows].zero_()
+            self._embed(shape.rows)
         q, *_ = self._front_call(shape.layer, shape.rows, cap, keep=False, shift=False)
         self._back_call(shape.layer, shape.rows, q)
+
+    def _embed(self, rows: int) -> None:
+        """The staged token ids' embeddings into the static hidden state, for a pass replayed from layer 0
+        (three launches fewer on the host while the GPU waits for its first work); no residual yet: a
+        zero one, as ``x + 0`` normed is ``x`` normed."""
+        embed = self.model.model.embed_tokens.weight
+        torch.index_select(embed, 0, self.staged.device["ids"][:rows], out=self.hidden[:rows])
+        self.residual[:rows].zero_()
 
     def _check(self, shape: CheckShape, cap: _Capacity) -> None:
         """One check layer over the static buffers, narrowing the active rows' state in place."""
