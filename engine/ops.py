@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
+from collections.abc import Callable
 
 import torch
 
@@ -29,7 +31,7 @@ HAVE_TRITON = importlib.util.find_spec("triton") is not None
 if HAVE_TRITON:
     from ragfuse.kernels.activation_triton import silu_mul_triton
     from ragfuse.kernels.gemv_triton import gemv_triton
-    from ragfuse.kernels.mass_direction_triton import cap_k_shift_triton
+    from ragfuse.kernels.mass_direction_triton import cap_from_parts_triton, mass_parts_like, mass_parts_triton
     from ragfuse.kernels.norm_triton import fused_add_rms_norm_triton, rms_norm_triton
     from ragfuse.kernels.question_attention_triton import question_attention_triton
     from ragfuse.kernels.rope_triton import apply_rope_qk_triton, apply_rope_triton
@@ -140,15 +142,49 @@ def write_stored_kv(
     return fn(k, v, positions, cos, sin, *kv_cache, slots, shift, keep)
 
 
-def cap_k_shift(
-    mk: torch.Tensor, q: torch.Tensor, ok: torch.Tensor, k: torch.Tensor, at: torch.Tensor, cos: torch.Tensor,
-    sin: torch.Tensor, bounds: torch.Tensor, limit: torch.Tensor, scale: float,
-) -> torch.Tensor:
-    """The stale K shift with each segment's move of the question's attention mass capped
-    (``kernels.mass_direction.cap_k_shift_ref``): two launches on CUDA, where the torch ops took half
-    of a fused pass."""
-    fn = cap_k_shift_triton if _triton(q) else cap_k_shift_ref
-    return fn(mk, q, ok, k, at, cos, sin, bounds, limit, scale)
+def begin_k_mass_cap(
+    q: torch.Tensor, ok: torch.Tensor, k: torch.Tensor, at: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    bounds: torch.Tensor, limit: torch.Tensor, scale: float,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The stale K shift's cap (``kernels.mass_direction.cap_k_shift_ref``) in two steps: this call
+    starts the question's mass direction over the stored K, which needs no shift; the function it
+    returns caps a K shift ``mk`` with it. On CUDA the direction's walk (~30 us a layer, few programs)
+    runs on a side stream, beside what the caller launches before capping (the shift's segment means,
+    ~11 us), and the capping joins it; inside a CUDA graph that is a fork and a join of the graph's
+    branches. On CPU the reference needs the shift to skip segments it cannot bind, so all of it runs
+    when the shift is capped."""
+    if not _triton(q):
+        return lambda mk: cap_k_shift_ref(mk, q, ok, k, at, cos, sin, bounds, limit, scale)
+    main = torch.cuda.current_stream(q.device)
+    side = _side_stream(q.device)
+    # made on this stream: the side stream only writes it, and this one waits for that before reading
+    # it or letting it go (so does every input the side stream reads)
+    parts = mass_parts_like(q, k, bounds)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        mass_parts_triton(q, ok, k, at, cos, sin, bounds, scale, out=parts)
+    group = q.shape[1] // k.shape[1]
+
+    read = [q, k, at, cos, sin, bounds]  # held to the join: freed earlier, this stream could reuse them
+
+    def cap(mk: torch.Tensor) -> torch.Tensor:
+        main.wait_stream(side)
+        read.clear()
+        return cap_from_parts_triton(parts, mk, ok, limit, scale, group)
+
+    return cap
+
+
+_side = threading.local()
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """This thread's side stream on ``device`` (a stream per thread: one capturing a graph puts its
+    stream in that capture)."""
+    streams = _side.__dict__.setdefault("streams", {})
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device)
+    return streams[device]
 
 
 def question_attention(

@@ -102,11 +102,13 @@ def _mass_direction_kernel(
         tl.store(out + HALF, su2, mask=f_ok)
 
 
-def _mass_parts(
+def mass_parts_triton(
     q: torch.Tensor, ok: torch.Tensor, k: torch.Tensor, at: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    bounds: torch.Tensor, scale: float,
+    bounds: torch.Tensor, scale: float, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Each row block's sum of ``u`` [row blocks, segments, KVH, D] float32."""
+    """The cap's first launch: each row block's sum of ``u`` [row blocks, segments, KVH, D] float32,
+    into ``out`` where given (``mass_parts_like``). It reads no shift, so it may run beside the work that
+    makes one (``ops.begin_k_mass_cap``)."""
     w_rows, heads, dim = q.shape
     kv_heads, half = k.shape[1], dim // 2
     group = heads // kv_heads
@@ -114,9 +116,8 @@ def _mass_parts(
     if k.stride(-1) != 1:
         k = k.contiguous()
     segments = bounds.shape[0] - 1
-    row_blocks = triton.cdiv(w_rows * group, _BLOCK_R)
-    parts = torch.empty(row_blocks, segments, kv_heads, dim, dtype=torch.float32, device=q.device)
-    _mass_direction_kernel[(kv_heads, row_blocks, min(segments, _SEGMENT_PROGRAMS))](
+    parts = mass_parts_like(q, k, bounds) if out is None else out
+    _mass_direction_kernel[(kv_heads, parts.shape[0], min(segments, _SEGMENT_PROGRAMS))](
         q, ok, k, at, cos, sin, bounds, parts, w_rows, segments, scale * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
         GROUP=group, HALF=half, BLOCK_H=max(16, triton.next_power_of_2(half)), BLOCK_R=_BLOCK_R, BLOCK_T=_BLOCK_T,
@@ -125,13 +126,21 @@ def _mass_parts(
     return parts
 
 
+def mass_parts_like(q: torch.Tensor, k: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """An empty buffer for ``mass_parts_triton``'s row-block sums of queries ``q`` [W, H, D] over stored
+    K ``k`` [T, KVH, D] in ``bounds.shape[0] - 1`` segments."""
+    w_rows, heads, dim = q.shape
+    row_blocks = triton.cdiv(w_rows * (heads // k.shape[1]), _BLOCK_R)
+    return torch.empty(row_blocks, bounds.shape[0] - 1, k.shape[1], dim, dtype=torch.float32, device=q.device)
+
+
 def mass_direction_triton(
     q: torch.Tensor, ok: torch.Tensor, k: torch.Tensor, at: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     bounds: torch.Tensor, scale: float,
 ) -> torch.Tensor:
     """Same contract as ``mass_direction.mass_direction_ref``, any even head_dim. Launch sizes depend on
     the shapes alone and nothing is read on the host: CUDA-graph safe."""
-    parts = _mass_parts(q, ok, k, at, cos, sin, bounds, scale)
+    parts = mass_parts_triton(q, ok, k, at, cos, sin, bounds, scale)
     return parts.sum(0) / (ok.sum() * (q.shape[1] // k.shape[1])).clamp(min=1)
 
 
@@ -157,17 +166,25 @@ def _cap_kernel(
     tl.store(out_ptr + sg * DIM + d, delta - cut * ub, mask=d_ok)
 
 
+def cap_from_parts_triton(
+    parts: torch.Tensor, mk: torch.Tensor, ok: torch.Tensor, limit: torch.Tensor, scale: float, group: int,
+) -> torch.Tensor:
+    """The cap's second launch: ``mk`` [segments, KVH, D] capped with the row blocks' sums ``parts``
+    (``mass_parts_triton``) of ``ok.shape[0]`` question rows over ``group`` query heads a KV head."""
+    segments, kv_heads, dim = mk.shape
+    out = torch.empty_like(mk)
+    _cap_kernel[(segments * kv_heads,)](
+        parts, mk.contiguous(), ok, limit, out, ok.shape[0], parts.shape[0], segments * kv_heads * dim,
+        group, scale, DIM=dim, BLOCK_D=triton.next_power_of_2(dim),
+        BLOCK_W=max(16, triton.next_power_of_2(ok.shape[0])), num_warps=1,
+    )
+    return out
+
+
 def cap_k_shift_triton(
     mk: torch.Tensor, q: torch.Tensor, ok: torch.Tensor, k: torch.Tensor, at: torch.Tensor, cos: torch.Tensor,
     sin: torch.Tensor, bounds: torch.Tensor, limit: torch.Tensor, scale: float,
 ) -> torch.Tensor:
     """Same contract as ``mass_direction.cap_k_shift_ref``: two launches."""
-    segments, kv_heads, dim = mk.shape
-    parts = _mass_parts(q, ok, k, at, cos, sin, bounds, scale)
-    out = torch.empty_like(mk)
-    _cap_kernel[(segments * kv_heads,)](
-        parts, mk.contiguous(), ok, limit, out, q.shape[0], parts.shape[0], segments * kv_heads * dim,
-        q.shape[1] // kv_heads, scale, DIM=dim, BLOCK_D=triton.next_power_of_2(dim),
-        BLOCK_W=max(16, triton.next_power_of_2(q.shape[0])), num_warps=1,
-    )
-    return out
+    parts = mass_parts_triton(q, ok, k, at, cos, sin, bounds, scale)
+    return cap_from_parts_triton(parts, mk, ok, limit, scale, q.shape[1] // mk.shape[1])

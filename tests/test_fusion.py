@@ -15,7 +15,7 @@ from ragfuse.engine.fusion.stale_shift import (
     QUESTION_WINDOW,
     MassCap,
     ShiftIndex,
-    cap_k_mass,
+    begin_k_mass_cap,
     question_rows,
     segment_bounds,
     segment_shift,
@@ -211,7 +211,7 @@ def _mass_move(q, k_st, at, rotary, scale, segment, s, g, delta):
 
 @pytest.mark.parametrize("limit", [0.05, 0.5, 1e6])
 def test_k_mass_cap_bounds_the_question_mass_move_of_each_segment_and_head(limit):
-    """The move ``cap_k_mass`` caps is the first-order change of the question's log attention mass on
+    """The move ``begin_k_mass_cap``'s capper caps is the first-order change of the question's log attention mass on
     a segment (checked here by a finite difference of the mass itself); after the cap no segment and
     KV head moves more than ``limit``, the ones under it keep their shift, and only along the
     direction of the move: the shift's component across it is untouched."""
@@ -221,7 +221,7 @@ def test_k_mass_cap_bounds_the_question_mass_move_of_each_segment_and_head(limit
     cap = MassCap(torch.tensor([limit]), torch.arange(2, 6), torch.ones(4, dtype=torch.bool), bounds)  # last 4 rows
     index = ShiftIndex(torch.tensor([0.5, 0.5]), torch.zeros(6, dtype=torch.long), torch.full((6,), 3),
                        segment, 4, cap)
-    capped = cap_k_mass(mk, index, q, k_st, at, rotary, scale)
+    capped = begin_k_mass_cap(index, q, k_st, at, rotary, scale)(mk)
     qq = q[2:]
     for s in range(3):
         for g in range(2):
@@ -252,7 +252,7 @@ def test_k_mass_cap_reads_only_the_real_question_rows():
         cap = MassCap(torch.tensor([0.1]), torch.tensor(rows), torch.tensor(ok),
                       torch.from_numpy(segment_bounds(segment.numpy(), 4)))
         index = ShiftIndex(share, torch.zeros(6, dtype=torch.long), torch.full((6,), 3), segment, 4, cap)
-        return cap_k_mass(mk, index, q, k_st, at, rotary, 8 ** -0.5)
+        return begin_k_mass_cap(index, q, k_st, at, rotary, 8 ** -0.5)(mk)
 
     exact = capped([3, 4, 5], [True, True, True])
     padded = capped([3, 4, 5, 5, 0], [True, True, True, False, False])

@@ -97,7 +97,7 @@ class CheckShape:
     metric: str
     attention_weight: float
     revert: bool
-    mass_cap: bool  # the K shift capped by the question (``stale_shift.cap_k_mass``)
+    mass_cap: bool  # the K shift capped by the question (``stale_shift.begin_k_mass_cap``)
 
     @classmethod
     def of(cls, layer: int, active_in: int, active_out: int, prompt: int, tail: int,

@@ -15,7 +15,7 @@ from torch import nn
 from .. import ops
 from ..attention import RelayMetadata
 from ..layers import RotaryEmbedding
-from .stale_shift import ShiftIndex, cap_k_mass, segment_shift
+from .stale_shift import ShiftIndex, begin_k_mass_cap, segment_shift
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -52,10 +52,11 @@ def front(
         k_st, v_st, at, st_slots = stored
         moved = None
         if shift is not None:
+            # the question's queries bound how far the K shift moves its attention: what of that needs
+            # no shift runs beside the shift's means
+            capper = begin_k_mass_cap(shift, q, k_st, at, rotary, attn.scale) if shift.cap is not None else None
             mk, mv, segment = segment_shift(shift, k_raw, v, k_st, v_st)
-            if shift.cap is not None:  # the question's queries bound how far the K shift moves its attention
-                mk = cap_k_mass(mk, shift, q, k_st, at, rotary, attn.scale)
-            moved = (mk, mv, segment)
+            moved = (capper(mk) if capper is not None else mk, mv, segment)
         written = ops.write_stored_kv(k_st, v_st, at, rotary.cos, rotary.sin, kv_cache, st_slots, moved, keep)
     attn.store(k, v, kv_cache, slots)
     return q, k_raw, v, residual, written

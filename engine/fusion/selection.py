@@ -78,7 +78,7 @@ class SelectionPolicy:
         both (0.816 vs 0.820, 0.890 vs 0.901; results/fusion-quality/metric-kv-all-cases.md), so V stays.
 
         The K shift's move of the question's attention mass on a passage is capped at 2 nats
-        (``k_mass_cap``, ``stale_shift.cap_k_mass``): all 75 MuSiQue cases kl_tf 0.0486 -> 0.0425
+        (``k_mass_cap``, ``stale_shift.begin_k_mass_cap``): all 75 MuSiQue cases kl_tf 0.0486 -> 0.0425
         (gap_closed 0.582 -> 0.634, f1_full 0.820 -> 0.817), all 51 2WikiMQA 0.0162 -> 0.0160 (0.767
         -> 0.769, f1_full 0.901 both; results/fusion-quality/k-mass-cap-engine). On MuSiQue 20-49 a cap
         of 1.5 did as well (0.0403 vs 0.0404, better on fewer cases), 3 worse (0.0416), 1 worse on the
@@ -97,7 +97,7 @@ class SelectionPolicy:
         return (self.stale_shift if self.stale_shift_k is None else self.stale_shift_k), self.stale_shift
 
     def caps_k_mass(self) -> bool:
-        """Whether the K shift is capped (``stale_shift.cap_k_mass``): only a K shift has a move to cap."""
+        """Whether the K shift is capped (``stale_shift.begin_k_mass_cap``): only a K shift has a move to cap."""
         return self.k_mass_cap > 0 and self.shift_shares()[0] > 0
 
     def with_ratio(self, ratio: float) -> SelectionPolicy:

@@ -20,7 +20,7 @@ Adding one vector to all of a passage's K (before RoPE) moves the question's log
 that passage, to first order by ``scale * u . delta``, where ``u`` is the question's query
 rotated back through RoPE and averaged with its softmax weights over the passage's tokens. On a few
 passages that move overshoots the truth by several nats (MuSiQue case 54, a passage at layer 18:
--4.6 where the fresh KV moves -1.3), and the question then reads the wrong passage. ``cap_k_mass``
+-4.6 where the fresh KV moves -1.3), and the question then reads the wrong passage. ``begin_k_mass_cap``
 caps the move: per passage and KV head, where ``|scale * mean(u) . delta|`` exceeds the policy's
 ``k_mass_cap``, just enough of ``delta`` along ``mean(u)`` is removed to bring it to the cap, and the
 rest of the shift is kept (results/fusion-quality/k-shift-mass-cap.md).
@@ -28,6 +28,7 @@ rest of the shift is kept (results/fusion-quality/k-shift-mass-cap.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,7 +42,7 @@ QUESTION_WINDOW = 64  # the question's last tokens whose queries measure the K s
 
 @dataclass
 class MassCap:
-    """What ``cap_k_mass`` reads besides the shift: ``limit`` [1] the cap in nats (a tensor, so a
+    """What ``begin_k_mass_cap`` reads besides the shift: ``limit`` [1] the cap in nats (a tensor, so a
     captured graph reads the policy's value at replay), ``rows`` [W] the active rows of the question's
     last tokens, ``ok`` [W] which of them are real (a graph pads them to ``QUESTION_WINDOW``),
     ``bounds`` [segments + 1] the stored rows of each segment (``bounds[s]:bounds[s + 1]``). The bounds
@@ -99,20 +100,22 @@ def segment_shift(
     return mk, mv, index.stored_segment
 
 
-def cap_k_mass(
-    mk: torch.Tensor, index: ShiftIndex, q: torch.Tensor, k_st: torch.Tensor, at: torch.Tensor,
-    rotary: RotaryEmbedding, scale: float,
-) -> torch.Tensor:
-    """The K shift ``mk`` [segments, KVH, D] with each segment's first-order move of the question's
-    log attention mass capped at ``index.cap.limit`` nats per KV head.
+def begin_k_mass_cap(
+    index: ShiftIndex, q: torch.Tensor, k_st: torch.Tensor, at: torch.Tensor, rotary: RotaryEmbedding, scale: float,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Start capping the K shift: returns the function that takes the shift ``mk`` [segments, KVH, D]
+    and gives it back with each segment's first-order move of the question's log attention mass capped
+    at ``index.cap.limit`` nats per KV head. What needs no shift (the question's mass direction over
+    the stored K) starts now, beside the shift's own means on CUDA (``ops.begin_k_mass_cap``).
 
     ``q`` [active, H, D]: the active rows' queries, rotated; ``k_st`` [stored, KVH, D] the stored K
-    before RoPE and ``at`` its model positions (``ops.cap_k_shift``: ``ub`` is the mean over the
-    question's tokens and the KV head's query heads of the direction in which adding delta to a
-    segment's K moves the query's log attention mass on it, the move ``m = scale * ub . delta``;
-    where ``|m| > limit``, ``(|m| - limit) * sign(m) / (scale * |ub|^2) * ub`` comes off delta).
-    Fixed shapes and no host reads: it runs inside the fused prefill's CUDA graphs."""
+    before RoPE and ``at`` its model positions (``ub`` is the mean over the question's tokens and the KV
+    head's query heads of the direction in which adding delta to a segment's K moves the query's log
+    attention mass on it, the move ``m = scale * ub . delta``; where ``|m| > limit``,
+    ``(|m| - limit) * sign(m) / (scale * |ub|^2) * ub`` comes off delta). Fixed shapes and no host
+    reads: it runs inside the fused prefill's CUDA graphs."""
     cap = index.cap
     assert cap is not None
-    return ops.cap_k_shift(mk, q.index_select(0, cap.rows), cap.ok, k_st, at, rotary.cos, rotary.sin, cap.bounds,
-                           cap.limit, scale)
+    return ops.begin_k_mass_cap(q.index_select(0, cap.rows), cap.ok, k_st, at, rotary.cos, rotary.sin, cap.bounds,
+                                cap.limit, scale)
+
