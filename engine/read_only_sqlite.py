@@ -5,13 +5,16 @@ the database open: the last writer to close removes it, and a reader on a read-o
 make it. Without it, ``immutable`` is the only way in, and it reads the file as it is, with no locks
 and no WAL, which is right only as long as nobody writes. A read-only bind of a store that is still
 written (an ingest beside serving replicas) then read stale data, and after a checkpoint "database
-disk image is malformed". So a connection is kept only while the files stay as they were: before
-each query the database file, its WAL and its ``-shm`` are looked at again (three ``stat`` calls),
-and the connection is opened anew where they changed (``mode=ro`` whenever a writer's ``-shm`` is
+disk image is malformed". So an immutable connection is kept only while the files stay as they were:
+before each query the database file, its WAL and its ``-shm`` are looked at again (three ``stat``
+calls), and the connection is opened anew where they changed (``mode=ro`` whenever a writer's ``-shm`` is
 there); a query that still meets a changing file is retried once on a fresh connection. A store
-nobody writes, the common case, never reopens. A WAL left with changes but without its ``-shm`` (a
-writer killed, the file lost) cannot be read without losing those changes: that is an error, not
-older data served.
+nobody writes, the common case, never reopens. Nor does one opened ``mode=ro`` beside a writer: it
+takes part in SQLite's WAL protocol (it reads the writer's ``-shm``, and its lock there keeps the last
+writer from removing the WAL), so every query sees the last commit; reopening it whenever the files
+changed made a reader of a store under constant writes reopen at every commit. A WAL left with
+changes but without its ``-shm`` (a writer killed, the file lost) cannot be read without losing those
+changes: that is an error, not older data served.
 """
 
 from __future__ import annotations
@@ -48,11 +51,13 @@ class ReadOnlyDatabase:
         self._lock = threading.Lock()  # the connectors read from worker threads
         self._db, self._stamp = self._open()
 
-    def _open(self) -> tuple[sqlite3.Connection, _Stamps]:
+    def _open(self) -> tuple[sqlite3.Connection, _Stamps | None]:
+        """A connection, and the files' stamps where it is a snapshot that must be reopened once they
+        change (``immutable``); None where SQLite follows the writer itself (``mode=ro``)."""
         stamp = _stamps(self.path)
         uri = self.path.resolve().as_uri()
         try:
-            return _probed(f"{uri}?mode=ro", self._probe), stamp
+            return _probed(f"{uri}?mode=ro", self._probe), None
         except sqlite3.OperationalError:  # no -shm, and none can be made here
             wal = stamp[1]
             if wal is not None and wal[2] > 0:
@@ -63,7 +68,7 @@ class ReadOnlyDatabase:
 
     def execute(self, sql: str, args: Sequence[object] = ()) -> Rows:
         with self._lock:
-            if _stamps(self.path) != self._stamp:
+            if self._stamp is not None and _stamps(self.path) != self._stamp:
                 self._reopen()
             try:
                 return Rows(self._db.execute(sql, args).fetchall())

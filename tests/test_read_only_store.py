@@ -25,6 +25,7 @@ import torch
 from ragfuse.cli import main
 from ragfuse.docstore import DocStore
 from ragfuse.engine.kvstore import DiskTier, KVStoreError, TieredKVStore
+from ragfuse.engine.read_only_sqlite import ReadOnlyDatabase
 from ragfuse.engine.sessions.store import hold_sessions
 from ragfuse.rag_store import RagStore
 from ragfuse.store_dir import StoreError
@@ -145,6 +146,26 @@ def test_a_docstore_opened_read_only_creates_nothing(tmp_path):
     with pytest.raises(StoreError, match="cannot open the docstore"):
         DocStore(tmp_path / "none.sqlite", read_only=True)
     assert not (tmp_path / "none.sqlite").exists()
+
+
+def test_a_reader_beside_a_writer_reads_each_commit_on_one_connection(tmp_path):
+    """Opened while a writer has the database open (its -shm there: ``mode=ro``), the reader takes part
+    in SQLite's WAL protocol: it reads every commit as it lands, on the connection it opened, where it
+    reopened at each commit before (the files' stamps change with every write)."""
+    path = tmp_path / "db.sqlite"
+    writer = sqlite3.connect(path, isolation_level=None)
+    writer.execute("PRAGMA journal_mode=WAL")
+    writer.execute("CREATE TABLE t (x INTEGER)")
+    reader = ReadOnlyDatabase(path)
+    first = reader._db
+    try:
+        for i in range(5):
+            writer.execute("INSERT INTO t VALUES (?)", (i,))
+            assert reader.execute("SELECT COUNT(*), MAX(x) FROM t").fetchone() == (i + 1, i)
+        assert reader._db is first
+    finally:
+        reader.close()
+        writer.close()
 
 
 def _unshare_works(tmp_path: Path) -> bool:
