@@ -118,4 +118,3 @@ def begin_k_mass_cap(
     assert cap is not None
     return ops.begin_k_mass_cap(q.index_select(0, cap.rows), cap.ok, k_st, at, rotary.cos, rotary.sin, cap.bounds,
                                 cap.limit, scale)
-
