@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
@@ -10,6 +11,8 @@ import torch
 from safetensors import safe_open
 
 from ragfuse.engine.kvstore import DiskTier, MemoryTier, StoredKV, TieredKVStore, kv_key
+from ragfuse.engine.kvstore import disk as disk_module
+from ragfuse.engine.kvstore.source import LayerwiseSource, open_source
 from tests.kvstore_helpers import LAYERS, make_entry, same
 
 
@@ -107,6 +110,42 @@ def test_disk_layout_is_safetensors_readable_layer_by_layer(tmp_path):
         k, v = e.layer(LAYERS - 1)
         layer = reader.read_layer(LAYERS - 1)
         assert torch.equal(layer[0], k) and torch.equal(layer[1], v)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise on this platform")
+def test_a_layer_source_asks_the_kernel_for_the_next_layers_and_reads_on_without_it(tmp_path, monkeypatch):
+    e = make_entry(7, dtype=torch.bfloat16)
+    store = TieredKVStore([DiskTier(tmp_path, capacity_bytes=1 << 30)])
+    store.put(e)
+    nbytes = e.meta.layer_nbytes
+    monkeypatch.setattr(disk_module, "READ_AHEAD_BYTES", 3 * nbytes)  # three layers at most
+    advised: list[tuple[int, int]] = []
+    real = os.posix_fadvise
+
+    def spy(fd: int, offset: int, length: int, advice: int) -> None:
+        assert advice == os.POSIX_FADV_WILLNEED
+        advised.append((offset, length))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(disk_module.os, "posix_fadvise", spy)
+    src = open_source(store, e.key)
+    assert isinstance(src, LayerwiseSource)
+    base = src._reader._base
+    for i in range(LAYERS):
+        k, v = src.load_layer(i)
+        assert torch.equal(k, e.layer(i)[0]) and torch.equal(v, e.layer(i)[1])
+    src.finish()
+    # from each layer's start: two layers at the first, growing to the limit, never past the last layer
+    assert LAYERS == 4 and advised == [(base, 2 * nbytes), (base + nbytes, 3 * nbytes),
+                                       (base + 2 * nbytes, 2 * nbytes), (base + 3 * nbytes, nbytes)]
+
+    def failing(*_args: object) -> None:
+        raise OSError(22, "not supported here")
+
+    monkeypatch.setattr(disk_module.os, "posix_fadvise", failing)
+    src = open_source(store, e.key)
+    assert all(torch.equal(src.load_layer(i)[1], e.layer(i)[1]) for i in range(LAYERS))
+    src.finish()
 
 
 def test_get_or_compute_computes_only_missing(tmp_path):

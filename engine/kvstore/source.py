@@ -76,6 +76,8 @@ class LayerwiseSource:
         """Raises ``CorruptEntryError`` when the layer fails its checksum: the caller drops the
         entry (``drop``) and recomputes the chunk, never serving what was read; and
         ``UnreadableEntryError`` when it cannot be read at all: the caller recomputes the chunk."""
+        if self._reader is not None:  # the next layers on their way before this read waits for the lock
+            self._reader.read_ahead(layer)
         with self._lock:
             try:
                 if self._reader is not None:

@@ -180,6 +180,7 @@ def disk_source(
     lock = threading.Lock()  # one file offset: the loader's two workers take turns
 
     def read(i: int) -> torch.Tensor:
+        reader.read_ahead(i)  # the next layers on their way before this read waits for the lock
         with lock:
             return reader.read_layer(i, ring[i % len(ring)])
 
