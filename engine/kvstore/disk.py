@@ -149,8 +149,9 @@ class DiskEntryReader:
         only: where the kernel does not take it (or the file was closed meanwhile), the reads go on."""
         if not hasattr(os, "posix_fadvise") or not 0 <= i < len(self._offsets):
             return
-        start = self._base + self._offsets[i][0]
-        end = min(start + min(READ_AHEAD_BYTES, (i + 2) * self.meta.layer_nbytes), self._end)
+        first, last = self._offsets[i]
+        start = self._base + first
+        end = min(start + min(READ_AHEAD_BYTES, (i + 2) * (last - first)), self._end)
         if end > start:
             with contextlib.suppress(OSError, ValueError):
                 os.posix_fadvise(self._f.fileno(), start, end - start, os.POSIX_FADV_WILLNEED)
