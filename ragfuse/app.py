@@ -102,6 +102,31 @@ _SHARED: dict[tuple, object] = {}
 _SHARED_LOCK = threading.Lock()
 
 
+def _shared_engine(store: str | None, model: str | None, device: str) -> tuple[str | None, str, str, LLMEngine]:
+    """(store folder, model, device, engine) of ``shared_engine``; the caller holds ``_SHARED_LOCK``."""
+    if store is not None:
+        store = str(ingested_store(store)[0])
+    model = serving_model(store, model)
+    # keyed by the device "auto" resolves to: frameworks asking for "auto" and "cpu" on a CPU box
+    # share one engine rather than load the model twice
+    device = str(EngineConfig(model=model, device=device).resolve_device())
+    ekey = ("engine", model, device)
+    if ekey not in _SHARED:
+        _SHARED[ekey] = LLMEngine(EngineConfig(model=model, device=device))
+    engine = _SHARED[ekey]
+    assert isinstance(engine, LLMEngine)
+    return store, model, device, engine
+
+
+def shared_engine(store: str | None, model: str | None = None, device: str = "auto") -> LLMEngine:
+    """The engine serving ``store`` (its model, or ``model``) in this process, loaded once per model and
+    device. What needs only the model (a framework's context window, its token counts) takes this, not
+    ``shared_pipeline``: a pipeline with the accuracy gate calibrates r* when it is made (minutes on a CPU
+    the first time), which making a LlamaIndex query engine, reading its LLM's context window, waited for."""
+    with _SHARED_LOCK:
+        return _shared_engine(store, model, device)[3]
+
+
 def shared_pipeline(store: str | None, model: str | None = None, device: str = "auto", gate: bool = True,
                     ) -> RagPipeline:
     """The pipeline for ``store`` (None: no store, every prompt prefilled) in this process, made once.
@@ -110,17 +135,7 @@ def shared_pipeline(store: str | None, model: str | None = None, device: str = "
     test case, and are cheap to create: they share one engine per model and device, loaded on first use,
     and one pipeline per store."""
     with _SHARED_LOCK:
-        if store is not None:
-            store = str(ingested_store(store)[0])
-        model = serving_model(store, model)
-        # keyed by the device "auto" resolves to: frameworks asking for "auto" and "cpu" on a CPU box
-        # share one engine rather than load the model twice
-        device = str(EngineConfig(model=model, device=device).resolve_device())
-        ekey = ("engine", model, device)
-        if ekey not in _SHARED:
-            _SHARED[ekey] = LLMEngine(EngineConfig(model=model, device=device))
-        engine = _SHARED[ekey]
-        assert isinstance(engine, LLMEngine)
+        store, model, device, engine = _shared_engine(store, model, device)
         pkey = ("pipeline", store, model, device, gate and store is not None)
         if pkey not in _SHARED:  # without a store nothing is fused: no r* to calibrate
             _SHARED[pkey] = (open_pipeline(store, model, engine=engine, gate=gate) if store

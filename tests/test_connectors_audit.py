@@ -97,3 +97,23 @@ async def test_abandoned_astream_and_cancelled_ainvoke_free_their_kv():
         if not engine.has_unfinished() and engine.blocks.num_free == free:
             break
     assert not engine.has_unfinished() and engine.blocks.num_free == free
+
+
+def test_what_needs_only_the_model_calibrates_no_gate(monkeypatch):
+    """Making a LlamaIndex query engine reads its LLM's context window, and LangChain's token counting
+    its tokenizer: both made the store's pipeline, whose accuracy gate (no ratio set) calibrated r* right
+    there, 5.5 minutes on the CI box with no r* cached, before any question. Now they take the engine."""
+    import ragfuse.gate
+    from ragfuse.app import forget_shared
+
+    store = connector_store()
+    forget_shared()  # a pipeline an earlier test made would hide a calibration
+
+    def calibrating(*_args: object, **_kwargs: object) -> float:
+        raise AssertionError("the accuracy gate calibrated")
+
+    monkeypatch.setattr(ragfuse.gate, "calibrated_r_star", calibrating)
+    monkeypatch.setenv("RAGFUSE_STORE", store)
+    engine = ragfuse_query_engine(similarity_top_k=2)
+    assert engine._response_synthesizer._llm.metadata.context_window >= 4096
+    assert len(ChatRagfuse(store=store, device="cpu").get_token_ids("The Hollowpoint lighthouse")) > 3

@@ -27,7 +27,7 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from pydantic import AfterValidator, Field
 
-from ragfuse.app import serving_model, shared_pipeline
+from ragfuse.app import serving_model, shared_engine, shared_pipeline
 from ragfuse.chat_prompt import chat_parts
 from ragfuse.engine import SamplingParams
 from ragfuse.pipeline import MODES, AskResult, Passage, RagPipeline, known_mode
@@ -83,7 +83,8 @@ class ChatRagfuse(BaseChatModel):
         Hub: another model's counts, and offline none at all (every text counted as 0 tokens)."""
         if self.custom_get_token_ids is not None:
             return self.custom_get_token_ids(text)
-        return list(self._pipeline().engine.tokenizer.encode(text, add_special_tokens=False))
+        tokenizer = shared_engine(self.store, self.model, self.device).tokenizer  # no pipeline: no gate to calibrate
+        return list(tokenizer.encode(text, add_special_tokens=False))
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
         """The prompt's tokens as the model reads them, the chat template included (what ``trim_messages``

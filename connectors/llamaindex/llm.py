@@ -28,7 +28,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from pydantic import AfterValidator, Field
 
-from ragfuse.app import serving_model, shared_pipeline
+from ragfuse.app import serving_model, shared_engine, shared_pipeline
 from ragfuse.chat_prompt import chat_parts
 from ragfuse.engine import RequestOutput, SamplingParams
 from ragfuse.passage import Passage
@@ -65,7 +65,9 @@ class RagfuseLLM(CustomLLM):
 
     @property
     def metadata(self) -> LLMMetadata:
-        return LLMMetadata(context_window=self.pipeline().engine.max_model_len, num_output=self.max_tokens,
+        # the engine alone: LlamaIndex reads this as a synthesizer is made, and a pipeline would calibrate the gate
+        return LLMMetadata(context_window=shared_engine(self.store, self.model, self.device).max_model_len,
+                           num_output=self.max_tokens,
                            is_chat_model=True, model_name=serving_model(self.store, self.model))
 
     # ---- one request --------------------------------------------------------------------------
