@@ -27,6 +27,12 @@ _QUESTION = "\x00ragfuse-question\x00"
 _ANSWER = "\x00ragfuse-answer\x00"
 
 
+def passage_token_ids(tokenizer: Any, text: str) -> list[int]:
+    """How a passage is tokenized for storage: alone, as it will appear in the prompt (what counts a
+    passage's tokens needs only the tokenizer, not a builder)."""
+    return list(tokenizer.encode(text.strip(), add_special_tokens=False))
+
+
 class RagPromptBuilder:
     def __init__(self, tokenizer: Any, instruction: str = DEFAULT_INSTRUCTION) -> None:
         self.tokenizer = tokenizer
@@ -70,7 +76,7 @@ class RagPromptBuilder:
 
     def passage_tokens(self, text: str) -> list[int]:
         """How a passage is tokenized for storage: alone, as it will appear in the prompt."""
-        return self._encode(text.strip())
+        return passage_token_ids(self.tokenizer, text)
 
     def token_ids(self, passages: list[list[int]], question: str) -> list[int]:
         """The whole prompt as one token list (what full prefill runs)."""

@@ -100,9 +100,10 @@ async def test_abandoned_astream_and_cancelled_ainvoke_free_their_kv():
 
 
 def test_what_needs_only_the_model_calibrates_no_gate(monkeypatch):
-    """Making a LlamaIndex query engine reads its LLM's context window, and LangChain's token counting
-    its tokenizer: both made the store's pipeline, whose accuracy gate (no ratio set) calibrated r* right
-    there, 5.5 minutes on the CI box with no r* cached, before any question. Now they take the engine."""
+    """Making a LlamaIndex query engine reads its LLM's context window, and LangChain's token counts
+    (``trim_messages``) its tokenizer: both made the store's pipeline, whose accuracy gate (no ratio set)
+    calibrated r* right there, 5.5 minutes on the CI box with no r* cached, before any question. Now they
+    take the engine."""
     import ragfuse.gate
     from ragfuse.app import forget_shared
 
@@ -116,4 +117,6 @@ def test_what_needs_only_the_model_calibrates_no_gate(monkeypatch):
     monkeypatch.setenv("RAGFUSE_STORE", store)
     engine = ragfuse_query_engine(similarity_top_k=2)
     assert engine._response_synthesizer._llm.metadata.context_window >= 4096
-    assert len(ChatRagfuse(store=store, device="cpu").get_token_ids("The Hollowpoint lighthouse")) > 3
+    chat = ChatRagfuse(store=store, device="cpu")
+    assert len(chat.get_token_ids("The Hollowpoint lighthouse")) > 3
+    assert chat.get_num_tokens_from_messages([SystemMessage(SYSTEM), HumanMessage("Name a colour.")]) > 5

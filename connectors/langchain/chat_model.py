@@ -31,6 +31,7 @@ from ragfuse.app import serving_model, shared_engine, shared_pipeline
 from ragfuse.chat_prompt import chat_parts
 from ragfuse.engine import SamplingParams
 from ragfuse.pipeline import MODES, AskResult, Passage, RagPipeline, known_mode
+from ragfuse.prompt import passage_token_ids
 
 from ..async_iter import iterate_in_thread
 from .documents import document_passage
@@ -83,8 +84,7 @@ class ChatRagfuse(BaseChatModel):
         Hub: another model's counts, and offline none at all (every text counted as 0 tokens)."""
         if self.custom_get_token_ids is not None:
             return self.custom_get_token_ids(text)
-        tokenizer = shared_engine(self.store, self.model, self.device).tokenizer  # no pipeline: no gate to calibrate
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return list(self._tokenizer().encode(text, add_special_tokens=False))
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
         """The prompt's tokens as the model reads them, the chat template included (what ``trim_messages``
@@ -92,10 +92,15 @@ class ChatRagfuse(BaseChatModel):
         for plain text). LangChain's default counts a "Human: ..." transcript instead."""
         if tools:
             raise ValueError("ChatRagfuse does not take tools")
-        pipe = self._pipeline()
-        parts = chat_parts(pipe.engine.tokenizer, [(_role(m), _message_parts(m)) for m in messages])
-        return sum(len(self.get_token_ids(p)) if isinstance(p, str) else len(pipe.builder.passage_tokens(p.text))
+        tokenizer = self._tokenizer()
+        parts = chat_parts(tokenizer, [(_role(m), _message_parts(m)) for m in messages])
+        return sum(len(self.get_token_ids(p)) if isinstance(p, str) else len(passage_token_ids(tokenizer, p.text))
                    for p in parts)
+
+    def _tokenizer(self) -> Any:
+        """The model's tokenizer from the shared engine: counting tokens needs no pipeline, whose accuracy gate
+        (no ratio set) would calibrate r* first, minutes on a CPU."""
+        return shared_engine(self.store, self.model, self.device).tokenizer
 
     # ---- building the request ---------------------------------------------------------------
 
