@@ -25,6 +25,7 @@ from tests.server_helpers import KEY, MODEL, serve_lighthouses
 pytestmark = pytest.mark.slow
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT = [{"role": "user", "content": "Name a colour."}]
+STORY = [{"role": "user", "content": "Tell a long story about a lighthouse keeper and the sea."}]
 QUESTION = "When was the Hollowpoint lighthouse electrified?"
 SESSION_BYTES = 4 << 20  # a few short sessions' KV: ever-new ids soon evict the oldest
 
@@ -48,9 +49,10 @@ def first_event_then_leave(url: str, path: str, body: dict) -> int:
 
 
 def leave_before_the_answer(url: str) -> str:
-    """A non-streamed chat whose client gives up before the answer comes."""
+    """A non-streamed chat whose client gives up before the answer comes: a story, all of its 60 tokens
+    (the colour of ``CHAT`` was answered in a few tokens, within the 0.3 s on a quiet CI box)."""
     try:
-        post(url, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 60}, timeout=0.3)
+        post(url, "/v1/chat/completions", {"model": MODEL, "messages": STORY, "max_tokens": 60}, timeout=0.3)
     except httpx.TimeoutException:
         return "left"
     return "answered"
