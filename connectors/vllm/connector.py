@@ -22,7 +22,7 @@ the paged KV cache around each attention call, never the hidden states, so it ca
 recompute tokens. The chunk's stored KV (computed alone) is used as is; the tokens after the last
 loaded span (the question) are computed by vLLM over it. Context spans (system prompt, session
 history) are loaded exactly: with ``kv_dtype=float32`` a saved-then-loaded span is bit-identical in
-vLLM's bf16 cache, so session reuse does not change greedy output.
+vLLM's cache (bf16 or float32), so session reuse does not change greedy output.
 """
 
 from __future__ import annotations

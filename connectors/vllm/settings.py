@@ -39,8 +39,8 @@ def _is_int(value: object) -> bool:
 
 @dataclass(frozen=True)
 class ConnectorSettings:
-    """``kv_dtype`` is the dtype entries are stored (and keyed) in. float32 by default although vLLM
-    runs bf16 here: bf16 K un-rotated and re-rotated in float32 rounds back to the very same bf16
+    """``kv_dtype`` is the dtype entries are stored (and keyed) in. float32 by default, also where vLLM
+    computes in bf16 (``compute_dtype``): bf16 K un-rotated and re-rotated in float32 rounds back to the very same bf16
     value, so session reloads are bit-exact, and ragfuse's own CPU engine (float32) writes keys the
     connector finds. ``bfloat16`` halves the bytes and matches a bf16 GPU engine's keys, at the cost
     of one bf16 rounding of re-rotated K."""

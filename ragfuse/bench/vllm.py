@@ -184,7 +184,7 @@ def _table(results: dict[str, dict[str, Any]], cases: list[dict[str, Any]], mode
 
 def run(args: argparse.Namespace) -> int:
     from ragfuse.bench.report import machine_info
-    from ragfuse.connectors.vllm.backend import import_vllm
+    from ragfuse.connectors.vllm.backend import compute_dtype, import_vllm
     from ragfuse.engine.errors import RagfuseError
 
     vllm = import_vllm()  # a clear RagfuseError (exit 2) when vLLM is not installed
@@ -217,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
         ax.legend()
 
     notes = (
-        f"vLLM {vllm.__version__} on CPU, bf16, the default model, vLLM prefix caching off in both engines. "
+        f"vLLM {vllm.__version__} on CPU, {compute_dtype()}, the default model, vLLM prefix caching off in both "
+        "engines. "
         f"{len(cases)} MuSiQue cases, {args.passages} passages per RAG prompt. Non-prefix chunks run in "
         f"**{MODE}** mode: their stored KV (computed alone) is re-positioned, never recomputed, because a "
         "vLLM connector sees the paged KV cache but not the hidden states selective recompute needs. "

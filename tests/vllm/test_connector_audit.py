@@ -212,6 +212,13 @@ def _flip_bytes(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def _same_logprobs(got: dict, want: dict) -> bool:
+    """The same top tokens, with logprobs within 1e-4. Float32 (``compute_dtype`` on an AVX2 CPU) is not
+    bit-exact across a split prefill: vLLM's own prefix cache, 256 of 456 tokens cached, moves these
+    logprobs by 1e-5 against one whole pass. A poisoned span moved them by up to 0.2."""
+    return got.keys() == want.keys() and all(abs(got[t] - want[t]) < 1e-4 for t in want)
+
+
 def test_failed_load_neither_poisons_saved_spans_nor_inflates_the_report(reference: dict,
                                                                           connected: VLLMBackend) -> None:
     """A corrupt second span fails mid-load while the same step computes (and saves) the spans after it
@@ -226,7 +233,7 @@ def test_failed_load_neither_poisons_saved_spans_nor_inflates_the_report(referen
 
     name = "shares_two_spans"
     tokens, first, report = _generate(connected, prompts[name])
-    assert tokens == reference["ids"][name] and first == reference["first"][name]
+    assert tokens == reference["ids"][name] and _same_logprobs(first, reference["first"][name])
     assert report["loaded_tokens"] == 128  # span 1 loaded; span 2 failed and was recomputed
     wait_saved(settings.store_dir)
     _, _, report = _generate(connected, prompts[name])  # span 2 was dropped: this one stores it again
@@ -235,7 +242,7 @@ def test_failed_load_neither_poisons_saved_spans_nor_inflates_the_report(referen
     tokens, first, report = _generate(connected, prompts[name])
     assert report["loaded_tokens"] == 384  # spans 1-3, all saved by requests whose loads succeeded
     assert tokens == reference["ids"][name]
-    assert first == reference["first"][name]  # exact: context spans reload bit-identically
+    assert _same_logprobs(first, reference["first"][name])  # context spans reload bit-identically
 
 
 def test_full_disk_does_not_stop_the_engine(reference: dict, connected: VLLMBackend,
