@@ -75,7 +75,7 @@ class RagPromptBuilder:
         return head
 
     def passage_tokens(self, text: str) -> list[int]:
-        """How a passage is tokenized for storage: alone, as it will appear in the prompt."""
+        """``passage_token_ids`` with this builder's tokenizer."""
         return passage_token_ids(self.tokenizer, text)
 
     def token_ids(self, passages: list[list[int]], question: str) -> list[int]:

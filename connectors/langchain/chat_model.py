@@ -82,9 +82,16 @@ class ChatRagfuse(BaseChatModel):
     def get_token_ids(self, text: str) -> list[int]:
         """The model's own tokens. LangChain's fallback counts with GPT-2's tokenizer, fetched from the
         Hub: another model's counts, and offline none at all (every text counted as 0 tokens)."""
+        return self._token_ids(text, None)
+
+    def _token_ids(self, text: str, tokenizer: Any | None) -> list[int]:
+        """``get_token_ids`` with the tokenizer already looked up (``None``: look it up), so a count over
+        many message parts reads the store's config once."""
         if self.custom_get_token_ids is not None:
             return self.custom_get_token_ids(text)
-        return list(self._tokenizer().encode(text, add_special_tokens=False))
+        if tokenizer is None:
+            tokenizer = self._tokenizer()
+        return list(tokenizer.encode(text, add_special_tokens=False))
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
         """The prompt's tokens as the model reads them, the chat template included (what ``trim_messages``
@@ -94,8 +101,8 @@ class ChatRagfuse(BaseChatModel):
             raise ValueError("ChatRagfuse does not take tools")
         tokenizer = self._tokenizer()
         parts = chat_parts(tokenizer, [(_role(m), _message_parts(m)) for m in messages])
-        return sum(len(self.get_token_ids(p)) if isinstance(p, str) else len(passage_token_ids(tokenizer, p.text))
-                   for p in parts)
+        return sum(len(self._token_ids(p, tokenizer)) if isinstance(p, str)
+                   else len(passage_token_ids(tokenizer, p.text)) for p in parts)
 
     def _tokenizer(self) -> Any:
         """The model's tokenizer from the shared engine: counting tokens needs no pipeline, whose accuracy gate
