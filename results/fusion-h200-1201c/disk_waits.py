@@ -6,6 +6,7 @@ and ``fuse`` five times after a warm-up, variants alternating, ``--rounds`` time
 - ``none``: no advice (``READ_AHEAD_BYTES = 0``), only the kernel's own readahead;
 - ``shipped``: ``DiskEntryReader.read_ahead`` as it is (a window of i + 2 layers up to 16 MiB, before the read);
 - ``flat``: a 16 MiB window from every layer's start (runs 6 and 7 shipped this).
+- ``skip0``: as shipped, but the advice asked at layer 0 starts at layer 1, so layer 0 is read alone (run 9).
 
 Usage: disk_waits.py OUT.json [--variants none,shipped] [--rounds 3]
 Prints per variant and mode: TTFT, load hidden, load and wait (ms), and the median pass's wait per layer.
@@ -59,6 +60,14 @@ def flat(self: disk_mod.DiskEntryReader, i: int) -> None:
         os.posix_fadvise(self._f.fileno(), start, end - start, os.POSIX_FADV_WILLNEED)
 
 
+def skip0(self: disk_mod.DiskEntryReader, i: int) -> None:
+    """Layer 0 read alone: the advice asked at layer 0 starts at layer 1 (the shipped window from there)."""
+    shipped(self, i if i > 0 else 1)
+
+
+VARIANTS = {"flat": flat, "skip0": skip0}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -77,7 +86,7 @@ def main() -> None:
         for _ in range(a.rounds):
             for variant in a.variants.split(","):
                 disk_mod.READ_AHEAD_BYTES = 0 if variant == "none" else 16 << 20
-                disk_mod.DiskEntryReader.read_ahead = flat if variant == "flat" else shipped
+                disk_mod.DiskEntryReader.read_ahead = VARIANTS.get(variant, shipped)
                 for mode in ("prefix", "fuse"):
                     prompt.run("disk", mode, policy)  # warm-up
                     rows = []
