@@ -28,6 +28,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from ragfuse.shared_data import shared_data
 
 from .args import positive_int
@@ -101,10 +103,11 @@ def _warm_up(backend: Any) -> None:
                      max_tokens=2)
 
 
-def _session(backend: Any, cases: list[dict[str, Any]]) -> dict[str, list]:
-    """Turn 2 TTFT of one chat per case (turn 1: a document of two passages, answered greedily)."""
+def _session(backend: Any, cases: list[dict[str, Any]], part: str) -> dict[str, list]:
+    """Turn 2 TTFT of one chat per case (turn 1: a document of two passages, answered greedily); progress
+    on stderr under ``part``'s name."""
     out: dict[str, list] = {"session_ttft": [], "session_loaded": []}
-    for case in cases:
+    for case in tqdm(cases, desc=f"{part}: sessions"):
         doc = "\n\n".join(case["passages"][:2])
         turn1, _ = _session_turns(backend, doc, None)
         answer = backend.generate(turn1, max_tokens=24).text
@@ -123,17 +126,17 @@ def _ingest(backend: Any, cases: list[dict[str, Any]]) -> None:
     backend.generate(backend.rag_prompt("Warm-up question?", ["Another warm-up passage."]), max_tokens=1)
 
 
-def _rag(backend: Any, cases: list[dict[str, Any]], max_tokens: int) -> dict[str, list]:
+def _rag(backend: Any, cases: list[dict[str, Any]], max_tokens: int, part: str) -> dict[str, list]:
     """RAG TTFTs, then answers and first-token logprobs (after timing, so a timed request never finds
-    a tail saved by an earlier request of the same prompt)."""
+    a tail saved by an earlier request of the same prompt); progress on stderr under ``part``'s name."""
     out: dict[str, list] = {"rag_ttft": [], "rag_loaded": [], "rag_hits": [], "answers": [], "first": [],
                             "prompt_tokens": []}
-    for case in cases:
+    for case in tqdm(cases, desc=f"{part}: RAG TTFT"):
         g = backend.generate(backend.rag_prompt(case["question"], case["passages"]), max_tokens=1)
         out["rag_ttft"].append(g.seconds)
         out["rag_loaded"].append((g.connector or {}).get("loaded_tokens", 0))
         out["rag_hits"].append((g.connector or {}).get("chunk_hits", 0))
-    for case in cases:
+    for case in tqdm(cases, desc=f"{part}: RAG answers"):
         prompt = backend.rag_prompt(case["question"], case["passages"])
         g = backend.generate(prompt, max_tokens=max_tokens, logprobs=20)
         out["answers"].append(g.text)
@@ -199,10 +202,11 @@ def run(args: argparse.Namespace) -> int:
     # 1. vLLM alone; 2. with the connector: sessions (turn 1 saved while it runs, turn 2 loads it from the
     # worker's memory tier) and ingest; 3. a fresh engine with the connector: RAG with every entry read
     # from the disk tier with the page cache dropped, as when chunks were ingested by another process.
-    stages = [(False, lambda b: {**_session(b, cases), **_rag(b, cases, args.max_tokens)}, "vllm"),
-              (True, lambda b: {**_session(b, cases), **(_ingest(b, cases) or {})}, "vllm+ragfuse"),
-              (True, lambda b: _rag(b, cases, args.max_tokens), "vllm+ragfuse")]
     parts = ["vLLM alone: session and RAG", "with the connector: session and ingest", "with the connector: RAG"]
+    stages = [(False, lambda b: {**_session(b, cases, parts[0]), **_rag(b, cases, args.max_tokens, parts[0])},
+               "vllm"),
+              (True, lambda b: {**_session(b, cases, parts[1]), **(_ingest(b, cases) or {})}, "vllm+ragfuse"),
+              (True, lambda b: _rag(b, cases, args.max_tokens, parts[2]), "vllm+ragfuse")]
 
     def plot(fig: Any) -> None:
         rows = report.rows
