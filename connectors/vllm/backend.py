@@ -63,6 +63,7 @@ def compute_dtype() -> str:
     and 1.1 s in float32 (the default model's checkpoint is float32, so nothing is lost)."""
     import torch
 
+    # torch's own CPU feature probes (private; a build without them counts as no native bf16)
     native_cpu_bf16 = (getattr(torch.cpu, "_is_avx512_bf16_supported", bool)()
                        or getattr(torch.cpu, "_is_amx_tile_supported", bool)())
     return "bfloat16" if torch.cuda.is_available() or native_cpu_bf16 else "float32"
