@@ -14,10 +14,11 @@ ruff check .
 # two workers (one per core of the CI machine), each with one torch thread: the suite is mostly
 # Python-bound model and server setup, which one process leaves a core idle through; whole files go
 # to one worker so their module fixtures (models, engines) are built once
-# the test files run in parts ($RAGFUSE_TEST_PARTS, 2), each in fresh worker processes, as a bound on what
-# one worker can accumulate: before debe826 every engine a test made stayed alive (a step router held it),
-# and a worker that had run half the suite reached 11-15 GB on the 24 GiB CI box. Arguments, if any, run
-# as given, in one go.
+# $RAGFUSE_TEST_PARTS > 1 runs the test files in that many parts, each in fresh worker processes, as a
+# bound on what one worker can accumulate. CI ran two parts while a worker that had run half the suite
+# reached 11-15 GB on the 24 GiB box (every engine a test made stayed alive until debe826, and each held a
+# 1 GiB KV cache written whole until 865c573). One part now peaks at ~8.3 GB for the whole box, and saves
+# the second part's worker start-up and idle tail. Arguments, if any, run as given, in one go.
 main_rc=0
 run_pytest() {
   OMP_NUM_THREADS=1 python -m pytest -q -ra --durations=25 --timeout=900 -n "${RAGFUSE_TEST_WORKERS:-2}" \
@@ -27,7 +28,7 @@ if [ $# -gt 0 ]; then
   run_pytest "$@"
 else
   mapfile -t files < <(ls tests/test_*.py)
-  parts=${RAGFUSE_TEST_PARTS:-2}
+  parts=${RAGFUSE_TEST_PARTS:-1}
   for (( i = 0; i < parts; i++ )); do
     # every parts-th file from the i-th: slow files cluster by name (test_interrupted_jobs, the server
     # audits), and halves by name left one part ~2 minutes longer than the other
