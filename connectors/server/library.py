@@ -50,6 +50,25 @@ class DocumentLibrary:
         self.uploads = (store.root / "uploads").resolve()
         if not store.read_only:  # a read-only store takes no uploads (``add`` refuses them)
             self.uploads.mkdir(parents=True, exist_ok=True)
+            self._follow_the_store()
+        # where the docstore's records put the uploads: this folder, unless a read-only store was moved
+        self.recorded_uploads = Path(store.docs.folder("uploads") or self.uploads)
+
+    def _follow_the_store(self) -> None:
+        """Move the records of the uploads to this folder where the store was moved (or copied) here.
+
+        Uploads are recorded by absolute path, so a moved store listed its uploads as not uploaded,
+        kept a second record (and chunks) for a new upload of the same name, and its delete left the
+        file on disk. A file recorded at both places (uploaded again here before this fix) keeps the
+        record made here; the other one goes with its chunks."""
+        docs, here = self.store.docs, str(self.uploads)
+        before = docs.folder("uploads")
+        if before is not None and before != here:
+            recorded_here = {p for p, _ in docs.files(here)}
+            twice = [p for p, _ in docs.files(before) if here + p[len(before):] in recorded_here]
+            if twice:
+                self.store.remove(twice)
+        docs.move_folder("uploads", here)
 
     def add(self, files: list[tuple[str, bytes]]) -> dict[str, Any]:
         """Store and ingest ``(name, content)`` pairs; an upload with the name of an earlier one
@@ -136,4 +155,4 @@ class DocumentLibrary:
 
     def _info(self, path: str, chunks: int) -> dict[str, Any]:
         return {"id": document_id(path), "object": "document", "name": Path(path).name, "chunks": chunks,
-                "uploaded": Path(path).parent == self.uploads}
+                "uploaded": Path(path).parent == self.recorded_uploads}
