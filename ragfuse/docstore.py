@@ -205,6 +205,8 @@ class DocStore:
         moved to another folder found the files it keeps inside itself under a path that no longer
         exists. Chunk ids and embeddings stay, so the index stays current (no generation bump). The
         number of files moved; a file recorded at both places must be removed from one first."""
+        if self.folder(name) == to:  # as recorded: no write lock taken
+            return 0
         key = f"folder:{name}"
         with self._tx(bump=False):
             row = self.db.execute("SELECT v FROM meta WHERE k=?", (key,)).fetchone()
