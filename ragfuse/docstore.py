@@ -199,28 +199,24 @@ class DocStore:
         row = self.db.execute("SELECT v FROM meta WHERE k=?", (f"folder:{name}",)).fetchone()
         return row[0] if row else None
 
-    def move_folder(self, name: str, to: str) -> int:
+    def move_folder(self, name: str, to: str) -> None:
         """Record the store's own folder ``name`` (its uploads) as at ``to``, the paths of the files
         recorded under its previous place moved with it. Files are keyed by absolute path, so a store
         moved to another folder found the files it keeps inside itself under a path that no longer
-        exists. Chunk ids and embeddings stay, so the index stays current (no generation bump). The
-        number of files moved; a file recorded at both places must be removed from one first."""
+        exists. Chunk ids and embeddings stay, so the index stays current (no generation bump). A file
+        recorded at both places must be removed from one first."""
         if self.folder(name) == to:  # as recorded: no write lock taken
-            return 0
+            return
         key = f"folder:{name}"
         with self._tx(bump=False):
             row = self.db.execute("SELECT v FROM meta WHERE k=?", (key,)).fetchone()
-            moved = 0
             if row is not None and row[0] != to:
                 old, new = row[0].rstrip("/") + "/", to.rstrip("/") + "/"
                 for table, column in (("files", "path"), ("chunks", "file"), ("chunks", "source"),
                                       ("file_roots", "file"), ("file_roots", "root")):
-                    n = self.db.execute(f"UPDATE {table} SET {column} = ? || substr({column}, ?) WHERE"
-                                        f" substr({column}, 1, ?) = ?", (new, len(old) + 1, len(old), old)).rowcount
-                    moved = n if table == "files" else moved
-            if row is None or row[0] != to:
-                self.db.execute("INSERT OR REPLACE INTO meta (k, v) VALUES (?, ?)", (key, to))
-        return moved
+                    self.db.execute(f"UPDATE {table} SET {column} = ? || substr({column}, ?) WHERE"
+                                    f" substr({column}, 1, ?) = ?", (new, len(old) + 1, len(old), old))
+            self.db.execute("INSERT OR REPLACE INTO meta (k, v) VALUES (?, ?)", (key, to))
 
     def _tx(self, bump: bool = True) -> _Transaction:
         """A write transaction; ``bump``: it changes chunks, so the generation moves on."""
