@@ -47,3 +47,22 @@ def test_an_upload_recorded_at_both_places_keeps_the_record_made_in_the_new_one(
         assert docs.counts()["chunks"] == docs.files()[0][1]
         hits = srv.backend.pipeline.retriever.search("Who was the last keeper of the Hollowpoint lighthouse?", 5)
         assert {h.source for h in hits} == {str(upload)}, hits
+
+
+def test_a_moved_read_only_store_lists_its_uploads_as_uploads(tmp_path, llm, request):
+    """A read-only store cannot move its records; its listing reads them where they were recorded."""
+    from ragfuse.connectors.server.library import DocumentLibrary
+    from ragfuse.rag_store import RagStore
+    from ragfuse.store_dir import StoreConfig
+
+    with serve_lighthouses(tmp_path / "a", llm):
+        pass
+    shutil.move(tmp_path / "a", tmp_path / "b")
+    request.getfixturevalue("read_only_fs")  # from here on
+    store = RagStore(tmp_path / "b", StoreConfig.load(tmp_path / "b"))
+    try:
+        assert store.read_only
+        listed = DocumentLibrary(store, ingestor=None).list()  # a read-only library ingests nothing
+        assert [(d["name"], d["uploaded"]) for d in listed] == [("lighthouses.md", True)], listed
+    finally:
+        store.close()
