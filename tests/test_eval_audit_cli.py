@@ -98,6 +98,7 @@ def test_kl_of_a_masked_vocabulary_entry_is_not_nan():
     (["--sweep-modes", "fuse"], "--sweep-modes needs --sweep"),  # was ignored: no sweep ran
     (["--sweep-limit", "3"], "--sweep-limit needs --sweep"),
     (["--sink-tokens", "-2"], "--sink-tokens must be at least 0"),  # recomputed everything, silently
+    (["--tail-tokens", "-1"], "--tail-tokens must be at least 0"),
     (["--first-factor", "0.5"], "--first-factor must be a finite number of at least 1"),
     (["--attention-weight", "nan"], "--attention-weight must be a finite number"),
     (["--k-mass-cap", "-1"], "K mass cap must be a finite number of nats >= 0"),

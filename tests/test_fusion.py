@@ -294,6 +294,23 @@ def test_fused_pass_applies_the_k_mass_cap(engine, rag_prompt):
     assert not torch.allclose(off, tight, atol=1e-4)
 
 
+def test_the_tail_of_the_passage_nearest_the_question_is_always_recomputed_within_the_budget(engine, rag_prompt):
+    """``tail_tokens``: the last tokens before the question's segment are recomputed whatever their
+    deviation, and count toward the ratio; at ratio 0 they alone are (the pass is then no plain reuse)."""
+    from dataclasses import replace
+
+    plain = SelectionPolicy.default()
+    ends = np.cumsum([len(s.token_ids) for s in rag_prompt])  # instruction, 3 passages, the question
+    tail = set(range(int(ends[3]) - 20, int(ends[3])))
+    _, chosen = fused_logits(engine, rag_prompt, "fuse", plain)
+    _, forced = fused_logits(engine, rag_prompt, "fuse", replace(plain, tail_tokens=20))
+    assert not tail <= set(chosen.recomputed_positions.tolist())
+    assert tail <= set(forced.recomputed_positions.tolist())
+    assert forced.recomputed_tokens == chosen.recomputed_tokens
+    _, alone = fused_logits(engine, rag_prompt, "fuse", replace(plain, ratio=0.0, tail_tokens=20))
+    assert set(alone.recomputed_positions.tolist()) == tail
+
+
 def test_policy_gives_k_its_own_stale_shift_share_or_the_common_one():
     assert SelectionPolicy(stale_shift=0.5).shift_shares() == (0.5, 0.5)
     assert SelectionPolicy(stale_shift=0.5, stale_shift_k=0.0).shift_shares() == (0.0, 0.5)

@@ -57,12 +57,13 @@ LONG = ((1000, 800, 700), (990, 800, 700))  # 2504 tokens at the first check lay
     ("fuse", 0.15, (1, 2), SHIFTED, SHORT), ("fuse", 0.15, (1, 2), SHIFTED, LONG),
     ("fuse", 0.15, (1, 2), {**SHIFTED, "stale_shift_k": 0.1}, SHORT),
     ("fuse", 0.15, (1, 2), {**SHIFTED, "k_mass_cap": 0.05}, SHORT),
-    ("fuse", 0.15, (1, 2), {**SHIFTED, "k_mass_cap": 0.05}, LONG)])
+    ("fuse", 0.15, (1, 2), {**SHIFTED, "k_mass_cap": 0.05}, LONG),
+    ("fuse", 0.15, (1, 2), {**SHIFTED, "k_mass_cap": 0.05, "tail_tokens": 24}, SHORT)])
 def test_replayed_fusion_equals_the_eager_pass(mode, ratio, checks, extra, prompts):
     """Steady layers and, in ``fuse``, whole check layers replayed (gradual filtering over two check
     layers: one check graph's kept rows feed the next in place), also with the stale shift (K's share
-    its own or V's, or capped by the question's mass move) and the question's attention weight,
-    selecting the same tokens as the eager pass."""
+    its own or V's, or capped by the question's mass move) and the question's attention weight, also with
+    the tail of the passage nearest the question forced in, selecting the same tokens as the eager pass."""
     eng, graphs = _engine_with_graphs()
     g = torch.Generator().manual_seed(1)
     policy = SelectionPolicy(ratio=ratio, check_layers=checks, first_factor=2.0 if len(checks) > 1 else 1.0, **extra)

@@ -108,14 +108,18 @@ class _Layout:
         n = sum(len(s.token_ids) for s in segments)
         stored, exact, forced = np.zeros(n, bool), np.zeros(n, bool), np.zeros(n, bool)
         segment = np.full(n, len(used), dtype=np.int64)
+        nearest = max(used, default=-1)  # the stored segment nearest the question
+        fuse = mode is FusionMode.FUSE
         offset = 0
         for i, seg in enumerate(segments):
             end = offset + len(seg.token_ids)
             if i in used:
                 stored[offset:end] = True
                 segment[offset:end] = sum(j < i for j in used)
-                sinks = min(policy.sink_tokens, len(seg.token_ids)) if mode is FusionMode.FUSE else 0
+                sinks = min(policy.sink_tokens, len(seg.token_ids)) if fuse else 0
                 forced[offset : offset + sinks] = True
+                if fuse and i == nearest and policy.tail_tokens:
+                    forced[max(offset, end - policy.tail_tokens) : end] = True
                 # KV stored from position 0 is exactly what full prefill computes for a prompt that
                 # starts with it: a cached prefix, never a candidate for recompute (unless the prompt
                 # follows a system prompt, which the stored KV never saw)
@@ -174,7 +178,7 @@ def fuse_prefill(
     policy = _within_depth(policy, model.config.num_layers, mode)
     # at ratio 0 with no token forced in, fusion recomputes no stored token: that is full reuse, run
     # as such (no check layer computing every token only to select none of them)
-    run = FusionMode.REUSE if mode is FusionMode.FUSE and policy.ratio == 0 and not policy.sink_tokens else mode
+    run = FusionMode.REUSE if mode is FusionMode.FUSE and policy.ratio == 0 and not policy.forces_tokens() else mode
     device = model.lm_head.weight.device
     # one pass over the token lists (per-segment arrays joined took ~2x as long, before layer 0)
     n = sum(len(s.token_ids) for s in segments)
@@ -413,7 +417,7 @@ def _within_depth(policy: SelectionPolicy, num_layers: int, mode: FusionMode) ->
         return policy
     if layers:
         return replace(policy, check_layers=layers)
-    if mode is FusionMode.FUSE and (0.0 < policy.ratio < 1.0 or policy.sink_tokens):
+    if mode is FusionMode.FUSE and (0.0 < policy.ratio < 1.0 or policy.forces_tokens()):
         raise RequestError(f"fuse mode selects tokens at check layers {policy.check_layers}, but the model has "
                            f"{num_layers} layer(s): use ratio 0 or 1, or the reuse or full mode")
     return policy

@@ -55,6 +55,9 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                         "(at least 1; default: the policy's)")
     p.add_argument("--sink-tokens", type=int,
                    help="first tokens of every stored segment always recomputed (default: the policy's)")
+    p.add_argument("--tail-tokens", type=int,
+                   help="last tokens of the stored passage nearest the question always recomputed (default: the "
+                        "policy's)")
     p.add_argument("--attention-weight", type=float,
                    help="rank by deviation * (the question's attention to the token) ** this (0: deviation alone)")
     p.add_argument("--revert-dropped", action=argparse.BooleanOptionalAction,
@@ -68,8 +71,8 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                         "head (0: no cap; default: the policy's)")
 
 
-POLICY_ARGS = ("metric", "check_layers", "first_factor", "sink_tokens", "attention_weight", "revert_dropped",
-               "stale_shift", "stale_shift_k", "k_mass_cap")
+POLICY_ARGS = ("metric", "check_layers", "first_factor", "sink_tokens", "tail_tokens", "attention_weight",
+               "revert_dropped", "stale_shift", "stale_shift_k", "k_mass_cap")
 
 
 def policy_from_args(args: argparse.Namespace, ratio: float, num_layers: int | None = None) -> Any:
@@ -90,8 +93,9 @@ def policy_from_args(args: argparse.Namespace, ratio: float, num_layers: int | N
         if "check_layers" in given:
             given["check_layers"] = tuple(int(x) for x in given["check_layers"].split(",") if x.strip())
         policy = replace(SelectionPolicy.default(), ratio=ratio, **given)
-        if policy.sink_tokens < 0:
-            raise ValueError(f"--sink-tokens must be at least 0, got {policy.sink_tokens}")
+        for name in ("sink_tokens", "tail_tokens"):
+            if getattr(policy, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 0, got {getattr(policy, name)}")
         if not policy.first_factor >= 1.0 or math.isinf(policy.first_factor):
             raise ValueError(f"--first-factor must be a finite number of at least 1, got {policy.first_factor}")
         if not policy.attention_weight >= 0.0 or math.isinf(policy.attention_weight):
