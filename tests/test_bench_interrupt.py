@@ -33,7 +33,8 @@ def _interrupt_when(argv: list[str], marker: bytes, out: Path) -> tuple[int, str
     output (stderr); its exit status and stderr."""
     cmd = [sys.executable, "-m", "ragfuse.cli", "bench", *argv, "--device", "cpu", "--out", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},  # a background job ignores SIGINT:
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     err: list[bytes] = []
     seen = threading.Event()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 
@@ -127,8 +128,13 @@ def test_an_interrupted_evaluation_reports_the_cases_it_finished(engine, tmp_pat
         def update(self, _n: int) -> None:
             threading.Timer(0.02, _thread.interrupt_main).start()
 
-    res = evaluate(engine, load_dataset(path, None, None), ["full", "reuse", "fuse"], 0.5, SelectionPolicy.default(),
-                   max_tokens=8, progress=Bar())
+    # a suite run as a background job ignores SIGINT, and ``interrupt_main`` then does nothing
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        res = evaluate(engine, load_dataset(path, None, None), ["full", "reuse", "fuse"], 0.5,
+                       SelectionPolicy.default(), max_tokens=8, progress=Bar())
+    finally:
+        signal.signal(signal.SIGINT, handler)
     assert res["interrupted"] is True and len(res["cases"]) == 1
     assert {m: v["n"] for m, v in res["modes"].items()} == {"full": 1, "reuse": 1, "fuse": 1}
     assert engine.blocks.num_free == free

@@ -94,6 +94,37 @@ def test_full_and_fuse_at_ratio_one_equal_plain_prefill(engine, rag_prompt):
     assert st.stored_tokens == len(rag_prompt[0].token_ids)
 
 
+class _BlockingKV:
+    """Stored KV in memory that says its reads block, as a disk's or Redis's do, and notes each
+    layer read."""
+
+    tier = "disk"
+    blocking = True
+
+    def __init__(self, kv: TensorKV) -> None:
+        self.kv = kv
+        self.read: list[int] = []
+
+    def load_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.read.append(layer)
+        return self.kv.load_layer(layer)
+
+
+@pytest.mark.parametrize("mode", ["prefix", "reuse", "fuse"])
+def test_blocking_sources_have_layer_zero_computed_not_read(engine, rag_prompt, mode):
+    """Where stored KV comes from a blocking tier, the pass computes layer 0's KV from the tokens
+    instead of waiting for its read: the same logits as reading it, and layer 0 never read."""
+    want, _ = fused_logits(engine, rag_prompt, mode)
+    segs = [Segment(s.token_ids, _BlockingKV(s.kv) if isinstance(s.kv, TensorKV) else None) for s in rag_prompt]
+    got, stats = fused_logits(engine, segs, mode)
+    assert (got - want).abs().max() < 1e-4
+    read = [s.kv.read for s in segs if s.kv is not None]
+    layers = list(range(1, engine.runner.model.config.num_layers))
+    assert [sorted(r) for r in read] == [layers] * (1 if mode == "prefix" else len(read)) + [[]] * (
+        len(read) - 1 if mode == "prefix" else 0)
+    assert stats.stored_tokens == sum(len(s.token_ids) for s in segs[: 1 if mode == "prefix" else -1])
+
+
 def test_prefix_mode_reuses_the_exact_prefix(engine, rag_prompt):
     ids = [t for s in rag_prompt for t in s.token_ids]
     ref = engine.score(ids, last_n=1)[0].log_softmax(-1)

@@ -192,3 +192,32 @@ def test_early_reads_drained_when_the_pass_fails_before_its_loader():
     drain(reads)
     assert src.running == 0
     assert all(f.done() for f in reads.values())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_computed_first_layer_is_never_read_and_lands_in_the_ring(device):
+    """``first_layer``: ``get(0)`` returns what it computes (into the ring's slot where there is a
+    ring), the reads start at layer 1 (``start_reads(first=1)`` too), and no layer is read twice."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    src = _CountingDiskSource(0.0)
+    made = torch.full((4, 2, 8), 3.0, device=device), torch.full((4, 2, 8), 5.0, device=device)
+
+    def first_layer(out):
+        if out is None:
+            return made
+        out[0][:4].copy_(made[0])
+        out[1][:4].copy_(made[1])
+        return out
+
+    reads = start_reads([src], 6, first=1)
+    assert sorted(reads) == list(range(1, DEPTH + 2))
+    rings = [None] if device == "cpu" else [None, tuple(torch.zeros(3, 4, 2, 8, device=device) for _ in range(2))]
+    for ring in rings:
+        with LayerPrefetcher([src], 6, torch.device(device), ring=ring, reads=reads, first_layer=first_layer,
+                             lazy=True) as loader:
+            k, v = loader.get(0, ahead=False)
+            assert (k == 3).all() and (v == 5).all() and (ring is None or k.data_ptr() == ring[0][0].data_ptr())
+            assert all(torch.equal(loader.get(layer)[0].cpu(), src.kv[0]) for layer in range(1, 6))
+        reads = None
+    assert src.reads == dict.fromkeys(range(1, 6), len(rings))

@@ -148,6 +148,31 @@ def test_a_layer_source_asks_the_kernel_for_the_next_layers_and_reads_on_without
     src.finish()
 
 
+def test_an_entry_read_from_its_second_layer_on_reads_its_first_to_be_promoted(tmp_path):
+    """A fused pass computes layer 0 of a disk entry instead of reading it: the source reads that layer
+    when it promotes the entry, so the promoted entry is whole; one whose layer 0 then fails its
+    checksum is dropped, not promoted."""
+    good, bad = make_entry(7), make_entry(8)
+    mem, disk = MemoryTier("cpu", "cpu", 1 << 30), DiskTier(tmp_path, 1 << 30)
+    store = TieredKVStore([mem, disk])
+    disk.put(good)
+    disk.put(bad)
+    for entry in (good, bad):
+        src = open_source(store, entry.key)
+        assert isinstance(src, LayerwiseSource)
+        if entry is bad:  # one byte of layer 0's data, after the source has opened the file
+            with open(disk.path_of(entry.key), "r+b") as f:
+                f.seek(src._reader._base + 5)
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 0xFF]))
+        for i in range(1, LAYERS):
+            assert torch.equal(src.load_layer(i)[0], entry.layer(i)[0])
+        src.finish()
+    assert same(mem.get(good.key), good)
+    assert not mem.contains(bad.key) and not disk.contains(bad.key) and disk.stats().corrupt == 1
+
+
 def test_get_or_compute_computes_only_missing(tmp_path):
     store = TieredKVStore([DiskTier(tmp_path, 1 << 30)])
     calls: list[list[list[int]]] = []

@@ -9,7 +9,9 @@ check layers narrow the set (gradual filtering; with ``revert_dropped`` the toke
 their stored KV back at that layer, so ratio 0 is exactly reuse). With ``stale_shift`` the stored KV
 of every layer first moves by its segment's mean deviation on the tokens computed there
 (``stale_shift.py``). Active tokens attend to the whole fused prompt with an exact causal mask for
-their scattered positions.
+their scattered positions. Where stored KV comes from a blocking tier (disk, Redis), layer 0's is
+computed from the tokens instead of read (``layer_step.first_layer_kv``): the layer depends on
+nothing else, and its read is the one no compute can hide.
 
 Modes, comparable on the same input:
 - ``full``: every token computed (stored KV ignored): the reference.
@@ -195,8 +197,12 @@ def fuse_prefill(
     used = _stored_segments(segments, run, policy, system is not None)
     sources = [segments[i].kv for i in sorted(used)]
     num_layers = model.config.num_layers
+    # where a source blocks (disk, Redis), layer 0's stored KV is computed from the tokens, not read: the
+    # first read is the one no compute precedes (a disk's took 3-5 ms with the page cache dropped), and a
+    # token's layer-0 KV is its embedding's projection whatever surrounds it (``layer_step.first_layer_kv``)
+    computes_first = any(s.blocking for s in sources)
     # a disk or Redis tier's first reads start now, not once the host has set the pass up
-    reads = start_reads(sources, num_layers)
+    reads = start_reads(sources, num_layers, first=int(computes_first))
     try:
         lay = _Layout.build(segments, used, run, policy, system is not None)
         num_stored, num_fusable, num_active = len(lay.stored), lay.num_fusable, len(lay.active)
@@ -229,8 +235,26 @@ def fuse_prefill(
         # token is active: its stored KV is overwritten unread there, so it is not copied
         first_read = checks[0][0] if run is FusionMode.FUSE and checks else 0
         skip = [first_read if start < n and lay.fusable[start] else 0 for start in _starts(segments, used)]
+        first_rows = _first_layer_rows(segments, used, skip, num_stored) if computes_first else 0
+
+        def first_layer(out: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+            """Layer 0's stored KV where the loader does not read it: its first ``first_rows`` rows (those
+            read there: the exact prefix, or all) computed into ``out`` (a ring slot), or into new tensors
+            of every stored row (the others are overwritten unread). ``dev`` is set before layer 0."""
+            k_raw, v = layer_step.first_layer_kv(block, dev["first_ids"]) if first_rows else (None, None)
+            if out is None:
+                if k_raw is not None and v is not None and first_rows == num_stored:
+                    return k_raw, v
+                shape = (num_stored, model.config.num_kv_heads, model.config.head_dim)
+                out = (torch.zeros(shape, dtype=kv_layers[0][0].dtype, device=device),
+                       torch.zeros(shape, dtype=kv_layers[0][1].dtype, device=device))
+            if k_raw is not None and v is not None:
+                out[0][:first_rows].copy_(k_raw)
+                out[1][:first_rows].copy_(v)
+            return out
+
         loader = LayerPrefetcher(sources, num_layers, device, ring=cap.ring if cap is not None else None, lazy=True,
-                                 skip=skip, reads=reads)
+                                 skip=skip, reads=reads, first_layer=first_layer if computes_first else None)
     except BaseException:
         drain(reads)  # their sources are closed by the caller next
         raise
@@ -263,6 +287,8 @@ def fuse_prefill(
                 "stored_bounds": segment_bounds(lay.segment[lay.stored], lay.num_segments),
                 "tail_pos": np.arange(n - lay.tail, n),  # the question's positions (it ranks by its attention)
             }
+        if first_rows:  # the tokens whose layer-0 KV ``first_layer`` computes
+            host["first_ids"] = ids[lay.stored[:first_rows]]
         dev = _to_device(device, host) if host else {}
         if cap is not None:
             assert graphs is not None
@@ -439,6 +465,20 @@ def _stored_segments(
     if mode is FusionMode.PREFIX or _recomputes_all(mode, policy):
         return first
     return {i for i, s in enumerate(segments) if s.kv is not None}
+
+
+def _first_layer_rows(segments: list[Segment], used: set[int], skip: list[int], num_stored: int) -> int:
+    """How many leading rows of the loaded KV layer 0 reads: those of the sources not skipped there.
+    They lead: either no source is skipped, or every one but an exact prefix, which comes first (a
+    source that starts at the prompt's last token has no stored row)."""
+    rows = start = 0
+    for i, skipped in zip(sorted(used), skip, strict=True):
+        end = start + len(segments[i].token_ids)
+        if not skipped:
+            assert start == rows or start >= num_stored, "the rows layer 0 reads do not lead"
+            rows = end if start == rows else rows
+        start = end
+    return min(rows, num_stored)
 
 
 def _starts(segments: list[Segment], used: set[int]) -> list[int]:

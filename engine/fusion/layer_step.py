@@ -62,6 +62,16 @@ def front(
     return q, k_raw, v, residual, written
 
 
+def first_layer_kv(block: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 0's (K before RoPE, V) of the tokens ``ids``, from their embeddings alone. A token's
+    first-layer KV depends on nothing but the token (no attention comes before it), so stored KV
+    of layer 0 equals this wherever the segment was computed: a pass can make it instead of
+    waiting for its read, the one read no compute precedes."""
+    layer = block.layers[0]
+    _, k_raw, v = layer.self_attn.project(layer.input_layernorm(block.embed_tokens(ids)))
+    return k_raw, v
+
+
 def revert(
     kv_cache: KVCache,
     rotary: RotaryEmbedding,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
@@ -49,16 +50,18 @@ def _readers() -> ThreadPoolExecutor:
         return _reader_pool[1]
 
 
-def start_reads(sources: list[LayerSource], num_layers: int) -> dict[int, Future[tuple[_Parts, tuple[float, float]]]]:
+def start_reads(
+    sources: list[LayerSource], num_layers: int, first: int = 0
+) -> dict[int, Future[tuple[_Parts, tuple[float, float]]]]:
     """The reads a ``LayerPrefetcher`` over ``sources`` starts on entering (its first ``DEPTH + 1``
-    layers), started now where they block (disk, Redis; none otherwise). A fused pass works out its
-    layout, graphs and skips on the host before its loader exists (~0.5 ms on an H200 host), time a
-    disk read can use. Hand them to the loader (``reads=``); a caller that fails before then
-    ``drain``s them."""
+    layers from ``first``), started now where they block (disk, Redis; none otherwise). A fused pass
+    works out its layout, graphs and skips on the host before its loader exists (~0.5 ms on an H200
+    host), time a disk read can use. Hand them to the loader (``reads=``); a caller that fails before
+    then ``drain``s them."""
     if not any(s.blocking for s in sources):
         return {}
     pool = _readers()
-    return {i: pool.submit(_read_layer, sources, i) for i in range(min(DEPTH + 1, num_layers))}
+    return {i: pool.submit(_read_layer, sources, i) for i in range(first, min(first + DEPTH + 1, num_layers))}
 
 
 def drain(reads: dict[int, Future[tuple[_Parts, tuple[float, float]]]]) -> None:
@@ -80,6 +83,8 @@ class LayerPrefetcher:
         self, sources: list[LayerSource], num_layers: int, device: torch.device,
         ring: tuple[torch.Tensor, torch.Tensor] | None = None, lazy: bool = False, skip: list[int] | None = None,
         reads: dict[int, Future[tuple[_Parts, tuple[float, float]]]] | None = None,
+        first_layer: Callable[[tuple[torch.Tensor, torch.Tensor] | None], tuple[torch.Tensor, torch.Tensor]]
+        | None = None,
     ) -> None:
         """``ring``: the device buffers to load into, [RING_SLOTS, rows, kv_heads, head_dim] each (a CUDA
         graph reads them at fixed addresses); by default made to fit the sources. ``lazy``: start
@@ -89,8 +94,13 @@ class LayerPrefetcher:
         device (on CUDA; their rows then hold anything): the fusor's layers before its first check
         overwrite every fusable token's stored KV with its fresh one, so only an exact prefix's is read
         there, and the others' copies would only hold up the host before layer 0 (and the copy engine).
-        They are still read, so a tier that promotes an entry once every layer was read still does.
-        ``reads``: those of ``start_reads`` over the same sources, already under way."""
+        They are still read, so a tier that promotes an entry once every layer was read still does
+        (a disk entry whose layer 0 was computed, not read, reads it when it is promoted).
+        ``reads``: those of ``start_reads`` over the same sources, already under way (from layer 1
+        with ``first_layer``). ``first_layer(out)``: computes layer 0's stored (K before RoPE, V) on
+        the current stream, into ``out`` (the ring's slot, where there is a ring) or new tensors; called
+        by ``get(0)``. Layer 0 is then not read at all, and the reads start at layer 1 (the fusor's
+        reason: a disk's first read is the one no compute can hide)."""
         self.sources = sources
         self._skip = skip or [0] * len(sources)
         self.num_layers = num_layers
@@ -109,18 +119,20 @@ class LayerPrefetcher:
         # run beside each other and beside the joins, so their union, not their sum, is the time taken
         self._read_spans: list[tuple[float, float]] = []
         self._host_wait_s = 0.0
-        self._next_issue = 0
+        self._first_layer = first_layer
+        self._first = 0 if first_layer is None else 1  # the first layer read
+        self._next_issue = self._first
         self._lazy = lazy
 
     def __enter__(self) -> LayerPrefetcher:
         if self._stream is not None:  # KV just computed on the device (not yet finished) is read on the side stream
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
         if self._pool is not None:
-            for i in range(min(self.depth + 1, self.num_layers)):
+            for i in range(self._first, min(self._first + self.depth + 1, self.num_layers)):
                 if i not in self._reads:
                     self._reads[i] = self._pool.submit(self._read, i)
         try:
-            self._issue_ready(0 if self._lazy else self.depth)
+            self._issue_ready(self._first if self._lazy else self._first + self.depth)
         except BaseException:  # a read that failed at once: ``__exit__`` never runs, so drain the others here
             drain(self._reads)
             raise
@@ -199,6 +211,11 @@ class LayerPrefetcher:
         ``ahead``: issue the next layers' loads here too; without, the caller calls ``ahead``.
 
         Valid until ``get(layer + depth + 1)``: its ring slot is then refilled."""
+        if layer == 0 and self._first_layer is not None:
+            kv = self._computed_first()
+            if ahead:
+                self.ahead(0)
+            return kv
         if self._stream is None:
             self._issue_ready(layer + self.depth, wait_for=layer)
             return self._issued.pop(layer)
@@ -212,6 +229,12 @@ class LayerPrefetcher:
         has.record(compute)
         self._waits.append((asks, has))
         return self._issued.pop(layer)
+
+    def _computed_first(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer 0 from ``first_layer``, into its ring slot where there is a ring (a CUDA graph reads
+        it there)."""
+        assert self._first_layer is not None
+        return self._first_layer(None if self._ring is None else (self._ring[0][0], self._ring[1][0]))
 
     def ahead(self, layer: int) -> None:
         """Issue the loads of the layers after ``layer`` (up to the depth) whose reads are in."""

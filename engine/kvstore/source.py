@@ -94,10 +94,24 @@ class LayerwiseSource:
         return t[0], t[1]
 
     def finish(self) -> None:
-        """Close the reader; promote the entry to the top tier if every layer was read."""
+        """Close the reader; promote the entry to the top tier if every layer was read. A fused pass
+        computes layer 0 instead of reading it (``fuse_prefill``): that layer is read here, and
+        checked, before the entry is promoted; one that fails its checksum drops the entry."""
+        promote = self.store.tiers[0].name != self.tier
+        later = self._layers[1:]
+        first_skipped = self._layers[0] is None and bool(later) and all(t is not None for t in later)
+        if promote and first_skipped:
+            try:
+                self.load_layer(0)
+            except CorruptEntryError as exc:
+                log.warning("KV entry %s dropped: %s", self.key, exc)
+                self.drop()
+                return
+            except UnreadableEntryError as exc:  # kept where it is, not promoted
+                log.warning("KV entry %s not promoted: %s", self.key, exc)
         if self._reader is not None:
             self._reader.close()
-        if all(t is not None for t in self._layers) and self.store.tiers[0].name != self.tier:
+        if promote and all(t is not None for t in self._layers):
             self.store.put_top(StoredKV(self.meta, [t for t in self._layers if t is not None]))
 
     def drop(self) -> None:
