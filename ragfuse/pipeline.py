@@ -3,7 +3,9 @@
 Every stored piece of the prompt (the instruction prefix and each retrieved chunk) brings its KV
 from the fastest tier that holds it; a missing or corrupt entry is recomputed (and stored) instead,
 never served. The recompute ratio comes from the loading controller (measured delays) and never
-goes below the accuracy gate's calibrated r* for this model, unless the caller sets one.
+goes below the accuracy gate's calibrated r* for this model, unless the caller sets one. Where the
+stored KV lies in a tier slower than recomputing, the controller may load only the first few stored
+pieces; the others are then computed in full, and counted as recomputed.
 
 The instruction prefix is the same for every question, so in the ``fuse`` and ``reuse`` modes it is
 served as a registered system prompt (relay attention, ``engine.relay_prompts``): its KV sits once
@@ -230,9 +232,9 @@ class RagPipeline:
                                             "text"))
             if not segments:
                 raise RequestError("empty prompt")
-            sources = [seg.kv for seg in segments if seg.kv is not None]
-            chosen, decision = self._ratio(mode, ratio, sources)
+            chosen, decision = self._ratio(mode, ratio, segments, notes)
         described = _described(passages, passage_segments)
+        sources = [seg.kv for seg in segments if seg.kv is not None]
         return Prepared(segments, sources, described, chosen, decision, notes)  # type: ignore[arg-type]
 
     def passage_segment(self, passage: Passage, mode: str, notes: list[str]) -> Segment:
@@ -282,8 +284,8 @@ class RagPipeline:
                 segments.append(Segment(self.builder.separator, None, "separator"))
             segments.append(seg)
         segments.append(Segment(self.builder.tail(question), None, "question"))
+        chosen, decision = self._ratio(mode, ratio, segments, notes)
         sources = [s.kv for s in segments if s.kv is not None]
-        chosen, decision = self._ratio(mode, ratio, sources)
         why_none = self.controller.current()[1] if self.controller is not None else None
         if why_none and mode == FusionMode.FUSE.value and ratio is None:
             notes.append(why_none)
@@ -342,7 +344,12 @@ class RagPipeline:
             notes.append(f"KV entry {key[:12]} could not be read ({exc}): recomputed")
             return None
 
-    def _ratio(self, mode: str, ratio: float | None, sources: list) -> tuple[float, dict[str, Any] | None]:
+    def _ratio(self, mode: str, ratio: float | None, segments: list[Segment], notes: list[str],
+               ) -> tuple[float, dict[str, Any] | None]:
+        """The recompute ratio of a fused answer over ``segments``: the caller's, else the loading
+        controller's for where their stored KV lies, never under r*. Where the controller loads only
+        the first few stored pieces, the others are released here (and noted): they are computed."""
+        sources = [s.kv for s in segments if s.kv is not None]
         if mode != FusionMode.FUSE.value:
             return 0.0, None
         if ratio is not None:
@@ -351,13 +358,22 @@ class RagPipeline:
         if controller is None:
             return self.r_star, None
         slowest = sources[-1].tier if sources else "cpu"
-        for s in sources:
-            if s.tier in ("redis", "disk"):
-                slowest = "redis" if "redis" in (slowest, s.tier) else "disk"
+        for src in sources:
+            if src.tier in ("redis", "disk"):
+                slowest = "redis" if "redis" in (slowest, src.tier) else "disk"
         tier = slowest if slowest in controller.profile.bandwidth else None
         if tier is None:
             return self.r_star, None
-        decision = controller.decide(sum(s.num_tokens for s in sources), tier)
+        sizes = [src.num_tokens for src in sources]
+        decision = controller.decide(sum(sizes), tier, sources=sizes, exact_prefix=segments[0].kv is not None)
+        if decision.loaded_sources is not None:
+            left_out = [seg for seg in segments if seg.kv is not None][decision.loaded_sources:]
+            for seg in left_out:
+                seg.kv.finish()  # type: ignore[union-attr]
+                seg.kv = None
+            notes.append(f"the loading controller loaded the first {decision.loaded_sources} of {len(sources)} "
+                         f"stored pieces from {tier}; {', '.join(seg.label for seg in left_out)} computed in full, "
+                         "which is sooner than loading them")
         return max(self.r_star, decision.recompute_ratio), decision.as_dict()
 
     # ---- answering ---------------------------------------------------------------------------
@@ -519,9 +535,9 @@ class RagPipeline:
         prep.notes += [f"{seg.label} is in this session's history already: not repeated"
                        for seg in passages if all(seg is not k for k in kept)]
         prep.segments = segments
-        prep.sources = [seg.kv for seg in segments if seg.kv is not None]  # type: ignore[misc]
         if prep.decision is not None:  # the controller's: decided again for what is loaded now
-            prep.ratio, prep.decision = self._ratio(mode, None, prep.sources)
+            prep.ratio, prep.decision = self._ratio(mode, None, segments, prep.notes)
+        prep.sources = [seg.kv for seg in segments if seg.kv is not None]  # type: ignore[misc]
 
     def _follow_up(self, history: list[int], passages: list[Segment], question: str) -> list[Segment]:
         """A follow-up message after ``history``: the template's next user header, ``passages``
@@ -592,9 +608,14 @@ class RagPipeline:
         retrieve_s: float,
     ) -> AskResult:
         ratio, recomputed = stats.recompute_ratio, stats.recomputed_tokens
+        passage_tokens = sum(len(s.token_ids) for s in prep.segments if _is_stored_passage(s))
         if _computes_passages(mode, prep.ratio):
             # the fused pass counts only stored KV it loaded, and it loaded no chunk's: all were computed
-            ratio, recomputed = 1.0, sum(len(s.token_ids) for s in prep.segments if _is_stored_passage(s))
+            ratio, recomputed = 1.0, passage_tokens
+        elif prep.decision is not None and prep.decision["loaded_sources"] is not None:
+            # the chunks the controller left unloaded were computed in full: counted, as the share over all
+            recomputed += sum(len(s.token_ids) for s in prep.segments if _is_stored_passage(s) and s.kv is None)
+            ratio = recomputed / passage_tokens
         return AskResult(
             answer=last.text.strip(),
             sources=prep.hits,

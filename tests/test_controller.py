@@ -163,3 +163,33 @@ def test_a_damaged_profile_is_refused_where_it_is_read(tmp_path, edit):
     path.write_text(json.dumps({**d, **edit}))
     with pytest.raises(KVStoreError, match=r"is unusable \(.+\): run `ragfuse profile` again"):
         DelayProfile.load(path)
+
+
+def test_a_slow_tier_loads_only_the_first_pieces_where_that_answers_sooner():
+    """Four pieces of 500 tokens, the first an exact prefix, from a tier that loads all of them in 262 ms
+    (a 300 ms full prefill, 75 ms at r*): loading all is load-bound at 262 ms, recomputing all takes
+    300 ms, and loading three while the fourth is computed takes 197 ms (their load, with the loaded
+    ones' ratio raised to fill it), the best split (two: 232 ms of compute)."""
+    c = LoadingController(profile(disk=1))
+    whole = c.decide(2000, "disk")
+    d = c.decide(2000, "disk", sources=[500] * 4, exact_prefix=True)
+    assert whole.loaded_sources is None and whole.ttft_estimate_s == pytest.approx(2000 * KV_PER_TOKEN / GB)
+    assert d.loaded_sources == 3 and "the first 3 load" in d.reason
+    assert d.t_load_s == pytest.approx(1500 * KV_PER_TOKEN / GB)
+    assert d.ttft_estimate_s == pytest.approx(d.t_load_s) == pytest.approx(0.75 * whole.ttft_estimate_s)
+    assert d.t_recompute_s == pytest.approx(d.t_load_s)  # the loaded pieces' ratio fills their load
+    # two of the three fusable pieces loaded at ratio r, the third computed: the pass recomputes
+    # 1 - (1 - r) x 2/3 of the stored tokens, which the curve says takes as long as the load
+    assert c.t_recompute(1 - (1 - d.recompute_ratio) * 2 / 3, 2000) == pytest.approx(d.t_load_s)
+    assert 0.15 < d.recompute_ratio < whole.recompute_ratio
+    assert c.decide(2000, "disk", sources=[500] * 4).loaded_sources == 3  # no exact prefix: 3 of 4 fused
+
+
+def test_pieces_whose_whole_load_hides_or_is_hopeless_are_all_loaded_or_recomputed():
+    fast = LoadingController(profile(cpu=20)).decide(2000, "cpu", sources=[500] * 4, exact_prefix=True)
+    assert fast.loaded_sources is None and fast.recompute_ratio == 0.15
+    # each piece loads slower than the whole prompt recomputes: nothing but the exact prefix, as before
+    slow = LoadingController(profile(disk=0.1)).decide(2000, "disk", sources=[500] * 4, exact_prefix=True)
+    assert slow.loaded_sources is None and slow.recompute_ratio == 1.0
+    with pytest.raises(KVStoreError, match="hold 1500 tokens, not 2000"):
+        LoadingController(profile(disk=1)).decide(2000, "disk", sources=[500] * 3)

@@ -392,3 +392,33 @@ def test_kv_computed_for_the_question_is_not_counted_reused(pipeline, mode):
     assert any("computed and stored now" in n for n in cold.notes) and "computed" in cold.tiers
     # all that is reused now is the instruction prefix, served by relay (registered by the warm question)
     assert cold.reused_tokens == cold.relay_system_tokens > 0 and warm.reused_tokens > cold.reused_tokens
+
+
+def test_a_slow_tier_loads_the_first_pieces_and_computes_the_other_chunks(pipeline, engine, tmp_path):
+    """A profile whose tiers load all the stored KV in 90% of a full prefill's time: the controller
+    loads the first pieces only (the instruction and some chunks), the pipeline releases the others'
+    stored KV unread and computes them in full, and the answer counts them recomputed."""
+    from ragfuse.controller_source import ControllerSource
+    from ragfuse.engine.kvstore import DelayProfile, LoadingController
+    from ragfuse.pipeline import RagPipeline
+
+    per_token = engine.model_config.kv_bytes_per_token(engine.dtype)
+    profile = DelayProfile(model="m", device="cpu", dtype="float32", kv_bytes_per_token=per_token,
+                           prefill_points=[(1000, 1.0)], recompute_points=[(1000, 0.0, 0.1), (1000, 1.0, 1.0)],
+                           bandwidth={t: per_token / 0.9e-3 for t in ("gpu", "cpu", "disk", "redis")})
+    controlled = RagPipeline(engine, pipeline.store, r_star=0.15, controller=ControllerSource(
+        tmp_path / "profile.json", lambda: (LoadingController(profile, r_star=0.15), None)))
+    params = SamplingParams(max_tokens=8)
+    controlled.ask(QUESTION, mode="reuse", top_k=3, params=params)  # the instruction's relay prompt registered
+    result = controlled.ask(QUESTION, mode="fuse", top_k=3, params=params)
+    chunks = pipeline.store.docs.chunks([s["id"] for s in result.sources])
+    chunk_tokens = sum(len(c.token_ids) for c in chunks.values())
+    decision = result.decision
+    assert decision is not None and decision["loaded_sources"] in (2, 3), decision  # of the instruction + 3 chunks
+    assert decision["ttft_estimate_s"] < 0.9 * decision["t_prefill_s"]  # sooner than loading all, or none
+    assert any(f"loaded the first {decision['loaded_sources']} of 4 stored pieces" in n for n in result.notes)
+    assert result.recomputed_tokens + result.reused_tokens - result.relay_system_tokens == chunk_tokens
+    assert result.recompute_ratio == pytest.approx(result.recomputed_tokens / chunk_tokens)
+    # at the loaded chunks' ratio alone the share would be that ratio: the computed chunks come on top
+    assert result.recompute_ratio > decision["recompute_ratio"] + 0.1, (result.recompute_ratio, decision)
+    assert result.answer

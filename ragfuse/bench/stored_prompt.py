@@ -44,25 +44,27 @@ class StoredPrompt:
             tier.put(e, keep_evicted=False)
         self.stores[tier.name] = TieredKVStore([tier])
 
-    def run(self, tier: str, mode: str, policy: Any) -> Any:
+    def run(self, tier: str, mode: str, policy: Any, loaded: int | None = None) -> Any:
         """One fused prefill from ``tier`` (its page cache dropped first, so a disk is really read);
-        returns its ``FusionStats``."""
+        returns its ``FusionStats``. ``loaded``: only the first chunks bring their stored KV, the others
+        are computed (a loading controller's partial load); None: all of them."""
         from ragfuse.engine.fusion import Segment
         from ragfuse.engine.kvstore import open_source
 
         store = self.stores[tier]
         for k in self.keys:
             store.tiers[0].drop_cache(k)
-        segs = [Segment(c, open_source(store, k) if mode != "full" else None)
-                for c, k in zip(self.chunks, self.keys, strict=True)]
+        n = len(self.chunks) if loaded is None else loaded
+        segs = [Segment(c, open_source(store, k) if mode != "full" and i < n else None)
+                for i, (c, k) in enumerate(zip(self.chunks, self.keys, strict=True))]
         segs.append(Segment(self.query))
         with self.engine.borrowed_blocks([[t for s in segs for t in s.token_ids]]) as (table,):
             _logits, stats = self.engine.runner.fused_prefill(table, segs, mode, policy)
         return stats
 
-    def median(self, tier: str, mode: str, policy: Any, repeats: int) -> Any:
-        """The stats of the median pass (by TTFT) of ``repeats``."""
-        runs = sorted((self.run(tier, mode, policy) for _ in range(repeats)), key=lambda s: s.total_s)
+    def median(self, tier: str, mode: str, policy: Any, repeats: int, loaded: int | None = None) -> Any:
+        """The stats of the median pass (by TTFT) of ``repeats`` (``loaded``: as in ``run``)."""
+        runs = sorted((self.run(tier, mode, policy, loaded) for _ in range(repeats)), key=lambda s: s.total_s)
         return runs[len(runs) // 2]
 
     def recompute_curve(self, tier: str, ratios: list[float], repeats: int, progress: Any = None,
