@@ -1,10 +1,12 @@
-"""The paged KV cache's host allocation: zeros that cost memory only where KV is written."""
+"""The paged KV cache's host allocation: zeros that cost memory only where KV is written, and blocks
+reused before fresh ones are touched."""
 
 from pathlib import Path
 
 import pytest
 import torch
 
+from ragfuse.engine.block_manager import BlockManager
 from ragfuse.engine.config import ModelConfig
 from ragfuse.engine.kv_cache import KVCache, zeroed
 
@@ -43,3 +45,21 @@ def test_a_host_cache_is_resident_only_where_written():
     assert written < 64 << 20, written
     assert cache.storage[:, 0, :8].eq(1).all() and cache.storage[:, 1, :8].eq(2).all()
     assert not cache.storage[:, :, 8:].any()
+
+
+def test_the_blocks_given_back_are_the_next_ones_taken():
+    """The free list is a stack: requests one after another write the same blocks, so the same host
+    pages (taken from a queue, each request wrote blocks no request had written for a while, fresh
+    pages whose first write cost up to 100 ms per layer of a 3K-token prompt here)."""
+    bm = BlockManager(8, 4)
+    first, other = [], []
+    bm.grow(first, 12)
+    bm.grow(other, 4)
+    assert first == [0, 1, 2] and other == [3]
+    bm.release(first)
+    again: list[int] = []
+    bm.grow(again, 12)
+    assert again == [0, 1, 2]  # a queue gave [4, 5, 6]
+    bm.release(other)
+    bm.release(again)
+    assert bm.free_ids[-4:] == [3, 2, 1, 0]  # block 0 on top again
