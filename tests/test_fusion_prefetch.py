@@ -36,14 +36,16 @@ def test_layers_arrive_whole_and_in_order_from_memory_and_disk(tmp_path, device)
     if device == "cuda":
         torch.cuda.synchronize()
     assert loader.load_s > 0 and loader.wait_s >= 0
-    if device == "cuda":  # memory tiers alone: both timed on the device, waiting is part of loading, never more
+    if device == "cuda":  # memory tiers alone: both timed on the device, waiting is part of loading, not more
         # (a disk read's wait also counts the reader thread's start and wake-up, which its read time does not:
-        # 7 ms against a 1 ms load once, on the first read of a busy machine)
+        # 7 ms against a 1 ms load once, on the first read of a busy machine). A wait runs from the compute
+        # stream's mark to the copy's end, so it may also hold the few microseconds before a copy starts:
+        # these copies take ~25 us a layer, and a wait measured 116 us against 107 us of copies once (H200)
         with LayerPrefetcher(sources[:1], LAYERS, torch.device(device)) as loader:
             for layer in range(LAYERS):
                 loader.get(layer)
         torch.cuda.synchronize()
-        assert 0 <= loader.wait_s <= loader.load_s
+        assert 0 <= loader.wait_s <= loader.load_s + 10e-6 * LAYERS
 
 
 @pytest.mark.gpu
