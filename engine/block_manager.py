@@ -11,7 +11,7 @@ when the free list runs short.
 The free list is a stack: the block given back last is taken first, so the same few blocks serve one
 request after another. Taken in turn from a queue, every block of the cache was written within a few
 requests: on the host, whose cache pages are mapped on first write (``kv_cache.zeroed``), each request
-wrote fresh pages, and a first write here cost 7-110 ms per 2.4 MB (one layer's K of a 3K-token prompt,
+wrote fresh pages, and a first write here cost 7-113 ms per 2.4 MB (one layer's K of a 3K-token prompt,
 default model): a third of a fused pass's 4 s went to the 3K-row KV writes, and the whole cache became
 resident. Order is no safeguard for copies still reading a block: those are queued on the stream that
 gives the block back (``swap.py``).

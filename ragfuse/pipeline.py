@@ -615,7 +615,7 @@ class RagPipeline:
         elif prep.decision is not None and prep.decision["loaded_sources"] is not None:
             # the chunks the controller left unloaded were computed in full: counted, as the share over all
             recomputed += sum(len(s.token_ids) for s in prep.segments if _is_stored_passage(s) and s.kv is None)
-            ratio = recomputed / passage_tokens
+            ratio = recomputed / max(passage_tokens, 1)
         return AskResult(
             answer=last.text.strip(),
             sources=prep.hits,
