@@ -232,7 +232,7 @@ class RagPipeline:
                                             "text"))
             if not segments:
                 raise RequestError("empty prompt")
-            chosen, decision = self._ratio(mode, ratio, segments, notes)
+            chosen, decision = self._plan_loading(mode, ratio, segments, notes)
         described = _described(passages, passage_segments)
         sources = [seg.kv for seg in segments if seg.kv is not None]
         return Prepared(segments, sources, described, chosen, decision, notes)  # type: ignore[arg-type]
@@ -284,7 +284,7 @@ class RagPipeline:
                 segments.append(Segment(self.builder.separator, None, "separator"))
             segments.append(seg)
         segments.append(Segment(self.builder.tail(question), None, "question"))
-        chosen, decision = self._ratio(mode, ratio, segments, notes)
+        chosen, decision = self._plan_loading(mode, ratio, segments, notes)
         sources = [s.kv for s in segments if s.kv is not None]
         why_none = self.controller.current()[1] if self.controller is not None else None
         if why_none and mode == FusionMode.FUSE.value and ratio is None:
@@ -344,11 +344,12 @@ class RagPipeline:
             notes.append(f"KV entry {key[:12]} could not be read ({exc}): recomputed")
             return None
 
-    def _ratio(self, mode: str, ratio: float | None, segments: list[Segment], notes: list[str],
+    def _plan_loading(self, mode: str, ratio: float | None, segments: list[Segment], notes: list[str],
                ) -> tuple[float, dict[str, Any] | None]:
-        """The recompute ratio of a fused answer over ``segments``: the caller's, else the loading
-        controller's for where their stored KV lies, never under r*. Where the controller loads only
-        the first few stored pieces, the others are released here (and noted): they are computed."""
+        """What a fused answer over ``segments`` loads and recomputes: returns the recompute ratio (the
+        caller's, else the loading controller's for where their stored KV lies, never under r*) and the
+        controller's decision. Where the controller loads only the first few stored pieces, the others'
+        sources are released here, before anything reads them (and noted): those pieces are computed."""
         sources = [s.kv for s in segments if s.kv is not None]
         if mode != FusionMode.FUSE.value:
             return 0.0, None
@@ -536,7 +537,7 @@ class RagPipeline:
                        for seg in passages if all(seg is not k for k in kept)]
         prep.segments = segments
         if prep.decision is not None:  # the controller's: decided again for what is loaded now
-            prep.ratio, prep.decision = self._ratio(mode, None, segments, prep.notes)
+            prep.ratio, prep.decision = self._plan_loading(mode, None, segments, prep.notes)
         prep.sources = [seg.kv for seg in segments if seg.kv is not None]  # type: ignore[misc]
 
     def _follow_up(self, history: list[int], passages: list[Segment], question: str) -> list[Segment]:

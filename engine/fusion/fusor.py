@@ -241,16 +241,16 @@ def fuse_prefill(
             """Layer 0's stored KV where the loader does not read it: its first ``first_rows`` rows (those
             read there: the exact prefix, or all) computed into ``out`` (a ring slot), or into new tensors
             of every stored row (the others are overwritten unread). ``dev`` is set before layer 0."""
-            k_raw, v = layer_step.first_layer_kv(block, dev["first_ids"]) if first_rows else (None, None)
+            computed = layer_step.first_layer_kv(block, dev["first_ids"]) if first_rows else None
             if out is None:
-                if k_raw is not None and v is not None and first_rows == num_stored:
-                    return k_raw, v
+                if computed is not None and first_rows == num_stored:
+                    return computed
                 shape = (num_stored, model.config.num_kv_heads, model.config.head_dim)
                 out = (torch.zeros(shape, dtype=kv_layers[0][0].dtype, device=device),
                        torch.zeros(shape, dtype=kv_layers[0][1].dtype, device=device))
-            if k_raw is not None and v is not None:
-                out[0][:first_rows].copy_(k_raw)
-                out[1][:first_rows].copy_(v)
+            if computed is not None:
+                out[0][:first_rows].copy_(computed[0])
+                out[1][:first_rows].copy_(computed[1])
             return out
 
         loader = LayerPrefetcher(sources, num_layers, device, ring=cap.ring if cap is not None else None, lazy=True,
